@@ -1,0 +1,15 @@
+"""cupydecode: FlashDecoding (split-KV decode attention) for CuPy.
+
+    out = cupydecode.flash_decode(q, k_cache, v_cache, cache_seqlens)
+    o, lse = cupydecode.merge_states(o_parts, lse_parts)
+    plan = cupydecode.DecodePlan(batch, num_heads, num_kv_heads, head_dim, max_seqlen, "float16")
+    ref_out, ref_lse = cupydecode.reference.decode_attention(q, k_cache, v_cache)
+
+CuPy is imported lazily, so ``import cupydecode`` (and the NumPy reference) work without a GPU.
+"""
+
+from . import reference
+from .decode import DecodePlan, flash_decode, merge_states
+
+__version__ = "0.1.0"
+__all__ = ["flash_decode", "merge_states", "DecodePlan", "reference", "__version__"]

@@ -1,0 +1,150 @@
+"""Launch policy: block shape and split count. Pure functions, no GPU needed.
+
+Everything here is decided from shapes, dtype and the SM count alone — never from device data —
+so a call launches a static grid, needs no device→host synchronisation and can be captured in a
+CUDA graph. Splits that start past a sequence's live length exit early and write (0, −inf).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+# Element type codes shared with kernels/common.cuh.
+DTYPE_IDS = {"float16": 0, "bfloat16": 1, "float32": 2}
+ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
+
+ROWS = 16     # query rows per block: a tile of the G query heads that share one KV head
+TILE_N = 16   # tokens per warp tile
+SPLIT_GRANULE = 64   # chunk lengths are multiples of this (one tile for each of 4 warps)
+MIN_CHUNK = 256      # below this a split's fixed costs (Q load, epilogue, partials) dominate
+MAX_SPLITS = 4096
+# A second kernel costs about 2 µs of GPU time in a graph (drain + launch), which at ~4.5 TB/s is
+# the time to stream ~8 MB: the split heuristic charges that much to any plan that needs a merge.
+MERGE_OVERHEAD_BYTES = 8 * 2**20
+
+
+@dataclass(frozen=True)
+class SplitKernelConfig:
+    """Compile-time shape of kernels/decode_split.cu for one (dtype, head_dim)."""
+
+    dtype: str
+    head_dim: int
+    num_warps: int
+    stages: int
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.num_warps
+
+    @property
+    def smem_bytes(self) -> int:
+        """Dynamic shared memory; mirrors SMEM_BYTES in decode_split.cu (checked there)."""
+        es = ITEMSIZE[self.dtype]
+        q = ROWS * self.head_dim * es
+        pipe = self.num_warps * self.stages * 2 * TILE_N * self.head_dim * es
+        acc = self.num_warps * ROWS * self.head_dim * 4
+        ml = 2 * self.num_warps * ROWS * 4
+        return q + max(pipe, acc) + ml
+
+    def defines(self) -> dict[str, int]:
+        return {
+            "DTYPE_ID": DTYPE_IDS[self.dtype],
+            "HEAD_DIM": self.head_dim,
+            "NUM_WARPS": self.num_warps,
+            "STAGES": self.stages,
+            "ROWS": ROWS,
+            "TILE_N": TILE_N,
+        }
+
+
+def split_kernel_config(dtype: str, head_dim: int) -> SplitKernelConfig:
+    """Block shape for one specialisation.
+
+    Each warp keeps STAGES-1 tiles of K and V in flight. For 16-bit types at head_dim 128 one
+    tile pair is 8 KB, so 4 warps × 2 tiles in flight = 64 KB per block — about twice what one
+    SM needs to cover HBM latency at its share of the bandwidth (4.5 TB/s / 132 SMs × ~1 µs).
+    float32 tiles are twice as large, so fewer stages (and at head_dim 256, fewer warps) keep a
+    block within the 227 KB an SM offers.
+    """
+    if dtype not in DTYPE_IDS:
+        raise ValueError(f"unsupported dtype {dtype!r}")
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"unsupported head_dim {head_dim}")
+    if dtype == "float32":
+        return SplitKernelConfig(dtype, head_dim, num_warps=2 if head_dim == 256 else 4, stages=2)
+    stages = {64: 4, 128: 3, 256: 2}[head_dim]
+    return SplitKernelConfig(dtype, head_dim, num_warps=4, stages=stages)
+
+
+def head_tiles(group: int) -> int:
+    """Blocks per KV head: one per 16 query heads of the group (1 for every G ≤ 16)."""
+    return -(-group // ROWS)
+
+
+def chunk_for_splits(max_seqlen: int, num_splits: int) -> int:
+    """Tokens per split so that ``num_splits`` chunks cover ``max_seqlen`` (≥ 1)."""
+    return max(1, -(-max_seqlen // max(1, num_splits)))
+
+
+def choose_num_splits(work_blocks: int, max_seqlen: int, num_sms: int, blocks_per_sm: int,
+                      rows_per_block: int = ROWS, head_dim: int = 128, kv_itemsize: int = 2,
+                      min_chunk: int = MIN_CHUNK) -> tuple[int, int]:
+    """Split count and chunk length for a grid of ``work_blocks`` (batch × kv_heads × head tiles).
+
+    Returns ``(num_splits, chunk_tokens)``. Chunks are multiples of SPLIT_GRANULE tokens and at
+    least ``min_chunk`` long; ``num_splits`` is the number of chunks that cover ``max_seqlen``.
+
+    Estimated cost of ``s`` splits, in bytes of HBM traffic at full speed:
+        (KV bytes + partial bytes(s)) / wave_efficiency(s) + (s > 1) · MERGE_OVERHEAD_BYTES
+    where wave_efficiency = blocks / (waves · slots), slots = num_sms · blocks_per_sm, and the
+    partials are written and read once: work_blocks · s · rows · (head_dim + 1) · 4 · 2 bytes.
+    The smallest s within 3% of the best estimate wins (fewer partials, shorter merge).
+
+    Worked example (H200: 132 SMs, 2 blocks/SM → 264 slots; llama-3-8b: 8 KV heads, G = 4):
+      batch 1, 16384 tokens: 8 blocks. s = 1 uses 8 of 264 slots (efficiency 0.03). s = 32 gives
+      chunks of 512 tokens and 256 blocks in one wave (0.97) for 1.6 MB of partials on 67 MB of
+      KV: chosen.
+      batch 64, 8192 tokens: 512 blocks = 1.94 waves (0.97) with no split at all: s = 1, and the
+      split kernel writes the output directly, no merge kernel.
+    """
+    if max_seqlen <= 0 or work_blocks <= 0:
+        return 1, max(1, max_seqlen)
+    slots = max(1, num_sms * blocks_per_sm)
+    kv_bytes = work_blocks * max_seqlen * head_dim * kv_itemsize * 2
+    granules = -(-max_seqlen // SPLIT_GRANULE)
+    min_granules = max(1, min_chunk // SPLIT_GRANULE)
+    best: list[tuple[float, int, int]] = []
+    seen = set()
+    for want in range(1, min(MAX_SPLITS, granules) + 1):
+        chunk_granules = -(-granules // want)
+        if want > 1 and chunk_granules < min_granules:
+            break
+        chunk = chunk_granules * SPLIT_GRANULE
+        s = -(-max_seqlen // chunk)
+        if s in seen:
+            continue
+        seen.add(s)
+        blocks = work_blocks * s
+        eff = blocks / (math.ceil(blocks / slots) * slots)
+        partial = 0 if s == 1 else work_blocks * s * rows_per_block * (head_dim + 1) * 8
+        cost = (kv_bytes + partial) / eff + (MERGE_OVERHEAD_BYTES if s > 1 else 0)
+        best.append((cost, s, chunk))
+    if not best:
+        return 1, max_seqlen
+    lowest = min(c for c, _, _ in best)
+    for cost, s, chunk in sorted(best, key=lambda x: x[1]):
+        if cost <= lowest * 1.03:
+            return s, chunk
+    raise AssertionError("unreachable")
+
+
+def fixed_split_size(max_seqlen: int, split_size: int) -> tuple[int, int]:
+    """``(num_splits, chunk_tokens)`` for a caller-fixed split size (batch-independent results)."""
+    return max(1, -(-max_seqlen // split_size)), split_size
+
+
+def merge_vec(head_dim: int) -> int:
+    """Elements per thread in kernels/merge_states.cu."""
+    return 4 if head_dim % 4 == 0 else 1

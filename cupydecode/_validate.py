@@ -1,0 +1,207 @@
+"""Argument checks for the public API: every bad input is refused here, before any launch.
+
+Each error names the argument, what was expected and what was given, e.g.
+``ValueError: k_cache: expected shape (batch=2, max_seqlen, num_kv_heads, head_dim=128), got (2, 64, 8, 64)``.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import numpy as np
+
+from ._policy import DTYPE_IDS, SUPPORTED_HEAD_DIMS
+
+
+def dtype_name(dtype) -> str:
+    return np.dtype(dtype).name
+
+
+def fail(kind: type[Exception], name: str, expected: str, got) -> None:
+    raise kind(f"{name}: expected {expected}, got {got}")
+
+
+def as_device_array(x, name: str):
+    """A ``cupy.ndarray`` view of ``x`` (zero-copy for CuPy, DLPack and CUDA-array-interface
+    objects such as torch or JAX GPU tensors). Host arrays are refused with a hint."""
+    import cupy
+
+    if isinstance(x, cupy.ndarray):
+        return x
+    if isinstance(x, np.ndarray) or np.isscalar(x) or isinstance(x, (list, tuple)):
+        raise TypeError(
+            f"{name}: expected a GPU array (cupy.ndarray, or a torch/JAX GPU tensor), got a host "
+            f"{type(x).__name__}; move it to the GPU first, e.g. cupy.asarray({name})")
+    if hasattr(x, "__cuda_array_interface__"):
+        return cupy.asarray(x)
+    if hasattr(x, "__dlpack__"):
+        try:
+            return cupy.from_dlpack(x)
+        except Exception as exc:  # a CPU tensor offers DLPack too
+            raise TypeError(f"{name}: expected a GPU array, got {type(x).__name__} that CuPy "
+                            f"cannot view on the GPU ({exc}); move it to the GPU first") from exc
+    raise TypeError(f"{name}: expected a GPU array (cupy.ndarray or an object with "
+                    f"__cuda_array_interface__ / __dlpack__), got {type(x).__name__}")
+
+
+def check_dtype(x, name: str, allowed=tuple(DTYPE_IDS)) -> str:
+    dt = dtype_name(x.dtype)
+    if dt not in allowed:
+        fail(TypeError, name, "dtype in (" + ", ".join(allowed) + ")", dt)
+    return dt
+
+
+def check_ndim(x, name: str, ndim: int, layout: str) -> None:
+    if x.ndim != ndim:
+        fail(ValueError, name, f"{ndim}-D array {layout}", f"{x.ndim}-D array of shape {tuple(x.shape)}")
+
+
+def check_shape(x, name: str, expected: tuple, layout: str) -> None:
+    """``expected`` holds ints or None (free); ``layout`` names the axes for the message."""
+    if len(x.shape) != len(expected) or any(e is not None and e != s for e, s in zip(expected, x.shape)):
+        fail(ValueError, name, f"shape {layout}", tuple(x.shape))
+
+
+def check_vector_layout(x, name: str, axes: tuple[int, ...]) -> None:
+    """Last dim contiguous; 16-byte aligned base and strides on ``axes`` (for 16-byte loads)."""
+    if x.strides[-1] != x.itemsize and x.shape[-1] > 1:
+        fail(ValueError, name, "the last dimension contiguous (stride of 1 element)",
+             f"strides {tuple(s // x.itemsize for s in x.strides)} (in elements)")
+    bad = [x.strides[a] for a in axes if x.strides[a] % 16 != 0 or x.strides[a] < 0]
+    if bad or x.data.ptr % 16:
+        fail(ValueError, name, "a 16-byte aligned base pointer and non-negative strides that are "
+             "multiples of 16 bytes on the batch/sequence/head axes",
+             f"pointer % 16 = {x.data.ptr % 16}, strides {tuple(x.strides)} bytes")
+
+
+def check_same_device(arrays: dict) -> None:
+    import cupy
+
+    current = cupy.cuda.Device().id
+    for name, a in arrays.items():
+        if a is not None and a.device.id != current:
+            fail(ValueError, name, f"an array on the current device (GPU {current})", f"GPU {a.device.id}")
+
+
+def check_int(value, name: str, lo: int | None = None, hi: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        fail(TypeError, name, "an int", f"{type(value).__name__} {value!r}")
+    value = int(value)
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        rng = f"an int in [{lo}, {hi}]" if hi is not None else f"an int >= {lo}"
+        fail(ValueError, name, rng, value)
+    return value
+
+
+def check_scale(softmax_scale, head_dim: int) -> float:
+    if softmax_scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
+        fail(TypeError, "softmax_scale", "a finite real number or None",
+             f"{type(softmax_scale).__name__} {softmax_scale!r}")
+    s = float(softmax_scale)
+    if not math.isfinite(s):
+        fail(ValueError, "softmax_scale", "a finite real number or None", s)
+    return s
+
+
+def check_decode_inputs(q, k_cache, v_cache):
+    """Validate q, k_cache, v_cache; return (q, k, v, dtype, shape dict) as device arrays."""
+    q = as_device_array(q, "q")
+    k = as_device_array(k_cache, "k_cache")
+    v = as_device_array(v_cache, "v_cache")
+    check_ndim(q, "q", 3, "(batch, num_heads, head_dim)")
+    check_ndim(k, "k_cache", 4, "(batch, max_seqlen, num_kv_heads, head_dim)")
+    check_ndim(v, "v_cache", 4, "(batch, max_seqlen, num_kv_heads, head_dim)")
+    dt = check_dtype(q, "q")
+    for name, a in (("k_cache", k), ("v_cache", v)):
+        if dtype_name(a.dtype) != dt:
+            fail(TypeError, name, f"the dtype of q ({dt})", dtype_name(a.dtype))
+    batch, num_heads, head_dim = q.shape
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        fail(ValueError, "q", f"head_dim in {SUPPORTED_HEAD_DIMS}", head_dim)
+    kb, max_seqlen, num_kv_heads, kd = k.shape
+    check_shape(k, "k_cache", (batch, None, None, head_dim),
+                f"(batch={batch}, max_seqlen, num_kv_heads, head_dim={head_dim}) to match q")
+    if tuple(v.shape) != tuple(k.shape):
+        fail(ValueError, "v_cache", f"the shape of k_cache {tuple(k.shape)}", tuple(v.shape))
+    if num_heads < 1:
+        fail(ValueError, "q", "num_heads >= 1", num_heads)
+    if num_kv_heads < 1 or num_heads % num_kv_heads:
+        fail(ValueError, "k_cache", f"num_kv_heads dividing num_heads={num_heads}", num_kv_heads)
+    check_vector_layout(q, "q", (0, 1))
+    check_vector_layout(k, "k_cache", (0, 1, 2))
+    check_vector_layout(v, "v_cache", (0, 1, 2))
+    check_same_device({"q": q, "k_cache": k, "v_cache": v})
+    return q, k, v, dt, dict(batch=batch, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                             head_dim=head_dim, max_seqlen=max_seqlen)
+
+
+def check_seqlens(cache_seqlens, batch: int, max_seqlen: int, allow_host_array: bool = True):
+    """Return ``(device_array_or_None, int_value)`` for the kernel's (seqlens, seqlen_all).
+
+    A device array is used as is (never read on the host; the kernel clamps each entry to
+    [0, max_seqlen]). Host sequences are range-checked here, then copied to the device.
+    """
+    import cupy
+
+    if cache_seqlens is None:
+        return None, max_seqlen
+    if isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool):
+        return None, check_int(cache_seqlens, "cache_seqlens", 0, max_seqlen)
+    if isinstance(cache_seqlens, (list, tuple, np.ndarray)):
+        if not allow_host_array:
+            fail(TypeError, "cache_seqlens", "None, an int or an int32 device array of shape "
+                 f"({batch},) (host arrays would need a copy, which a plan never makes)",
+                 type(cache_seqlens).__name__)
+        arr = np.asarray(cache_seqlens)
+        if arr.dtype == bool or not np.issubdtype(arr.dtype, np.integer):
+            fail(TypeError, "cache_seqlens", "integers", f"dtype {arr.dtype}")
+        if arr.shape != (batch,):
+            fail(ValueError, "cache_seqlens", f"shape ({batch},) (one length per sequence)", arr.shape)
+        if arr.size and (arr.min() < 0 or arr.max() > max_seqlen):
+            fail(ValueError, "cache_seqlens", f"lengths in [0, max_seqlen={max_seqlen}]",
+                 f"values in [{arr.min()}, {arr.max()}]")
+        return cupy.asarray(arr, dtype=cupy.int32), max_seqlen
+    arr = as_device_array(cache_seqlens, "cache_seqlens")
+    if dtype_name(arr.dtype) != "int32":
+        fail(TypeError, "cache_seqlens", "dtype int32", dtype_name(arr.dtype))
+    if arr.shape != (batch,):
+        fail(ValueError, "cache_seqlens", f"shape ({batch},) (one length per sequence)", tuple(arr.shape))
+    if arr.size > 1 and arr.strides[0] != 4:
+        fail(ValueError, "cache_seqlens", "a contiguous array", f"stride {arr.strides[0]} bytes")
+    check_same_device({"cache_seqlens": arr})
+    return arr, max_seqlen
+
+
+def check_out(out, name: str, shape: tuple, dtype: str):
+    """A caller-provided output: right shape and dtype, C-contiguous, on the current device."""
+    out = as_device_array(out, name)
+    if dtype_name(out.dtype) != dtype:
+        fail(TypeError, name, f"dtype {dtype}", dtype_name(out.dtype))
+    if tuple(out.shape) != tuple(shape):
+        fail(ValueError, name, f"shape {tuple(shape)}", tuple(out.shape))
+    if not out.flags.c_contiguous:
+        fail(ValueError, name, "a C-contiguous array", f"strides {tuple(out.strides)}")
+    check_same_device({name: out})
+    return out
+
+
+def check_merge_inputs(o_parts, lse_parts):
+    """Validate merge_states inputs; returns (o, lse, dtype) as device arrays."""
+    o = as_device_array(o_parts, "o_parts")
+    lse = as_device_array(lse_parts, "lse_parts")
+    dt = check_dtype(o, "o_parts")
+    if dtype_name(lse.dtype) != "float32":
+        fail(TypeError, "lse_parts", "dtype float32", dtype_name(lse.dtype))
+    if o.ndim < 2:
+        fail(ValueError, "o_parts", "shape (num_states, *rows, head_dim) with at least 2 dims",
+             tuple(o.shape))
+    if tuple(lse.shape) != tuple(o.shape[:-1]):
+        fail(ValueError, "lse_parts", f"shape {tuple(o.shape[:-1])} (o_parts' shape without head_dim)",
+             tuple(lse.shape))
+    if o.shape[0] < 1 or o.shape[-1] < 1:
+        fail(ValueError, "o_parts", "at least one state and head_dim >= 1", tuple(o.shape))
+    check_same_device({"o_parts": o, "lse_parts": lse})
+    return o, lse, dt

@@ -1,0 +1,271 @@
+"""Public API: flash_decode, merge_states and DecodePlan.
+
+Thin by design: validate (``_validate``) → plan (``_policy``) → launch (``_kernels``).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import OrderedDict
+
+import numpy as np
+
+from . import _kernels, _policy
+from . import _validate as V
+
+_SPLIT_FILE, _SPLIT_KERNEL = "decode_split.cu", "cd_decode_split"
+_MERGE_FILE, _MERGE_KERNEL = "merge_states.cu", "cd_merge_states"
+_NULL = np.uint64(0)
+_MERGE_THREADS = 128
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_id: int) -> int:
+    import cupy
+
+    return cupy.cuda.runtime.getDeviceProperties(device_id)["multiProcessorCount"]
+
+
+def _split_function(cfg: _policy.SplitKernelConfig):
+    return _kernels.get_function(_SPLIT_FILE, _SPLIT_KERNEL, cfg.defines())
+
+
+@functools.lru_cache(maxsize=None)
+def _blocks_per_sm(cfg: _policy.SplitKernelConfig, device_id: int) -> int:
+    """Resident blocks per SM of the split kernel, from the driver's occupancy calculator."""
+    from cupy_backends.cuda.api import driver
+
+    fn = _split_function(cfg)
+    _kernels.allow_shared_memory(fn, cfg.smem_bytes)
+    return max(1, driver.occupancyMaxActiveBlocksPerMultiprocessor(
+        fn.kernel.ptr, cfg.threads, cfg.smem_bytes))
+
+
+def _merge_function(in_dtype: str, out_dtype: str, head_dim: int):
+    return _kernels.get_function(_MERGE_FILE, _MERGE_KERNEL, {
+        "IN_DTYPE": _policy.DTYPE_IDS[in_dtype],
+        "OUT_DTYPE": _policy.DTYPE_IDS[out_dtype],
+        "VEC": _policy.merge_vec(head_dim),
+    })
+
+
+def _launch_merge(o_parts, lse_parts, out, lse_out, num_states: int, rows: int, head_dim: int,
+                  fn) -> None:
+    vec = _policy.merge_vec(head_dim)
+    threads = rows * (head_dim // vec)
+    _kernels.launch(fn, (-(-threads // _MERGE_THREADS), 1, 1), (_MERGE_THREADS, 1, 1),
+                    (o_parts, lse_parts, out, _NULL if lse_out is None else lse_out,
+                     np.int32(num_states), np.int64(rows), np.int32(head_dim)))
+
+
+class DecodePlan:
+    """Fixed launch plan for one decode shape: workspace allocated once, grid fixed.
+
+    ``run`` allocates nothing and never synchronises, so it can be captured in a
+    ``cupy.cuda.Graph`` and replayed after the inputs are changed in place::
+
+        plan = DecodePlan(batch, num_heads, num_kv_heads, head_dim, max_seqlen, "float16")
+        out, lse = plan.run(q, k_cache, v_cache, cache_seqlens)
+
+    Without ``out=``/``lse=``, ``run`` writes into buffers owned by the plan (``plan.out``,
+    ``plan.lse``), overwritten by the next run. ``num_splits`` forces the split count;
+    ``split_size`` fixes the tokens per split instead, so that a sequence's result does not
+    depend on the rest of the batch; by default both are chosen from the shape and SM count.
+    """
+
+    def __init__(self, batch: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                 max_seqlen: int, dtype, num_splits: int | None = None,
+                 split_size: int | None = None):
+        import cupy
+
+        self.batch = V.check_int(batch, "batch", 0)
+        self.num_heads = V.check_int(num_heads, "num_heads", 1)
+        self.num_kv_heads = V.check_int(num_kv_heads, "num_kv_heads", 1)
+        self.head_dim = V.check_int(head_dim, "head_dim", 1)
+        self.max_seqlen = V.check_int(max_seqlen, "max_seqlen", 0)
+        try:
+            self.dtype = V.dtype_name(dtype)
+        except TypeError:
+            V.fail(TypeError, "dtype", "a NumPy dtype or dtype name", repr(dtype))
+        if self.dtype not in _policy.DTYPE_IDS:
+            V.fail(TypeError, "dtype", "one of (" + ", ".join(_policy.DTYPE_IDS) + ")", self.dtype)
+        if self.head_dim not in _policy.SUPPORTED_HEAD_DIMS:
+            V.fail(ValueError, "head_dim", f"one of {_policy.SUPPORTED_HEAD_DIMS}", self.head_dim)
+        if self.num_heads % self.num_kv_heads:
+            V.fail(ValueError, "num_kv_heads", f"a divisor of num_heads={self.num_heads}",
+                   self.num_kv_heads)
+        if num_splits is not None and split_size is not None:
+            raise ValueError("num_splits and split_size: expected at most one of them, got both")
+        self.group = self.num_heads // self.num_kv_heads
+        self.head_tiles = _policy.head_tiles(self.group)
+        self.config = _policy.split_kernel_config(self.dtype, self.head_dim)
+        self.device_id = cupy.cuda.Device().id
+
+        if num_splits is not None:
+            n = V.check_int(num_splits, "num_splits", 1, _policy.MAX_SPLITS)
+            chunk = _policy.chunk_for_splits(self.max_seqlen, n)
+            self.num_splits, self.chunk_tokens = n, chunk
+        elif split_size is not None:
+            size = V.check_int(split_size, "split_size", 1)
+            self.num_splits, self.chunk_tokens = _policy.fixed_split_size(self.max_seqlen, size)
+            if self.num_splits > _policy.MAX_SPLITS:
+                V.fail(ValueError, "split_size",
+                       f"at least max_seqlen / {_policy.MAX_SPLITS} = "
+                       f"{-(-self.max_seqlen // _policy.MAX_SPLITS)}", size)
+        else:
+            self.num_splits, self.chunk_tokens = _policy.choose_num_splits(
+                self.batch * self.num_kv_heads * self.head_tiles, self.max_seqlen,
+                _sm_count(self.device_id), _blocks_per_sm(self.config, self.device_id),
+                rows_per_block=min(self.group, _policy.ROWS), head_dim=self.head_dim,
+                kv_itemsize=_policy.ITEMSIZE[self.dtype])
+
+        rows = self.batch * self.num_heads
+        self._split_fn = _split_function(self.config)
+        self._merge_fn = (_merge_function("float32", self.dtype, self.head_dim)
+                          if self.num_splits > 1 else None)
+        if self.num_splits > 1:
+            self.o_part = cupy.empty((self.num_splits, rows, self.head_dim), cupy.float32)
+            self.lse_part = cupy.empty((self.num_splits, rows), cupy.float32)
+        else:
+            self.o_part = self.lse_part = None
+        self.out = cupy.empty((self.batch, self.num_heads, self.head_dim), self.dtype)
+        self.lse = cupy.empty((self.batch, self.num_heads), cupy.float32)
+        self._grid = (self.num_splits * self.head_tiles, self.num_kv_heads, self.batch)
+        self._static = (np.int32(self.num_heads), np.int32(self.group),
+                        np.int32(self.head_tiles), np.int32(self.chunk_tokens))
+
+    def __repr__(self) -> str:
+        return (f"DecodePlan(batch={self.batch}, num_heads={self.num_heads}, "
+                f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
+                f"max_seqlen={self.max_seqlen}, dtype={self.dtype}, num_splits={self.num_splits}, "
+                f"chunk_tokens={self.chunk_tokens})")
+
+    @property
+    def workspace_bytes(self) -> int:
+        return 0 if self.o_part is None else self.o_part.nbytes + self.lse_part.nbytes
+
+    def run(self, q, k_cache, v_cache, cache_seqlens=None, out=None, lse=None, *,
+            softmax_scale=None):
+        """Decode attention for this plan's shape; returns ``(out, lse)``."""
+        q, k, v, dt, shape = V.check_decode_inputs(q, k_cache, v_cache)
+        expected = dict(batch=self.batch, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+                        head_dim=self.head_dim, max_seqlen=self.max_seqlen)
+        if shape != expected or dt != self.dtype:
+            V.fail(ValueError, "q/k_cache/v_cache", f"the plan's shape {expected} and dtype {self.dtype}",
+                   f"{shape} and dtype {dt}")
+        seqlens, seqlen_all = V.check_seqlens(cache_seqlens, self.batch, self.max_seqlen,
+                                              allow_host_array=False)
+        scale = V.check_scale(softmax_scale, self.head_dim)
+        out = self.out if out is None else V.check_out(out, "out", self.out.shape, self.dtype)
+        lse = self.lse if lse is None else V.check_out(lse, "lse", self.lse.shape, "float32")
+        self._launch(q, k, v, seqlens, seqlen_all, scale, out, lse)
+        return out, lse
+
+    def _launch(self, q, k, v, seqlens, seqlen_all, scale, out, lse) -> None:
+        """Everything after validation: the split kernel, then (if split) the merge kernel."""
+        if self.batch == 0:
+            return
+        es = q.itemsize
+        direct = self.num_splits == 1
+        args = (q, np.int64(q.strides[0] // es), np.int64(q.strides[1] // es),
+                k, np.int64(k.strides[0] // es), np.int64(k.strides[1] // es), np.int64(k.strides[2] // es),
+                v, np.int64(v.strides[0] // es), np.int64(v.strides[1] // es), np.int64(v.strides[2] // es),
+                _NULL if seqlens is None else seqlens, np.int32(seqlen_all), np.int32(self.max_seqlen),
+                *self._static, np.float32(scale * _LOG2E),
+                _NULL if direct else self.o_part, _NULL if direct else self.lse_part,
+                out if direct else _NULL,
+                np.int64(out.strides[0] // es), np.int64(out.strides[1] // es),
+                (_NULL if lse is None else lse) if direct else _NULL)
+        _kernels.launch(self._split_fn, self._grid, (self.config.threads, 1, 1), args,
+                        self.config.smem_bytes)
+        if not direct:
+            _launch_merge(self.o_part, self.lse_part, out, lse, self.num_splits,
+                          self.batch * self.num_heads, self.head_dim, self._merge_fn)
+
+
+_LOG2E = 1.4426950408889634
+_PLAN_CACHE: OrderedDict = OrderedDict()
+_PLAN_CACHE_SIZE = 16
+
+
+def _cached_plan(shape: dict, dtype: str, num_splits, split_size) -> DecodePlan:
+    """Plans (and their workspaces) reused across eager calls of the same shape on one stream."""
+    import cupy
+
+    stream = cupy.cuda.get_current_stream().ptr
+    key = (tuple(shape.values()), dtype, num_splits, split_size, cupy.cuda.Device().id, stream)
+    plan = _PLAN_CACHE.get(key)
+    if plan is None:
+        plan = DecodePlan(shape["batch"], shape["num_heads"], shape["num_kv_heads"],
+                          shape["head_dim"], shape["max_seqlen"], dtype,
+                          num_splits=num_splits, split_size=split_size)
+        _PLAN_CACHE[key] = plan
+        if len(_PLAN_CACHE) > _PLAN_CACHE_SIZE:
+            _PLAN_CACHE.popitem(last=False)
+    else:
+        _PLAN_CACHE.move_to_end(key)
+    return plan
+
+
+def flash_decode(q, k_cache, v_cache, cache_seqlens=None, *, softmax_scale=None,
+                 num_splits=None, return_lse=False, out=None, split_size=None):
+    """Decode attention of one query token per sequence against its KV cache.
+
+    Args:
+        q: (batch, num_heads, head_dim) float16, bfloat16 or float32 GPU array.
+        k_cache, v_cache: (batch, max_seqlen, num_kv_heads, head_dim), same dtype; last dim
+            contiguous, other strides honoured. num_heads must be a multiple of num_kv_heads.
+        cache_seqlens: None (all max_seqlen), an int, a host sequence of ``batch`` ints, or a
+            (batch,) int32 device array (never read on the host; clamped to [0, max_seqlen]).
+        softmax_scale: default 1/sqrt(head_dim).
+        num_splits: force the number of KV splits (≥ 1); default chosen from shape and SM count.
+        return_lse: also return the log-sum-exp (batch, num_heads) float32, natural log.
+        out: optional preallocated (batch, num_heads, head_dim) output of q's dtype.
+        split_size: fix the tokens per split instead of num_splits (batch-independent results).
+
+    Returns:
+        out, or (out, lse) with ``return_lse=True``. A sequence of length 0 gives out = 0 and
+        lse = −inf.
+    """
+    import cupy
+
+    q, k, v, dt, shape = V.check_decode_inputs(q, k_cache, v_cache)
+    seqlens, seqlen_all = V.check_seqlens(cache_seqlens, shape["batch"], shape["max_seqlen"])
+    scale = V.check_scale(softmax_scale, shape["head_dim"])
+    if num_splits is not None:
+        V.check_int(num_splits, "num_splits", 1, _policy.MAX_SPLITS)
+    if split_size is not None:
+        V.check_int(split_size, "split_size", 1)
+    out_shape = (shape["batch"], shape["num_heads"], shape["head_dim"])
+    out = cupy.empty(out_shape, dt) if out is None else V.check_out(out, "out", out_shape, dt)
+    lse = cupy.empty(out_shape[:2], cupy.float32) if return_lse else None
+    plan = _cached_plan(shape, dt, num_splits, split_size)
+    plan._launch(q, k, v, seqlens, seqlen_all, scale, out, lse)
+    return (out, lse) if return_lse else out
+
+
+def merge_states(o_parts, lse_parts):
+    """Merge partial attention states through their log-sum-exp.
+
+    Args:
+        o_parts: (num_states, *rows, head_dim) float16/bfloat16/float32: locally normalised outputs.
+        lse_parts: (num_states, *rows) float32: their log-sum-exp (natural log; −inf = empty).
+
+    Returns:
+        (o, lse): o of shape (*rows, head_dim) in o_parts' dtype, lse (*rows) float32.
+        Rows whose states are all empty give o = 0, lse = −inf (never NaN).
+    """
+    import cupy
+
+    o, lse_in, dt = V.check_merge_inputs(o_parts, lse_parts)
+    o = cupy.ascontiguousarray(o)
+    lse_in = cupy.ascontiguousarray(lse_in)
+    num_states, head_dim = o.shape[0], o.shape[-1]
+    rows_shape = tuple(o.shape[1:-1])
+    rows = int(np.prod(rows_shape, dtype=np.int64))
+    out = cupy.empty(rows_shape + (head_dim,), dt)
+    lse = cupy.empty(rows_shape, cupy.float32)
+    if rows:
+        _launch_merge(o, lse_in, out, lse, num_states, rows, head_dim,
+                      _merge_function(dt, dt, head_dim))
+    return out, lse

@@ -1,0 +1,465 @@
+// decode_split.cu — FlashDecoding, kernel 1 of 2: one chunk of the KV cache per block.
+//
+// Math (notation of DESIGN.md). For one query row q, keys k_j, values v_j, scale c:
+//   s_j   = c · q·k_j
+//   m_i   = max_{j∈i} s_j,  l_i = Σ_{j∈i} exp(s_j − m_i),  V_i = Σ_{j∈i} exp(s_j − m_i) v_j
+//   Õ_i   = V_i / l_i,      LSE_i = m_i + log(l_i)
+// Inside the kernel scores live in the log2 domain, s2_j = s_j · log2(e), so every exponential
+// is one ex2 instruction; LSE_i leaves the kernel in natural log (LSE = ln2 · (m2 + log2 l)).
+// An empty chunk (or empty sequence) writes Õ_i = 0 and LSE_i = −inf and never forms NaN.
+//
+// Grid mapping:  blockIdx.x = split · head_tiles + head_tile   (sibling head tiles of one KV head
+//                                                              are adjacent, so they run together
+//                                                              and share the chunk through L2)
+//                blockIdx.y = kv_head,  blockIdx.z = batch
+// A block owns ROWS (16) query rows: query heads kv_head·G + head_tile·16 + r, r < 16 and < G.
+// All query heads of a KV head are in the block (for G ≤ 16), so each K/V byte is read once.
+//
+// Block: NUM_WARPS warps. The chunk is cut into tiles of TILE_N tokens; warp w takes tiles
+// w, w + NUM_WARPS, ... (so the block streams contiguous memory), each through its own
+// STAGES-deep cp.async ring of K and V tiles in shared memory, and keeps its own online-softmax
+// state. The warps' states are merged once at the end (the same merge as kernel 2).
+//
+// Two compute paths on the same pipeline:
+//   float16 / bfloat16: tensor cores (mma.m16n8k16, fp32 accumulate). S = Q·Kᵀ with the 16 query
+//     rows as the M dimension (rows ≥ G are zero padding); P·V with P taken straight from the S
+//     accumulator registers. Few instructions per byte is what lets one SM keep up with HBM.
+//   float32: CUDA cores, fp32 throughout (tensor-core tf32 would miss fp32 accuracy).
+//
+// Partial-state contract (consumed by merge_states.cu):
+//   o_part  (num_splits, batch·num_heads, HEAD_DIM) float32, Õ_i
+//   lse_part(num_splits, batch·num_heads)           float32, LSE_i (natural log)
+// With `out` non-null (single split) the block writes the final output in the input dtype and,
+// if `lse_out` is non-null, the final LSE, and no partials.
+//
+// Compile-time constants (prepended by cupydecode/_kernels.py, chosen by cupydecode/_policy.py):
+//   DTYPE_ID (0 f16, 1 bf16, 2 f32), HEAD_DIM, NUM_WARPS, STAGES, ROWS (16), TILE_N (16).
+#include "common.cuh"
+
+typedef cd_elem<DTYPE_ID> E;
+typedef E::storage elem_t;
+
+#define NUM_THREADS (NUM_WARPS * 32)
+#define ES ((int)sizeof(elem_t))
+#define CPR (HEAD_DIM * ES / 16)            // 16-byte chunks per K/V/Q row
+#define EPC (16 / ES)                       // elements per 16-byte chunk
+#define TILE_BYTES (TILE_N * HEAD_DIM * ES) // one K (or V) tile of one warp
+#define Q_BYTES (ROWS * HEAD_DIM * ES)
+#define PIPE_BYTES (NUM_WARPS * STAGES * 2 * TILE_BYTES)
+#define ACC_BYTES (NUM_WARPS * ROWS * HEAD_DIM * 4)
+#define BODY_BYTES (PIPE_BYTES > ACC_BYTES ? PIPE_BYTES : ACC_BYTES)
+#define ML_BYTES (2 * NUM_WARPS * ROWS * 4)
+#define SMEM_BYTES (Q_BYTES + BODY_BYTES + ML_BYTES)
+
+#if (HEAD_DIM * 2 / 16) < 8
+#error "HEAD_DIM too small for the 8-row XOR swizzle"
+#endif
+#if ROWS != 16 || TILE_N != 16
+#error "the mma fragment layouts below assume ROWS == TILE_N == 16"
+#endif
+
+// Rows of 128+ bytes put every row's chunk c in the same banks; XOR-ing the chunk index with
+// (row mod 8) spreads the 8 rows an ldmatrix (or a quarter-warp) touches over all 32 banks.
+__device__ __forceinline__ int swz(int row, int chunk) {
+    return row * CPR + (chunk ^ (row & 7));
+}
+
+__device__ __forceinline__ u32 smem_u32(const void* p) {
+    u32 r;
+    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(r) : "l"(p));
+    return r;
+}
+
+// 16-byte global→shared copy that bypasses L1 (streamed once). src_bytes = 0 zero-fills the
+// destination without reading: rows past the chunk end become zeros, never garbage or NaN.
+__device__ __forceinline__ void cp_async16(u32 dst, const void* src, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
+                 :: "r"(dst), "l"(src), "r"(valid ? 16 : 0) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() {
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" :: "n"(N) : "memory");
+}
+
+__device__ __forceinline__ float warp_max16(float x) {  // over lanes sharing lane>>4
+    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 4));
+    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 8));
+    return x;
+}
+__device__ __forceinline__ float warp_sum16(float x) {
+    x += __shfl_xor_sync(0xffffffffu, x, 1);
+    x += __shfl_xor_sync(0xffffffffu, x, 2);
+    x += __shfl_xor_sync(0xffffffffu, x, 4);
+    x += __shfl_xor_sync(0xffffffffu, x, 8);
+    return x;
+}
+
+#if DTYPE_ID != 2
+// ---------------------------------------------------------------- tensor-core helpers (f16/bf16)
+__device__ __forceinline__ void ldsm_x4(u32& r0, u32& r1, u32& r2, u32& r3, u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(addr));
+}
+__device__ __forceinline__ void ldsm_x4_t(u32& r0, u32& r1, u32& r2, u32& r3, u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(addr));
+}
+__device__ __forceinline__ void mma16816(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+#if DTYPE_ID == 0
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#else
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
+}
+// (lo, hi) → one register of two 16-bit values, lo in the low half (the lower k index).
+__device__ __forceinline__ u32 pack2(float lo, float hi) {
+    u32 r;
+#if DTYPE_ID == 0
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+#else
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+#endif
+    return r;
+}
+#endif
+
+extern "C" __global__ void __launch_bounds__(NUM_THREADS)
+cd_decode_split(const elem_t* __restrict__ q, long long q_sb, long long q_sh,
+                const elem_t* __restrict__ k, long long k_sb, long long k_ss, long long k_sh,
+                const elem_t* __restrict__ v, long long v_sb, long long v_ss, long long v_sh,
+                const int* __restrict__ seqlens, int seqlen_all, int max_seqlen,
+                int num_heads, int group, int head_tiles, int chunk_tokens,
+                float scale_log2,
+                float* __restrict__ o_part, float* __restrict__ lse_part,
+                elem_t* __restrict__ out, long long out_sb, long long out_sh,
+                float* __restrict__ lse_out) {
+    extern __shared__ __align__(128) unsigned char smem[];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int split = blockIdx.x / head_tiles, head_tile = blockIdx.x % head_tiles;
+    const int kv_head = blockIdx.y, b = blockIdx.z, batch = gridDim.z;
+    const int row0 = head_tile * ROWS;                     // first row of this tile in the group
+    const int rows = min(ROWS, group - row0);              // live query rows in this block
+    const int h0 = kv_head * group + row0;                 // first query head
+
+    // The host sizes dynamic shared memory from the same constants; a mismatch must not
+    // silently scribble past the allocation.
+    if (tid == 0) {
+        u32 dyn;
+        asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
+        if (dyn < SMEM_BYTES) __trap();
+    }
+
+    // Clamp device-provided lengths: nothing is ever read outside [0, max_seqlen).
+    int seqlen = seqlens ? seqlens[b] : seqlen_all;
+    seqlen = max(0, min(seqlen, max_seqlen));
+    const int chunk_start = split * chunk_tokens;
+    const int chunk_end = min(chunk_start + chunk_tokens, seqlen);
+
+    float* sm_acc = reinterpret_cast<float*>(smem + Q_BYTES);                // aliases the ring
+    float* sm_m = reinterpret_cast<float*>(smem + Q_BYTES + BODY_BYTES);
+    float* sm_l = sm_m + NUM_WARPS * ROWS;
+
+    if (chunk_start < chunk_end) {
+        // ---------------------------------------------------------------- Q tile → shared
+        elem_t* sq = reinterpret_cast<elem_t*>(smem);
+        for (int i = tid; i < ROWS * CPR; i += NUM_THREADS) {
+            const int r = i / CPR, c = i % CPR;
+            uint4 val = make_uint4(0u, 0u, 0u, 0u);
+            if (r < rows)
+                val = *reinterpret_cast<const uint4*>(q + b * q_sb + (long long)(h0 + r) * q_sh + c * EPC);
+#if DTYPE_ID != 2
+            reinterpret_cast<uint4*>(sq)[swz(r, c)] = val;
+#else
+            reinterpret_cast<uint4*>(sq)[r * CPR + c] = val;
+#endif
+        }
+        __syncthreads();
+
+        // ---------------------------------------------------------------- per-warp K/V ring
+        unsigned char* ring = smem + Q_BYTES + warp * (STAGES * 2 * TILE_BYTES);
+        const u32 ring_u32 = smem_u32(ring);
+        const elem_t* kbase = k + b * k_sb + (long long)kv_head * k_sh;
+        const elem_t* vbase = v + b * v_sb + (long long)kv_head * v_sh;
+        const int n_tiles = (chunk_end - chunk_start + TILE_N - 1) / TILE_N;
+        const int my_tiles = warp < n_tiles ? (n_tiles - warp + NUM_WARPS - 1) / NUM_WARPS : 0;
+
+        auto tile_start = [&](int i) { return chunk_start + (warp + i * NUM_WARPS) * TILE_N; };
+        auto load_tile = [&](int i, int stage) {
+            const int t0 = tile_start(i);
+            const u32 kdst = ring_u32 + stage * 2 * TILE_BYTES;
+            const u32 vdst = kdst + TILE_BYTES;
+#pragma unroll
+            for (int j = 0; j < TILE_N * CPR / 32; ++j) {
+                const int cid = lane + 32 * j;
+                const int r = cid / CPR, c = cid % CPR;
+                const bool ok = t0 + r < chunk_end;
+                const long long tok = ok ? t0 + r : chunk_start;  // valid address even if unused
+                const int so = swz(r, c) * 16;
+                cp_async16(kdst + so, kbase + tok * k_ss + c * EPC, ok);
+                cp_async16(vdst + so, vbase + tok * v_ss + c * EPC, ok);
+            }
+        };
+
+#if DTYPE_ID != 2
+        // ================================================================ tensor-core path
+        const int g = lane >> 2, t = lane & 3;
+        // ldmatrix row addresses: pattern A (Q as the A operand, V transposed),
+        // pattern B (K as the col-major B operand). See the fragment layouts of mma.m16n8k16.
+        const int rowA = (lane & 7) + ((lane >> 3) & 1) * 8, offA = lane >> 4;
+        const int rowB = (lane & 7) + (lane >> 4) * 8, offB = (lane >> 3) & 1;
+        const u32 sq_u32 = smem_u32(sq);
+
+        float m2[2] = {CD_NEG_INF, CD_NEG_INF};  // running max (log2 units) of rows g, g+8
+        float l2[2] = {0.f, 0.f};                // this thread's share of the denominators
+        float acc[HEAD_DIM / 8][4];
+#pragma unroll
+        for (int n = 0; n < HEAD_DIM / 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
+
+#if HEAD_DIM <= 128
+        u32 qf[HEAD_DIM / 16][4];  // Q fragments stay in registers for the whole chunk
+#pragma unroll
+        for (int kk = 0; kk < HEAD_DIM / 16; ++kk)
+            ldsm_x4(qf[kk][0], qf[kk][1], qf[kk][2], qf[kk][3],
+                    sq_u32 + swz(rowA, 2 * kk + offA) * 16);
+#endif
+
+#pragma unroll
+        for (int i = 0; i < STAGES - 1; ++i) {
+            if (i < my_tiles) load_tile(i, i);
+            cp_async_commit();
+        }
+        for (int i = 0; i < my_tiles; ++i) {
+            if (i + STAGES - 1 < my_tiles) load_tile(i + STAGES - 1, (i + STAGES - 1) % STAGES);
+            cp_async_commit();
+            cp_async_wait<STAGES - 1>();
+            __syncwarp();
+
+            const u32 ks = ring_u32 + (i % STAGES) * 2 * TILE_BYTES;
+            const u32 vs = ks + TILE_BYTES;
+            // S = Q·Kᵀ for 16 rows × 16 tokens: two n-tiles of 8 tokens.
+            float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+#pragma unroll
+            for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
+                u32 b0, b1, b2, b3;
+                ldsm_x4(b0, b1, b2, b3, ks + swz(rowB, 2 * kk + offB) * 16);
+#if HEAD_DIM <= 128
+                mma16816(s[0], qf[kk], b0, b1);
+                mma16816(s[1], qf[kk], b2, b3);
+#else
+                u32 qa[4];
+                ldsm_x4(qa[0], qa[1], qa[2], qa[3], sq_u32 + swz(rowA, 2 * kk + offA) * 16);
+                mma16816(s[0], qa, b0, b1);
+                mma16816(s[1], qa, b2, b3);
+#endif
+            }
+            // Online softmax, one max and one rescale per tile. s[j][e]: row g (e<2) or g+8,
+            // token 8j + 2t + (e&1) of the tile.
+            const int t0 = tile_start(i);
+            float mx[2] = {CD_NEG_INF, CD_NEG_INF};
+#pragma unroll
+            for (int j = 0; j < 2; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const bool ok = t0 + 8 * j + 2 * t + (e & 1) < chunk_end;
+                    s[j][e] = ok ? s[j][e] * scale_log2 : CD_NEG_INF;
+                    mx[e >> 1] = fmaxf(mx[e >> 1], s[j][e]);
+                }
+            float alpha[2], ref[2];
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
+                mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
+                const cd_rescale sc = cd_merge_scales(m2[h], mx[h]);
+                alpha[h] = sc.a;
+                m2[h] = sc.m;
+                ref[h] = (sc.m == CD_NEG_INF) ? 0.f : sc.m;
+            }
+            float rs[2] = {0.f, 0.f};
+#pragma unroll
+            for (int j = 0; j < 2; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    s[j][e] = cd_exp2(s[j][e] - ref[e >> 1]);
+                    rs[e >> 1] += s[j][e];
+                }
+            l2[0] = l2[0] * alpha[0] + rs[0];
+            l2[1] = l2[1] * alpha[1] + rs[1];
+            if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
+#pragma unroll
+                for (int n = 0; n < HEAD_DIM / 8; ++n) {
+                    acc[n][0] *= alpha[0]; acc[n][1] *= alpha[0];
+                    acc[n][2] *= alpha[1]; acc[n][3] *= alpha[1];
+                }
+            }
+            // The S accumulator layout of two n-tiles is exactly the A layout of one k16 step.
+            const u32 pa[4] = {pack2(s[0][0], s[0][1]), pack2(s[0][2], s[0][3]),
+                               pack2(s[1][0], s[1][1]), pack2(s[1][2], s[1][3])};
+#pragma unroll
+            for (int jj = 0; jj < HEAD_DIM / 16; ++jj) {
+                u32 b0, b1, b2, b3;
+                ldsm_x4_t(b0, b1, b2, b3, vs + swz(rowA, 2 * jj + offA) * 16);
+                mma16816(acc[2 * jj], pa, b0, b1);
+                mma16816(acc[2 * jj + 1], pa, b2, b3);
+            }
+            __syncwarp();
+        }
+        cp_async_wait<0>();
+        __syncthreads();  // every warp is done with the ring before it becomes sm_acc
+
+        // Warp state → shared: the four lanes of a row group sum their shares of l.
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            l2[h] += __shfl_xor_sync(0xffffffffu, l2[h], 1);
+            l2[h] += __shfl_xor_sync(0xffffffffu, l2[h], 2);
+        }
+        if (t == 0) {
+            sm_m[warp * ROWS + g] = m2[0];     sm_l[warp * ROWS + g] = l2[0];
+            sm_m[warp * ROWS + g + 8] = m2[1]; sm_l[warp * ROWS + g + 8] = l2[1];
+        }
+        float* wacc = sm_acc + warp * ROWS * HEAD_DIM;
+#pragma unroll
+        for (int n = 0; n < HEAD_DIM / 8; ++n) {
+            *reinterpret_cast<float2*>(wacc + g * HEAD_DIM + 8 * n + 2 * t) = make_float2(acc[n][0], acc[n][1]);
+            *reinterpret_cast<float2*>(wacc + (g + 8) * HEAD_DIM + 8 * n + 2 * t) = make_float2(acc[n][2], acc[n][3]);
+        }
+#else
+        // ================================================================ float32 path
+        // Scores: lane owns token (lane & 15) and half (lane >> 4) of the head dimension.
+        // P·V: lane owns dims 2·lane + 64·i (float2), i < HEAD_DIM / 64.
+        const int tn = lane & 15, hf = lane >> 4;
+        const float* sqf = reinterpret_cast<const float*>(sq);
+        float m2[ROWS], l2[ROWS], acc[ROWS][HEAD_DIM / 64][2];
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) {
+            m2[r] = CD_NEG_INF;
+            l2[r] = 0.f;
+#pragma unroll
+            for (int i = 0; i < HEAD_DIM / 64; ++i) acc[r][i][0] = acc[r][i][1] = 0.f;
+        }
+#pragma unroll
+        for (int i = 0; i < STAGES - 1; ++i) {
+            if (i < my_tiles) load_tile(i, i);
+            cp_async_commit();
+        }
+        for (int i = 0; i < my_tiles; ++i) {
+            if (i + STAGES - 1 < my_tiles) load_tile(i + STAGES - 1, (i + STAGES - 1) % STAGES);
+            cp_async_commit();
+            cp_async_wait<STAGES - 1>();
+            __syncwarp();
+
+            const float4* ks = reinterpret_cast<const float4*>(ring + (i % STAGES) * 2 * TILE_BYTES);
+            const float* vs = reinterpret_cast<const float*>(ring + (i % STAGES) * 2 * TILE_BYTES + TILE_BYTES);
+            float s[ROWS];
+#pragma unroll
+            for (int r = 0; r < ROWS; ++r) s[r] = 0.f;
+#pragma unroll 4
+            for (int cc = 0; cc < CPR / 2; ++cc) {
+                const int c = hf * (CPR / 2) + cc;
+                const float4 kv = ks[swz(tn, c)];
+#pragma unroll
+                for (int r = 0; r < ROWS; ++r) {
+                    if (r < rows) {
+                        const float4 qv = reinterpret_cast<const float4*>(sqf)[r * CPR + c];
+                        s[r] = fmaf(qv.x, kv.x, fmaf(qv.y, kv.y, fmaf(qv.z, kv.z, fmaf(qv.w, kv.w, s[r]))));
+                    }
+                }
+            }
+            const bool ok = tile_start(i) + tn < chunk_end;
+#pragma unroll
+            for (int r = 0; r < ROWS; ++r) {
+                if (r < rows) {
+                    s[r] += __shfl_xor_sync(0xffffffffu, s[r], 16);
+                    const float x = ok ? s[r] * scale_log2 : CD_NEG_INF;
+                    const cd_rescale sc = cd_merge_scales(m2[r], warp_max16(x));
+                    const float ref = (sc.m == CD_NEG_INF) ? 0.f : sc.m;
+                    const float p = cd_exp2(x - ref);
+                    l2[r] = l2[r] * sc.a + warp_sum16(p);
+                    m2[r] = sc.m;
+                    s[r] = p;
+#pragma unroll
+                    for (int d = 0; d < HEAD_DIM / 64; ++d) { acc[r][d][0] *= sc.a; acc[r][d][1] *= sc.a; }
+                }
+            }
+#pragma unroll 2
+            for (int n = 0; n < TILE_N; ++n) {
+                float2 vv[HEAD_DIM / 64];
+#pragma unroll
+                for (int d = 0; d < HEAD_DIM / 64; ++d) {
+                    const int e = 2 * lane + 64 * d;  // element index within the row
+                    vv[d] = *reinterpret_cast<const float2*>(vs + swz(n, e / 4) * 4 + (e & 3));
+                }
+#pragma unroll
+                for (int r = 0; r < ROWS; ++r) {
+                    if (r < rows) {
+                        const float p = __shfl_sync(0xffffffffu, s[r], n);
+#pragma unroll
+                        for (int d = 0; d < HEAD_DIM / 64; ++d) {
+                            acc[r][d][0] = fmaf(p, vv[d].x, acc[r][d][0]);
+                            acc[r][d][1] = fmaf(p, vv[d].y, acc[r][d][1]);
+                        }
+                    }
+                }
+            }
+            __syncwarp();
+        }
+        cp_async_wait<0>();
+        __syncthreads();
+        if (lane == 0) {
+#pragma unroll
+            for (int r = 0; r < ROWS; ++r) { sm_m[warp * ROWS + r] = m2[r]; sm_l[warp * ROWS + r] = l2[r]; }
+        }
+        float* wacc = sm_acc + warp * ROWS * HEAD_DIM;
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r)
+            if (r < rows)
+#pragma unroll
+                for (int d = 0; d < HEAD_DIM / 64; ++d)
+                    *reinterpret_cast<float2*>(wacc + r * HEAD_DIM + 2 * lane + 64 * d) =
+                        make_float2(acc[r][d][0], acc[r][d][1]);
+#endif
+    } else {
+        // Empty chunk (or empty sequence): every warp holds the empty state (−inf, 0, 0).
+        for (int i = tid; i < NUM_WARPS * ROWS; i += NUM_THREADS) { sm_m[i] = CD_NEG_INF; sm_l[i] = 0.f; }
+        for (int i = tid; i < NUM_WARPS * ROWS * HEAD_DIM; i += NUM_THREADS) sm_acc[i] = 0.f;
+    }
+    __syncthreads();
+
+    // ---------------------------------------------------------------- merge the warps, write
+    const long long bh0 = (long long)b * num_heads + h0;
+    for (int i = tid; i < rows * HEAD_DIM; i += NUM_THREADS) {
+        const int r = i / HEAD_DIM, d = i % HEAD_DIM;
+        float mmax = CD_NEG_INF;
+#pragma unroll
+        for (int w = 0; w < NUM_WARPS; ++w) mmax = fmaxf(mmax, sm_m[w * ROWS + r]);
+        const float ref = (mmax == CD_NEG_INF) ? 0.f : mmax;
+        float l = 0.f, o = 0.f;
+#pragma unroll
+        for (int w = 0; w < NUM_WARPS; ++w) {
+            const float sc = cd_exp2(sm_m[w * ROWS + r] - ref);
+            l += sm_l[w * ROWS + r] * sc;
+            o += sm_acc[(w * ROWS + r) * HEAD_DIM + d] * sc;
+        }
+        const bool live = l > 0.f;
+        o = live ? o / l : 0.f;
+        const float lse = live ? (mmax + log2f(l)) * CD_LN2 : CD_NEG_INF;
+        if (out) {
+            out[b * out_sb + (long long)(h0 + r) * out_sh + d] = E::from_float(o);
+            if (lse_out && d == 0) lse_out[bh0 + r] = lse;
+        } else {
+            const long long row = (long long)split * batch * num_heads + bh0 + r;
+            o_part[row * HEAD_DIM + d] = o;
+            if (d == 0) lse_part[row] = lse;
+        }
+    }
+}
