@@ -60,22 +60,23 @@ class SplitKernelConfig:
 
 
 def split_kernel_config(dtype: str, head_dim: int) -> SplitKernelConfig:
-    """Block shape for one specialisation.
+    """Block shape for one specialisation: about 128 KB of K/V ring per block, one block per SM.
 
-    Each warp keeps STAGES-1 tiles of K and V in flight. For 16-bit types at head_dim 128 one
-    tile pair is 8 KB, so 4 warps × 2 tiles in flight = 64 KB per block — about twice what one
-    SM needs to cover HBM latency at its share of the bandwidth (4.5 TB/s / 132 SMs × ~1 µs).
-    float32 tiles are twice as large, so fewer stages (and at head_dim 256, fewer warps) keep a
-    block within the 227 KB an SM offers.
+    Each warp keeps STAGES-1 tiles of K and V in flight; 4 warps × 3 tile pairs of 8 KB (16-bit
+    types, head_dim 128) is 96 KB in flight per SM, about 2× what covers HBM latency at an SM's
+    share of the bandwidth (4.5 TB/s / 132 SMs ≈ 34 GB/s × ~1.5 µs loaded latency ≈ 51 KB).
+    Measured on the H200 (docs/PERFORMANCE.md), one such block per SM beat two blocks of half the
+    depth: fewer, longer streams per SM and fewer blocks to start and merge.
     """
     if dtype not in DTYPE_IDS:
         raise ValueError(f"unsupported dtype {dtype!r}")
     if head_dim not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"unsupported head_dim {head_dim}")
     if dtype == "float32":
-        return SplitKernelConfig(dtype, head_dim, num_warps=2 if head_dim == 256 else 4, stages=2)
-    stages = {64: 4, 128: 3, 256: 2}[head_dim]
-    return SplitKernelConfig(dtype, head_dim, num_warps=4, stages=stages)
+        warps, stages = {64: (4, 4), 128: (4, 2), 256: (2, 2)}[head_dim]
+    else:
+        warps, stages = {64: (4, 8), 128: (4, 4), 256: (4, 2)}[head_dim]
+    return SplitKernelConfig(dtype, head_dim, num_warps=warps, stages=stages)
 
 
 def head_tiles(group: int) -> int:
@@ -102,11 +103,11 @@ def choose_num_splits(work_blocks: int, max_seqlen: int, num_sms: int, blocks_pe
     partials are written and read once: work_blocks · s · rows · (head_dim + 1) · 4 · 2 bytes.
     The smallest s within 3% of the best estimate wins (fewer partials, shorter merge).
 
-    Worked example (H200: 132 SMs, 2 blocks/SM → 264 slots; llama-3-8b: 8 KV heads, G = 4):
-      batch 1, 16384 tokens: 8 blocks. s = 1 uses 8 of 264 slots (efficiency 0.03). s = 32 gives
-      chunks of 512 tokens and 256 blocks in one wave (0.97) for 1.6 MB of partials on 67 MB of
+    Worked example (H200: 132 SMs, 1 block/SM → 132 slots; llama-3-8b: 8 KV heads, G = 4):
+      batch 1, 16384 tokens: 8 blocks. s = 1 uses 8 of 132 slots (efficiency 0.06). s = 16 gives
+      chunks of 1024 tokens and 128 blocks in one wave (0.97) for 0.5 MB of partials on 67 MB of
       KV: chosen.
-      batch 64, 8192 tokens: 512 blocks = 1.94 waves (0.97) with no split at all: s = 1, and the
+      batch 64, 8192 tokens: 512 blocks = 3.9 waves (0.97) with no split at all: s = 1, and the
       split kernel writes the output directly, no merge kernel.
     """
     if max_seqlen <= 0 or work_blocks <= 0:

@@ -51,9 +51,8 @@ def _merge_function(in_dtype: str, out_dtype: str, head_dim: int):
 
 def _launch_merge(o_parts, lse_parts, out, lse_out, num_states: int, rows: int, head_dim: int,
                   fn) -> None:
-    vec = _policy.merge_vec(head_dim)
-    threads = rows * (head_dim // vec)
-    _kernels.launch(fn, (-(-threads // _MERGE_THREADS), 1, 1), (_MERGE_THREADS, 1, 1),
+    rows_per_block = _MERGE_THREADS // 32  # one warp per row
+    _kernels.launch(fn, (-(-rows // rows_per_block), 1, 1), (_MERGE_THREADS, 1, 1),
                     (o_parts, lse_parts, out, _NULL if lse_out is None else lse_out,
                      np.int32(num_states), np.int64(rows), np.int32(head_dim)))
 
@@ -71,11 +70,15 @@ class DecodePlan:
     ``plan.lse``), overwritten by the next run. ``num_splits`` forces the split count;
     ``split_size`` fixes the tokens per split instead, so that a sequence's result does not
     depend on the rest of the batch; by default both are chosen from the shape and SM count.
+
+    ``merge`` says how split partials are combined: ``"fused"`` (default) lets the last split
+    block of each KV head merge them inside the one launch; ``"kernel"`` runs merge_states.cu as a
+    second kernel (same math, one more launch).
     """
 
     def __init__(self, batch: int, num_heads: int, num_kv_heads: int, head_dim: int,
                  max_seqlen: int, dtype, num_splits: int | None = None,
-                 split_size: int | None = None):
+                 split_size: int | None = None, merge: str = "fused"):
         import cupy
 
         self.batch = V.check_int(batch, "batch", 0)
@@ -119,15 +122,22 @@ class DecodePlan:
                 rows_per_block=min(self.group, _policy.ROWS), head_dim=self.head_dim,
                 kv_itemsize=_policy.ITEMSIZE[self.dtype])
 
+        if merge not in ("fused", "kernel"):
+            V.fail(ValueError, "merge", "'fused' or 'kernel'", repr(merge))
+        self.merge = merge
         rows = self.batch * self.num_heads
         self._split_fn = _split_function(self.config)
-        self._merge_fn = (_merge_function("float32", self.dtype, self.head_dim)
-                          if self.num_splits > 1 else None)
+        self._merge_fn = None
+        self.o_part = self.lse_part = self._counters = None
         if self.num_splits > 1:
             self.o_part = cupy.empty((self.num_splits, rows, self.head_dim), cupy.float32)
             self.lse_part = cupy.empty((self.num_splits, rows), cupy.float32)
-        else:
-            self.o_part = self.lse_part = None
+            if merge == "kernel":
+                self._merge_fn = _merge_function("float32", self.dtype, self.head_dim)
+            else:
+                # Arrival counters of the fused merge; the last block resets its own to 0.
+                self._counters = cupy.zeros(self.batch * self.num_kv_heads * self.head_tiles,
+                                            cupy.int32)
         self.out = cupy.empty((self.batch, self.num_heads, self.head_dim), self.dtype)
         self.lse = cupy.empty((self.batch, self.num_heads), cupy.float32)
         self._grid = (self.num_splits * self.head_tiles, self.num_kv_heads, self.batch)
@@ -142,7 +152,8 @@ class DecodePlan:
 
     @property
     def workspace_bytes(self) -> int:
-        return 0 if self.o_part is None else self.o_part.nbytes + self.lse_part.nbytes
+        parts = (self.o_part, self.lse_part, self._counters)
+        return sum(p.nbytes for p in parts if p is not None)
 
     def run(self, q, k_cache, v_cache, cache_seqlens=None, out=None, lse=None, *,
             softmax_scale=None):
@@ -166,19 +177,19 @@ class DecodePlan:
         if self.batch == 0:
             return
         es = q.itemsize
-        direct = self.num_splits == 1
+        direct = self.o_part is None
         args = (q, np.int64(q.strides[0] // es), np.int64(q.strides[1] // es),
                 k, np.int64(k.strides[0] // es), np.int64(k.strides[1] // es), np.int64(k.strides[2] // es),
                 v, np.int64(v.strides[0] // es), np.int64(v.strides[1] // es), np.int64(v.strides[2] // es),
                 _NULL if seqlens is None else seqlens, np.int32(seqlen_all), np.int32(self.max_seqlen),
                 *self._static, np.float32(scale * _LOG2E),
                 _NULL if direct else self.o_part, _NULL if direct else self.lse_part,
-                out if direct else _NULL,
-                np.int64(out.strides[0] // es), np.int64(out.strides[1] // es),
-                (_NULL if lse is None else lse) if direct else _NULL)
+                out, np.int64(out.strides[0] // es), np.int64(out.strides[1] // es),
+                _NULL if lse is None else lse,
+                _NULL if self._counters is None else self._counters)
         _kernels.launch(self._split_fn, self._grid, (self.config.threads, 1, 1), args,
                         self.config.smem_bytes)
-        if not direct:
+        if self._merge_fn is not None:
             _launch_merge(self.o_part, self.lse_part, out, lse, self.num_splits,
                           self.batch * self.num_heads, self.head_dim, self._merge_fn)
 

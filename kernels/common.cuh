@@ -74,3 +74,75 @@ __device__ __forceinline__ cd_rescale cd_merge_scales(float m_a, float m_b) {
     r.b = cd_exp2(m_b - ref);
     return r;
 }
+
+// Loads through L2 only (ld.global.cg). The fused merge in decode_split.cu reads partials that
+// other SMs wrote during the same launch, so it must not hit a stale L1 line.
+__device__ __forceinline__ float cd_ldcg(const float* p) {
+    float x;
+    asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(x) : "l"(p));
+    return x;
+}
+__device__ __forceinline__ u16 cd_ldcg(const u16* p) {
+    u16 x;
+    asm volatile("ld.global.cg.u16 %0, [%1];" : "=h"(x) : "l"(p));
+    return x;
+}
+
+__device__ __forceinline__ float cd_warp_max(float x) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
+    return x;
+}
+__device__ __forceinline__ float cd_warp_sum(float x) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+    return x;
+}
+
+// Kernel 2's math for ONE row, done by one warp (DESIGN.md, natural-log LSE in and out):
+//   LSE = max_i LSE_i + log Σ_i exp(LSE_i − max_i LSE_i),  w_i = exp(LSE_i − LSE),  O = Σ_i w_i Õ_i
+// State i of the row is at o[i·o_stride .. + head_dim) and lse[i·lse_stride]. Empty states
+// (LSE_i = −inf) get weight exactly 0 and their Õ_i is never multiplied in (it may hold NaN);
+// all empty gives O = 0, LSE = −inf. The lanes load the LSEs of 32 states at once and then
+// accumulate with the weights broadcast by shuffle, so the loads are independent, not a chain
+// over the states. Used by merge_states.cu and by the fused merge at the end of decode_split.cu.
+template <typename EI, typename EO, int NV>  // NV elements per lane per pass
+__device__ __forceinline__ void cd_merge_row(const typename EI::storage* __restrict__ o,
+                                             long long o_stride,
+                                             const float* __restrict__ lse, long long lse_stride,
+                                             int num_states, int head_dim,
+                                             typename EO::storage* __restrict__ dst,
+                                             float* __restrict__ lse_dst, int lane) {
+    float mx = CD_NEG_INF;
+    for (int i = lane; i < num_states; i += 32) mx = fmaxf(mx, cd_ldcg(lse + i * lse_stride) * CD_LOG2E);
+    mx = cd_warp_max(mx);
+    const float ref = (mx == CD_NEG_INF) ? 0.f : mx;  // all empty: weights stay 0, no NaN
+    float sum = 0.f;
+    for (int i = lane; i < num_states; i += 32) sum += cd_exp2(cd_ldcg(lse + i * lse_stride) * CD_LOG2E - ref);
+    sum = cd_warp_sum(sum);  // ≥ 1 whenever any state is live (the maximum contributes exactly 1)
+    const float inv = sum > 0.f ? 1.f / sum : 0.f;
+
+    for (int d0 = lane * NV; d0 < head_dim; d0 += 32 * NV) {
+        float acc[NV];
+#pragma unroll
+        for (int e = 0; e < NV; ++e) acc[e] = 0.f;
+        for (int base = 0; base < num_states; base += 32) {
+            const int i = base + lane;
+            const float w_lane = i < num_states ? cd_exp2(cd_ldcg(lse + i * lse_stride) * CD_LOG2E - ref) : 0.f;
+            const int n = min(32, num_states - base);
+#pragma unroll 8
+            for (int j = 0; j < n; ++j) {
+                const float w = __shfl_sync(0xffffffffu, w_lane, j);
+                const typename EI::storage* src = o + (long long)(base + j) * o_stride + d0;
+#pragma unroll
+                for (int e = 0; e < NV; ++e) {
+                    const float x = EI::to_float(cd_ldcg(src + e));
+                    acc[e] = w != 0.f ? fmaf(w, x, acc[e]) : acc[e];  // select: never 0 · NaN
+                }
+            }
+        }
+#pragma unroll
+        for (int e = 0; e < NV; ++e) dst[d0 + e] = EO::from_float(acc[e] * inv);
+    }
+    if (lse_dst && lane == 0) *lse_dst = sum > 0.f ? (mx + log2f(sum)) * CD_LN2 : CD_NEG_INF;
+}

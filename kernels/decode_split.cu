@@ -26,11 +26,17 @@
 //     accumulator registers. Few instructions per byte is what lets one SM keep up with HBM.
 //   float32: CUDA cores, fp32 throughout (tensor-core tf32 would miss fp32 accuracy).
 //
-// Partial-state contract (consumed by merge_states.cu):
+// Partial-state contract (consumed by cd_merge_row, common.cuh):
 //   o_part  (num_splits, batch·num_heads, HEAD_DIM) float32, Õ_i
 //   lse_part(num_splits, batch·num_heads)           float32, LSE_i (natural log)
-// With `out` non-null (single split) the block writes the final output in the input dtype and,
-// if `lse_out` is non-null, the final LSE, and no partials.
+// Three ways to finish, chosen by the host:
+//   single split (`o_part` null): the block writes the final output (input dtype) and LSE.
+//   fused merge (`counters` non-null): every block writes its partials, then counts itself in
+//     on its (batch, kv_head, head_tile) counter; the last block of the group to arrive merges
+//     the live splits with cd_merge_row and writes the final output — one launch in all, which
+//     saves the ~5 µs a second dependent kernel costs (docs/PERFORMANCE.md). It resets the
+//     counter to 0, so the next launch (or graph replay) starts clean.
+//   partials only (`counters` null): merge_states.cu runs next as a second kernel.
 //
 // Compile-time constants (prepended by cupydecode/_kernels.py, chosen by cupydecode/_policy.py):
 //   DTYPE_ID (0 f16, 1 bf16, 2 f32), HEAD_DIM, NUM_WARPS, STAGES, ROWS (16), TILE_N (16).
@@ -143,7 +149,7 @@ cd_decode_split(const elem_t* __restrict__ q, long long q_sb, long long q_sh,
                 float scale_log2,
                 float* __restrict__ o_part, float* __restrict__ lse_part,
                 elem_t* __restrict__ out, long long out_sb, long long out_sh,
-                float* __restrict__ lse_out) {
+                float* __restrict__ lse_out, int* __restrict__ counters) {
     extern __shared__ __align__(128) unsigned char smem[];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int split = blockIdx.x / head_tiles, head_tile = blockIdx.x % head_tiles;
@@ -171,21 +177,7 @@ cd_decode_split(const elem_t* __restrict__ q, long long q_sb, long long q_sh,
     float* sm_l = sm_m + NUM_WARPS * ROWS;
 
     if (chunk_start < chunk_end) {
-        // ---------------------------------------------------------------- Q tile → shared
         elem_t* sq = reinterpret_cast<elem_t*>(smem);
-        for (int i = tid; i < ROWS * CPR; i += NUM_THREADS) {
-            const int r = i / CPR, c = i % CPR;
-            uint4 val = make_uint4(0u, 0u, 0u, 0u);
-            if (r < rows)
-                val = *reinterpret_cast<const uint4*>(q + b * q_sb + (long long)(h0 + r) * q_sh + c * EPC);
-#if DTYPE_ID != 2
-            reinterpret_cast<uint4*>(sq)[swz(r, c)] = val;
-#else
-            reinterpret_cast<uint4*>(sq)[r * CPR + c] = val;
-#endif
-        }
-        __syncthreads();
-
         // ---------------------------------------------------------------- per-warp K/V ring
         unsigned char* ring = smem + Q_BYTES + warp * (STAGES * 2 * TILE_BYTES);
         const u32 ring_u32 = smem_u32(ring);
@@ -211,6 +203,27 @@ cd_decode_split(const elem_t* __restrict__ q, long long q_sb, long long q_sh,
             }
         };
 
+        // Start streaming K/V first: the Q load and its barrier then overlap the first
+        // tiles' latency instead of delaying it.
+#pragma unroll
+        for (int i = 0; i < STAGES - 1; ++i) {
+            if (i < my_tiles) load_tile(i, i);
+            cp_async_commit();
+        }
+        // ---------------------------------------------------------------- Q tile → shared
+        for (int i = tid; i < ROWS * CPR; i += NUM_THREADS) {
+            const int r = i / CPR, c = i % CPR;
+            uint4 val = make_uint4(0u, 0u, 0u, 0u);
+            if (r < rows)
+                val = *reinterpret_cast<const uint4*>(q + b * q_sb + (long long)(h0 + r) * q_sh + c * EPC);
+#if DTYPE_ID != 2
+            reinterpret_cast<uint4*>(sq)[swz(r, c)] = val;
+#else
+            reinterpret_cast<uint4*>(sq)[r * CPR + c] = val;
+#endif
+        }
+        __syncthreads();
+
 #if DTYPE_ID != 2
         // ================================================================ tensor-core path
         const int g = lane >> 2, t = lane & 3;
@@ -234,11 +247,6 @@ cd_decode_split(const elem_t* __restrict__ q, long long q_sb, long long q_sh,
                     sq_u32 + swz(rowA, 2 * kk + offA) * 16);
 #endif
 
-#pragma unroll
-        for (int i = 0; i < STAGES - 1; ++i) {
-            if (i < my_tiles) load_tile(i, i);
-            cp_async_commit();
-        }
         for (int i = 0; i < my_tiles; ++i) {
             if (i + STAGES - 1 < my_tiles) load_tile(i + STAGES - 1, (i + STAGES - 1) % STAGES);
             cp_async_commit();
@@ -347,11 +355,6 @@ cd_decode_split(const elem_t* __restrict__ q, long long q_sb, long long q_sh,
 #pragma unroll
             for (int i = 0; i < HEAD_DIM / 64; ++i) acc[r][i][0] = acc[r][i][1] = 0.f;
         }
-#pragma unroll
-        for (int i = 0; i < STAGES - 1; ++i) {
-            if (i < my_tiles) load_tile(i, i);
-            cp_async_commit();
-        }
         for (int i = 0; i < my_tiles; ++i) {
             if (i + STAGES - 1 < my_tiles) load_tile(i + STAGES - 1, (i + STAGES - 1) % STAGES);
             cp_async_commit();
@@ -453,7 +456,7 @@ cd_decode_split(const elem_t* __restrict__ q, long long q_sb, long long q_sh,
         const bool live = l > 0.f;
         o = live ? o / l : 0.f;
         const float lse = live ? (mmax + log2f(l)) * CD_LN2 : CD_NEG_INF;
-        if (out) {
+        if (!o_part) {
             out[b * out_sb + (long long)(h0 + r) * out_sh + d] = E::from_float(o);
             if (lse_out && d == 0) lse_out[bh0 + r] = lse;
         } else {
@@ -462,4 +465,26 @@ cd_decode_split(const elem_t* __restrict__ q, long long q_sb, long long q_sh,
             if (d == 0) lse_part[row] = lse;
         }
     }
+    if (!o_part || !counters) return;
+
+    // ---------------------------------------------------------------- fused merge (last block)
+    __shared__ int s_last;
+    __threadfence();  // this block's partials are visible device-wide before it counts itself in
+    __syncthreads();
+    if (tid == 0) {
+        const int num_splits = gridDim.x / head_tiles;
+        int* ctr = counters + ((long long)b * gridDim.y + kv_head) * head_tiles + head_tile;
+        s_last = atomicAdd(ctr, 1) == num_splits - 1;
+        if (s_last) *ctr = 0;
+    }
+    __syncthreads();
+    if (!s_last) return;
+    __threadfence();
+    const int live_splits = min(gridDim.x / head_tiles, (seqlen + chunk_tokens - 1) / chunk_tokens);
+    const long long state_rows = (long long)batch * num_heads;
+    for (int r = warp; r < rows; r += NUM_WARPS)
+        cd_merge_row<cd_elem<2>, E, 4>(o_part + (bh0 + r) * HEAD_DIM, state_rows * HEAD_DIM,
+                                      lse_part + bh0 + r, state_rows, live_splits, HEAD_DIM,
+                                      out + b * out_sb + (long long)(h0 + r) * out_sh,
+                                      lse_out ? lse_out + bh0 + r : nullptr, lane);
 }

@@ -1,0 +1,242 @@
+"""Synthetic decode workloads: model presets, the built-in check matrix and fresh random inputs.
+
+Shared by ``cupydecode check``, ``cupydecode bench`` and the tests. A :class:`Workload` is a
+plain description (shapes, dtype, lengths, split count, seed); :func:`make_inputs` turns it into
+GPU arrays. Data is always fresh random data: the seed is drawn from ``os.urandom`` unless
+given, and written back into the workload so that a failure can be replayed exactly.
+
+KV cache bytes of one workload, the number everything else is measured against:
+    2 (K and V) × Σ_b cache_seqlens[b] × num_kv_heads × head_dim × itemsize
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+DTYPES = ("float16", "bfloat16", "float32")
+ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
+HEAD_DIMS = (64, 128, 256)
+
+
+@dataclass(frozen=True)
+class ModelPreset:
+    """Attention shape of one decoder layer: query heads, KV heads, head dim."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    note: str = ""
+
+    @property
+    def group(self) -> int:
+        """G = query heads per KV head (1: MHA, num_heads: MQA)."""
+        return self.num_heads // self.num_kv_heads
+
+
+MODELS: dict[str, ModelPreset] = {
+    "llama-3-8b": ModelPreset(32, 8, 128, "GQA 4"),
+    "llama-3-70b": ModelPreset(64, 8, 128, "GQA 8"),
+    "llama-3-405b": ModelPreset(128, 8, 128, "GQA 16"),
+    "qwen2.5-7b": ModelPreset(28, 4, 128, "GQA 7"),
+    "mistral-7b": ModelPreset(32, 8, 128, "GQA 4"),
+    "gemma-2-9b": ModelPreset(16, 8, 256, "GQA 2, head_dim 256"),
+    "gpt-2": ModelPreset(12, 12, 64, "MHA"),
+    "falcon-7b": ModelPreset(71, 1, 64, "MQA"),
+}
+
+
+def fresh_seed() -> int:
+    """A new 32-bit seed from the OS (never a fixed default: every run sees new data)."""
+    return int.from_bytes(os.urandom(4), "little")
+
+
+@dataclass
+class Workload:
+    """One decode-attention problem.
+
+    ``seqlen`` is max_seqlen (the cache's second axis). ``lengths`` gives per-sequence live
+    lengths (varlen; None: every sequence is ``seqlen`` long). ``num_splits`` None lets the
+    library choose. ``q_scale`` multiplies q, which scales every logit (the overflow case).
+    ``seed`` None means "draw a fresh one": :func:`make_inputs` records it here.
+    """
+
+    batch: int
+    seqlen: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str = "float16"
+    num_splits: int | None = None
+    lengths: tuple[int, ...] | None = None
+    q_scale: float = 1.0
+    seed: int | None = None
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        if self.lengths is not None:
+            self.lengths = tuple(int(n) for n in self.lengths)
+            if len(self.lengths) != self.batch:
+                raise ValueError(f"lengths: expected {self.batch} values (one per sequence), "
+                                 f"got {len(self.lengths)}")
+            if any(n < 0 or n > self.seqlen for n in self.lengths):
+                raise ValueError(f"lengths: expected values in [0, seqlen={self.seqlen}], "
+                                 f"got {list(self.lengths)}")
+
+    @property
+    def group(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    @property
+    def splits_label(self) -> str:
+        return "auto" if self.num_splits is None else str(self.num_splits)
+
+    def live_tokens(self) -> int:
+        """Σ_b live length: the tokens whose K and V must be read."""
+        return self.batch * self.seqlen if self.lengths is None else sum(self.lengths)
+
+    def kv_bytes(self) -> int:
+        """Bytes of K and V that one call must read (live tokens only)."""
+        return 2 * self.live_tokens() * self.num_kv_heads * self.head_dim * ITEMSIZE[self.dtype]
+
+    def cache_bytes(self) -> int:
+        """Bytes of the allocated q, K and V (max_seqlen for every sequence)."""
+        per = ITEMSIZE[self.dtype]
+        return per * (self.batch * self.num_heads * self.head_dim
+                      + 2 * self.batch * self.seqlen * self.num_kv_heads * self.head_dim)
+
+    def shape_label(self) -> str:
+        return (f"B={self.batch} L={self.seqlen} H={self.num_heads}/{self.num_kv_heads} "
+                f"D={self.head_dim}")
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["lengths"] = None if self.lengths is None else list(self.lengths)
+        return d
+
+
+def workload_for_model(model: str, batch: int, seqlen: int, dtype: str = "float16",
+                       **kw) -> Workload:
+    """A workload with a preset's head shape, e.g. ``workload_for_model("llama-3-8b", 4, 8192)``."""
+    try:
+        p = MODELS[model]
+    except KeyError:
+        raise ValueError(f"model: expected one of {', '.join(MODELS)}, got {model!r}") from None
+    kw.setdefault("name", model)
+    return Workload(batch, seqlen, p.num_heads, p.num_kv_heads, p.head_dim, dtype, **kw)
+
+
+def random_lengths(batch: int, seqlen: int, seed: int) -> tuple[int, ...]:
+    """Per-sequence lengths in [0, seqlen] drawn from ``seed``.
+
+    The first sequence is always full length (so the cache's whole extent is exercised) and,
+    with three or more sequences, the last is empty (the −inf / zero-output edge case).
+    """
+    rng = np.random.default_rng([seed, 0x1E45])
+    lens = rng.integers(0, seqlen + 1, size=batch)
+    if batch:
+        lens[0] = seqlen
+    if batch >= 3:
+        lens[-1] = 0
+    return tuple(int(n) for n in lens)
+
+
+def _fill_normal(rs, out, scale: float = 1.0) -> None:
+    """Fill ``out`` with N(0, scale²) rounded to its dtype, one leading slice at a time (the
+    float32 draw is the big temporary, so keep it to one sequence's worth)."""
+    import cupy
+
+    for b in range(out.shape[0]):
+        x = rs.standard_normal(out.shape[1:], dtype=cupy.float32)
+        if scale != 1.0:
+            x *= cupy.float32(scale)
+        out[b] = x.astype(out.dtype)
+
+
+def make_inputs(workload: Workload):
+    """Fresh random GPU inputs for ``workload``: ``(q, k_cache, v_cache, cache_seqlens)``.
+
+    q ~ N(0, q_scale²), K and V ~ N(0, 1), in the workload's dtype and the public layout
+    (q (B, H, D); K, V (B, L, Hkv, D)). ``cache_seqlens`` is an int32 device array for varlen
+    workloads, else None. With varlen, the cache past each sequence's length is filled with NaN:
+    a correct kernel never reads it, so any leak shows up as NaN in the output.
+
+    Draws a fresh seed when ``workload.seed`` is None and records it in the workload.
+    """
+    import cupy
+
+    if workload.seed is None:
+        workload.seed = fresh_seed()
+    w = workload
+    rs = cupy.random.RandomState(w.seed)
+    q = cupy.empty((w.batch, w.num_heads, w.head_dim), w.dtype)
+    k = cupy.empty((w.batch, w.seqlen, w.num_kv_heads, w.head_dim), w.dtype)
+    v = cupy.empty_like(k)
+    _fill_normal(rs, q, w.q_scale)
+    _fill_normal(rs, k)
+    _fill_normal(rs, v)
+    seqlens = None
+    if w.lengths is not None:
+        seqlens = cupy.asarray(np.asarray(w.lengths, np.int32))
+        for b, n in enumerate(w.lengths):
+            k[b, n:] = math.nan
+            v[b, n:] = math.nan
+    return q, k, v, seqlens
+
+
+# q_scale for the overflow workload: with q ~ N(0, s²) and K ~ N(0, 1) the logits
+# c·q·k are N(0, s²), so over ~10⁵ (row, token) pairs they reach about ±4.3 s ≈ ±1e4.
+OVERFLOW_Q_SCALE = 2400.0
+
+
+def default_check_matrix() -> list[Workload]:
+    """The built-in list run by ``cupydecode check``.
+
+    Covers fp16 / bf16 / fp32; head_dim 64, 128, 256; GQA groups 1 (MHA), 2, 4, 7, 8 and MQA
+    (71 query heads on one KV head); lengths 1, 17, 255, 257, 4097 and 65536; variable lengths
+    with an empty sequence; forced 1 and 3 splits and automatic splits; and logits of ±1e4.
+    Sizes are kept small enough that the float64 reference stays cheap (the whole list runs
+    in seconds on an H200, most of it compilation on the first run).
+    """
+    W = Workload
+    m = []
+    # fp16: every length class, MHA to MQA, all head dims
+    m += [
+        W(1, 1, 32, 8, 128, "float16", None, name="len 1"),
+        W(3, 17, 32, 8, 128, "float16", 1, name="len 17, odd batch"),
+        W(2, 255, 32, 8, 128, "float16", 3, name="len 255"),
+        W(2, 257, 32, 8, 128, "float16", None, name="len 257"),
+        W(2, 4097, 28, 4, 128, "float16", None, name="GQA 7"),
+        W(2, 4097, 28, 4, 128, "float16", 3, name="GQA 7"),
+        W(1, 4097, 71, 1, 64, "float16", None, name="MQA 71"),
+        W(3, 257, 12, 12, 64, "float16", 3, name="MHA"),
+        W(2, 4097, 16, 8, 256, "float16", None, name="head_dim 256"),
+        W(1, 65536, 32, 8, 128, "float16", None, name="len 65536"),
+        W(4, 300, 32, 8, 128, "float16", None, (300, 1, 17, 0), name="varlen + empty"),
+    ]
+    # bf16
+    m += [
+        W(2, 4097, 32, 8, 128, "bfloat16", None, name="len 4097"),
+        W(3, 257, 28, 4, 128, "bfloat16", 1, name="GQA 7"),
+        W(2, 17, 16, 8, 256, "bfloat16", 3, name="head_dim 256"),
+        W(2, 255, 71, 1, 64, "bfloat16", None, name="MQA 71"),
+        W(3, 4097, 28, 4, 128, "bfloat16", 3, (4097, 0, 257), name="varlen + empty"),
+        W(1, 65536, 8, 1, 128, "bfloat16", 3, name="len 65536"),
+    ]
+    # fp32 (CUDA-core path)
+    m += [
+        W(2, 257, 32, 8, 128, "float32", None, name="len 257"),
+        W(2, 4097, 28, 4, 64, "float32", 3, name="GQA 7"),
+        W(2, 255, 16, 8, 256, "float32", None, name="head_dim 256"),
+        W(3, 17, 8, 1, 128, "float32", 1, name="MQA 8"),
+        W(3, 257, 32, 8, 128, "float32", 1, (0, 255, 257), name="varlen + empty"),
+    ]
+    # logits of ±1e4: exp() of them overflows any float type; the LSE path must not
+    m += [
+        W(2, 1024, 32, 8, 128, "float16", None, q_scale=OVERFLOW_Q_SCALE, name="logits ±1e4"),
+        W(2, 1024, 32, 8, 128, "float32", 3, q_scale=OVERFLOW_Q_SCALE, name="logits ±1e4"),
+    ]
+    return m

@@ -1,0 +1,30 @@
+"""Launch one decode shape a few times (for ncu), and time split-only vs split+merge."""
+import sys
+
+import cupy as cp
+import numpy as np
+
+sys.path.insert(0, ".")
+import cupydecode as cd  # noqa: E402
+from cupydecode import _kernels, _policy  # noqa: E402
+sys.path.insert(0, "scripts")
+from tune import graph_time, make_sets  # noqa: E402
+
+b, L = int(sys.argv[1]), int(sys.argv[2])
+nw, st = int(sys.argv[3]), int(sys.argv[4])
+mode = sys.argv[5] if len(sys.argv) > 5 else "time"
+_policy.split_kernel_config = lambda dt, hd: _policy.SplitKernelConfig(dt, hd, nw, st)
+H, Hkv, D = 32, 8, 128
+nbytes, sets = make_sets(b, L, H, Hkv, D, "float16")
+plans = [cd.DecodePlan(b, H, Hkv, D, L, "float16") for _ in sets]
+if mode == "ncu":
+    for p, s in zip(plans, sets):
+        p.run(*s)
+    cp.cuda.Device().synchronize()
+    sys.exit(0)
+res = {}
+for merge in ("fused", "kernel"):
+    plans = [cd.DecodePlan(b, H, Hkv, D, L, "float16", merge=merge) for _ in sets]
+    res[merge] = graph_time([lambda p=p, s=s: p.run(*s) for p, s in zip(plans, sets)])
+print(f"b{b} L{L} w{nw}s{st} S={plans[0].num_splits}: fused {res['fused']:.1f} us, two kernels "
+      f"{res['kernel']:.1f} us, floor {nbytes/4.55e6:.1f} us", flush=True)

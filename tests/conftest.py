@@ -1,0 +1,60 @@
+"""pytest setup: the ``gpu`` marker skips (with the reason) where no CUDA GPU is usable, and the
+``seed`` / ``rng`` fixtures give every test fresh random data with a recorded seed."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/helpers.py
+
+import helpers  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+    gpu_items = [item for item in items if item.get_closest_marker("gpu")]
+    if not gpu_items:
+        return
+    reason = helpers.gpu_unavailable_reason()
+    if reason is None:
+        return
+    skip = pytest.mark.skip(reason=f"no CUDA GPU available: {reason}")
+    for item in gpu_items:
+        item.add_marker(skip)
+
+
+@pytest.fixture
+def seed(request) -> int:
+    """A fresh seed per test (or CUPYDECODE_TEST_SEED); shown in the report if the test fails."""
+    value = helpers.new_seed()
+    request.node._cupydecode_seed = value
+    print(f"random seed: {value} (replay with {helpers.SEED_ENV}={value})")
+    return value
+
+
+@pytest.fixture
+def rng(seed) -> np.random.Generator:
+    return np.random.default_rng(seed)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    value = getattr(item, "_cupydecode_seed", None)
+    if value is not None and report.failed:
+        report.sections.append(("random seed",
+                                f"{value} (replay with {helpers.SEED_ENV}={value})"))
+
+
+@pytest.fixture
+def cupy():
+    """The cupy module, with the memory pool released after the test."""
+    import cupy as cp
+
+    yield cp
+    cp.cuda.Device().synchronize()
+    cp.get_default_memory_pool().free_all_blocks()

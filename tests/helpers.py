@@ -1,0 +1,99 @@
+"""Shared test helpers: GPU detection, fresh random data, tolerances and checks.
+
+Every test draws fresh random data. The seed comes from os.urandom (or from the environment
+variable CUPYDECODE_TEST_SEED, to replay a failure) and is written into every assertion message
+and into the report of a failing test.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import ml_dtypes
+import numpy as np
+
+from cupydecode import reference as R
+
+SEED_ENV = "CUPYDECODE_TEST_SEED"
+
+# Relative L2 error of the output against the float64 reference.
+OUT_TOL = {"float16": 2e-3, "bfloat16": 1e-2, "float32": 1e-4}
+# Max abs error of the natural-log LSE on live rows (empty rows must be exactly -inf).
+LSE_TOL = {"float16": 1e-3, "bfloat16": 1e-3, "float32": 1e-5}
+DTYPES = ("float16", "bfloat16", "float32")
+
+
+@functools.lru_cache(maxsize=None)
+def gpu_unavailable_reason() -> str | None:
+    """None when CuPy sees at least one CUDA device, else why not (for skip messages)."""
+    try:
+        import cupy
+    except Exception as exc:  # ImportError, or a broken CUDA library underneath
+        return f"cupy cannot be imported ({type(exc).__name__}: {exc})"
+    try:
+        n = cupy.cuda.runtime.getDeviceCount()
+    except Exception as exc:
+        return f"cupy.cuda.runtime.getDeviceCount() failed ({type(exc).__name__}: {exc})"
+    if n < 1:
+        return "cupy.cuda.runtime.getDeviceCount() returned 0"
+    return None
+
+
+def new_seed() -> int:
+    env = os.environ.get(SEED_ENV)
+    if env:
+        return int(env)
+    return int.from_bytes(os.urandom(4), "little")
+
+
+def np_dtype(name: str) -> np.dtype:
+    """NumPy dtype for a dtype name; bfloat16 comes from ml_dtypes."""
+    return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
+
+
+def randn(rng: np.random.Generator, shape, dtype: str, scale: float = 1.0) -> np.ndarray:
+    """Host array of standard normal values times ``scale``, rounded to ``dtype``."""
+    x = rng.standard_normal(shape, dtype=np.float32)
+    if scale != 1.0:
+        x *= np.float32(scale)
+    return x.astype(np_dtype(dtype))
+
+
+def decode_inputs(rng, batch, num_heads, num_kv_heads, head_dim, max_seqlen, dtype,
+                  q_scale: float = 1.0):
+    """Host (q, k_cache, v_cache) in the public layout."""
+    q = randn(rng, (batch, num_heads, head_dim), dtype, q_scale)
+    k = randn(rng, (batch, max_seqlen, num_kv_heads, head_dim), dtype)
+    v = randn(rng, (batch, max_seqlen, num_kv_heads, head_dim), dtype)
+    return q, k, v
+
+
+def context(seed: int, **case) -> str:
+    items = " ".join(f"{k}={v}" for k, v in case.items())
+    return f"[seed={seed} (replay: {SEED_ENV}={seed}) {items}]"
+
+
+def assert_out_close(got, ref, tol: float, ctx: str, what: str = "out") -> float:
+    err = R.relative_error(got, ref)
+    assert err <= tol, f"{what}: relative L2 error {err:.3e} > {tol:.1e} {ctx}"
+    return err
+
+
+def assert_lse_close(got, ref, atol: float, ctx: str, rtol: float = 0.0) -> float:
+    """Live rows within ``atol + rtol·|ref|``; rows with ref = -inf must be exactly -inf."""
+    got = R.to_float64(got)
+    ref = R.to_float64(ref)
+    assert not np.any(np.isnan(got)), f"lse: NaN in result {ctx}"
+    dead = np.isneginf(ref)
+    mismatch = np.isneginf(got) != dead
+    assert not np.any(mismatch), (
+        f"lse: -inf pattern differs at {np.argwhere(mismatch)[:5].tolist()} {ctx}")
+    if np.all(dead):
+        return 0.0
+    diff = np.abs(got[~dead] - ref[~dead])
+    bound = atol + rtol * np.abs(ref[~dead])
+    worst = int(np.argmax(diff - bound))
+    assert np.all(diff <= bound), (
+        f"lse: error {diff[worst]:.3e} > {bound[worst]:.1e} (value {ref[~dead][worst]:.4g}) {ctx}")
+    return float(diff.max())

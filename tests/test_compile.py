@@ -1,0 +1,90 @@
+"""Every kernel specialisation compiles with NVRTC for sm_80 and sm_90, without a GPU."""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import re
+
+import pytest
+
+from cupydecode import _kernels, _policy
+
+ARCHS = ("sm_80", "sm_90")
+
+
+@functools.lru_cache(maxsize=None)
+def nvrtc_unavailable_reason() -> str | None:
+    try:
+        from cupy_backends.cuda.libs import nvrtc
+
+        nvrtc.getVersion()  # loads the NVRTC shared library
+    except Exception as exc:
+        return f"NVRTC cannot be loaded through cupy_backends ({type(exc).__name__}: {exc})"
+    return None
+
+
+
+@pytest.fixture
+def nvrtc():
+    reason = nvrtc_unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+
+
+SPLIT_CASES = [(dt, d) for dt in _policy.DTYPE_IDS for d in _policy.SUPPORTED_HEAD_DIMS]
+MERGE_CASES = list(itertools.product(range(3), range(3), (1, 4)))
+
+
+def _check_cubin(cubin: bytes):
+    assert isinstance(cubin, (bytes, bytearray)) and cubin[:4] == b"\x7fELF"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("dtype,head_dim", SPLIT_CASES)
+def test_split_kernel_compiles(nvrtc, dtype, head_dim, arch):
+    cfg = _policy.split_kernel_config(dtype, head_dim)
+    _check_cubin(_kernels.compile_for_arch("decode_split.cu", cfg.defines(), arch))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("in_dtype,out_dtype,vec", MERGE_CASES)
+def test_merge_kernel_compiles(nvrtc, in_dtype, out_dtype, vec, arch):
+    defines = {"IN_DTYPE": in_dtype, "OUT_DTYPE": out_dtype, "VEC": vec}
+    _check_cubin(_kernels.compile_for_arch("merge_states.cu", defines, arch))
+
+
+def test_compile_error_carries_the_log(nvrtc):
+    cfg = _policy.split_kernel_config("float16", 128)
+    bad = dict(cfg.defines(), ROWS=8)  # the kernel refuses ROWS != 16 with #error
+    with pytest.raises(RuntimeError, match="NVRTC failed"):
+        _kernels.compile_for_arch("decode_split.cu", bad, "sm_90")
+
+
+@pytest.mark.parametrize("filename", ["decode_split.cu", "merge_states.cu"])
+def test_program_source_inlines_headers(filename):
+    defines = (_policy.split_kernel_config("float16", 128).defines() if filename == "decode_split.cu"
+               else {"IN_DTYPE": 2, "OUT_DTYPE": 0, "VEC": 4})
+    src = _kernels.program_source(filename, defines)
+    assert not re.search(r'#\s*include\s+"', src), "a local #include was left for NVRTC to resolve"
+    assert "cd_merge_scales" in src  # defined in common.cuh
+    for name, value in defines.items():
+        assert f"#define {name} {value}\n" in src
+
+
+def test_source_digest_tracks_defines():
+    cfg = _policy.split_kernel_config("float16", 128)
+    base = _kernels.source_digest("decode_split.cu", cfg.defines())
+    assert base == _kernels.source_digest("decode_split.cu", dict(cfg.defines()))
+    assert base != _kernels.source_digest("decode_split.cu", dict(cfg.defines(), STAGES=cfg.stages + 1))
+    other = _policy.split_kernel_config("bfloat16", 128)
+    assert base != _kernels.source_digest("decode_split.cu", other.defines())
+    merge = {"IN_DTYPE": 0, "OUT_DTYPE": 0, "VEC": 4}
+    assert (_kernels.source_digest("merge_states.cu", merge)
+            != _kernels.source_digest("merge_states.cu", dict(merge, VEC=1)))
+
+
+def test_kernel_dir_holds_the_sources():
+    d = _kernels.kernel_dir()
+    for name in ("decode_split.cu", "merge_states.cu", "common.cuh"):
+        assert (d / name).is_file(), d

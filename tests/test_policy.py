@@ -1,0 +1,140 @@
+"""Launch policy (cupydecode._policy): pure functions of shapes and SM count, no GPU needed."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from cupydecode import _policy as P
+
+SMEM_PER_BLOCK_MAX = 227 * 1024  # sm_80 / sm_90 opt-in limit per block
+
+
+def test_worked_example_two_blocks_per_sm():
+    # H200: 132 SMs, 2 blocks/SM; llama-3-8b at batch 1: 8 KV heads → 8 blocks.
+    assert P.choose_num_splits(8, 16384, 132, 2) == (32, 512)
+    # batch 64, 8192 tokens: 512 blocks already fill the machine, no split, no merge kernel.
+    assert P.choose_num_splits(512, 8192, 132, 2) == (1, 8192)
+
+
+def test_worked_example_of_the_docstring_one_block_per_sm():
+    assert P.choose_num_splits(8, 16384, 132, 1) == (16, 1024)
+    assert P.choose_num_splits(512, 8192, 132, 1) == (1, 8192)
+
+
+WORK = [1, 2, 3, 8, 31, 64, 132, 264, 1000, 4096]
+SEQ = [1, 2, 17, 63, 64, 65, 255, 256, 257, 1000, 4097, 16384, 65536, 131073, 1 << 20, 10_000_000]
+MACHINES = [(108, 1), (132, 1), (132, 2), (16, 4)]
+
+
+@pytest.mark.parametrize("num_sms,blocks_per_sm", MACHINES)
+def test_splits_cover_the_sequence(num_sms, blocks_per_sm):
+    for work, max_seqlen in itertools.product(WORK, SEQ):
+        s, chunk = P.choose_num_splits(work, max_seqlen, num_sms, blocks_per_sm)
+        case = dict(work=work, max_seqlen=max_seqlen, sms=num_sms, bps=blocks_per_sm, s=s, chunk=chunk)
+        assert 1 <= s <= P.MAX_SPLITS, case
+        assert chunk % P.SPLIT_GRANULE == 0, case
+        assert s * chunk >= max_seqlen, case            # every token is in some split
+        assert (s - 1) * chunk < max_seqlen, case       # no split is empty at full length
+        if s > 1:
+            assert chunk >= P.MIN_CHUNK, case
+
+
+def test_more_work_never_needs_more_splits():
+    for max_seqlen in (4096, 65536):
+        prev = None
+        for work in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024):
+            s, _ = P.choose_num_splits(work, max_seqlen, 132, 1)
+            assert prev is None or s <= prev, (max_seqlen, work, s, prev)
+            prev = s
+
+
+def test_full_machine_is_not_split():
+    # Many whole waves of blocks: a split would only add partials and a merge.
+    assert P.choose_num_splits(132 * 8, 8192, 132, 1)[0] == 1
+
+
+def test_short_sequences_are_not_split_below_min_chunk():
+    for max_seqlen in (1, 17, 64, P.MIN_CHUNK):
+        s, chunk = P.choose_num_splits(1, max_seqlen, 132, 1)
+        assert s == 1 and chunk >= max_seqlen
+
+
+def test_policy_is_deterministic():
+    a = [P.choose_num_splits(w, n, 132, 1) for w in WORK for n in SEQ]
+    b = [P.choose_num_splits(w, n, 132, 1) for w in WORK for n in SEQ]
+    assert a == b
+
+
+@pytest.mark.parametrize("work,max_seqlen", [(8, 0), (0, 4096), (0, 0), (-1, 5)])
+def test_zero_work_or_length(work, max_seqlen):
+    s, chunk = P.choose_num_splits(work, max_seqlen, 132, 1)
+    assert s == 1 and chunk >= 1
+    assert chunk >= max_seqlen
+
+
+def test_chunk_for_splits():
+    for max_seqlen in (0, 1, 2, 17, 255, 256, 257, 4097, 65536):
+        for n in (1, 2, 3, 7, 64, P.MAX_SPLITS):
+            chunk = P.chunk_for_splits(max_seqlen, n)
+            assert chunk >= 1, (max_seqlen, n)
+            assert n * chunk >= max_seqlen, (max_seqlen, n, chunk)
+            assert (chunk - 1) * n < max_seqlen or chunk == 1, (max_seqlen, n, chunk)  # smallest
+    assert P.chunk_for_splits(4097, 3) == 1366
+    assert P.chunk_for_splits(100, 0) == 100   # defensive: no division by zero
+
+
+def test_fixed_split_size():
+    assert P.fixed_split_size(4096, 512) == (8, 512)
+    assert P.fixed_split_size(4097, 512) == (9, 512)
+    assert P.fixed_split_size(1, 512) == (1, 512)
+    assert P.fixed_split_size(0, 512) == (1, 512)
+    for max_seqlen in (1, 100, 4097, 65536):
+        for size in (1, 64, 100, 1024):
+            s, chunk = P.fixed_split_size(max_seqlen, size)
+            assert chunk == size and s * size >= max_seqlen and (s - 1) * size < max_seqlen
+
+
+def test_head_tiles():
+    assert [P.head_tiles(g) for g in (1, 4, 7, 8, 16)] == [1] * 5
+    assert P.head_tiles(17) == 2
+    assert P.head_tiles(32) == 2
+    assert P.head_tiles(33) == 3
+    assert P.head_tiles(64) == 4
+    for g in range(1, 200):
+        assert (P.head_tiles(g) - 1) * P.ROWS < g <= P.head_tiles(g) * P.ROWS
+
+
+@pytest.mark.parametrize("dtype", list(P.DTYPE_IDS))
+@pytest.mark.parametrize("head_dim", P.SUPPORTED_HEAD_DIMS)
+def test_split_kernel_config(dtype, head_dim):
+    cfg = P.split_kernel_config(dtype, head_dim)
+    assert cfg.dtype == dtype and cfg.head_dim == head_dim
+    assert cfg.threads == 32 * cfg.num_warps and 32 <= cfg.threads <= 1024
+    assert cfg.stages >= 2, "a ring of one stage cannot overlap loads with math"
+    assert 0 < cfg.smem_bytes <= SMEM_PER_BLOCK_MAX
+    # The ring (K and V tiles of every stage of every warp) must fit in what is allocated.
+    es = P.ITEMSIZE[dtype]
+    ring = cfg.num_warps * cfg.stages * 2 * P.TILE_N * head_dim * es
+    assert cfg.smem_bytes >= ring + P.ROWS * head_dim * es
+    d = cfg.defines()
+    assert d["DTYPE_ID"] == P.DTYPE_IDS[dtype] and d["HEAD_DIM"] == head_dim
+    assert d["NUM_WARPS"] == cfg.num_warps and d["STAGES"] == cfg.stages
+    assert all(isinstance(v, int) for v in d.values())
+    assert P.split_kernel_config(dtype, head_dim) == cfg  # hashable, equal: usable as a cache key
+    assert hash(P.split_kernel_config(dtype, head_dim)) == hash(cfg)
+
+
+@pytest.mark.parametrize("dtype,head_dim", [("float64", 128), ("int32", 128), ("bf16", 128),
+                                            ("float16", 96), ("float16", 0), ("float32", 512)])
+def test_split_kernel_config_rejects(dtype, head_dim):
+    with pytest.raises(ValueError):
+        P.split_kernel_config(dtype, head_dim)
+
+
+def test_merge_vec():
+    for d in (4, 8, 64, 128, 256, 260):
+        assert P.merge_vec(d) == 4
+    for d in (1, 2, 3, 5, 6, 130):
+        assert P.merge_vec(d) == 1

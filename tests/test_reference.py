@@ -1,0 +1,224 @@
+"""The float64 NumPy reference against a direct softmax written out here, element by element.
+
+Everything else is checked against cupydecode.reference, so it is checked first, on its own.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from cupydecode import reference as R
+from helpers import context, np_dtype, randn
+
+
+def direct_attention(q, k, v, lens, scale):
+    """Softmax attention with plain loops and math.exp: (out, lse) in float64."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[2]
+    group = num_heads // num_kv_heads
+    out = np.zeros((batch, num_heads, head_dim))
+    lse = np.full((batch, num_heads), -math.inf)
+    for b in range(batch):
+        for h in range(num_heads):
+            kvh = h // group
+            scores = [scale * float(np.dot(q[b, h], k[b, j, kvh])) for j in range(lens[b])]
+            if not scores:
+                continue
+            m = max(scores)
+            weights = [math.exp(s - m) for s in scores]
+            total = sum(weights)
+            for j, w in enumerate(weights):
+                out[b, h] += (w / total) * v[b, j, kvh]
+            lse[b, h] = m + math.log(total)
+    return out, lse
+
+
+def direct_row(scores, values):
+    """One query row: (out, lse) from the scores and values directly."""
+    m = max(scores)
+    weights = [math.exp(s - m) for s in scores]
+    total = sum(weights)
+    out = sum(w * values[j] for j, w in enumerate(weights)) / total
+    return out, m + math.log(total)
+
+
+@pytest.mark.parametrize("group", [1, 4, 7])
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_decode_attention_matches_direct_softmax(rng, seed, group, dtype):
+    batch, num_kv_heads, head_dim, max_seqlen = 4, 2, 16, 23
+    num_heads = group * num_kv_heads
+    q = randn(rng, (batch, num_heads, head_dim), dtype)
+    k = randn(rng, (batch, max_seqlen, num_kv_heads, head_dim), dtype)
+    v = randn(rng, (batch, max_seqlen, num_kv_heads, head_dim), dtype)
+    lens = [0, 1, int(rng.integers(2, max_seqlen)), max_seqlen]
+    ctx = context(seed, group=group, dtype=dtype, lens=lens)
+
+    out, lse = R.decode_attention(q, k, v, lens)
+    want_out, want_lse = direct_attention(q, k, v, lens, 1 / math.sqrt(head_dim))
+    assert out.dtype == np.float64 and lse.dtype == np.float64, ctx
+    assert out.shape == (batch, num_heads, head_dim) and lse.shape == (batch, num_heads), ctx
+    np.testing.assert_allclose(out, want_out, rtol=1e-12, atol=1e-12, err_msg=ctx)
+    np.testing.assert_allclose(lse, want_lse, rtol=1e-12, atol=1e-12, err_msg=ctx)
+    # Length 0: out exactly 0, lse exactly -inf.
+    assert np.all(out[0] == 0.0) and np.all(np.isneginf(lse[0])), ctx
+
+
+def test_decode_attention_seqlens_forms(rng, seed):
+    q, k, v = (randn(rng, s, "float32") for s in [(3, 4, 8), (3, 9, 2, 8), (3, 9, 2, 8)])
+    ctx = context(seed)
+    full = direct_attention(q, k, v, [9, 9, 9], 1 / math.sqrt(8))
+    five = direct_attention(q, k, v, [5, 5, 5], 1 / math.sqrt(8))
+    for lens, want in [(None, full), (9, full), (5, five), (np.int32(5), five),
+                       ([5, 5, 5], five), (np.array([5, 5, 5], np.int32), five)]:
+        got = R.decode_attention(q, k, v, lens)
+        np.testing.assert_allclose(got[0], want[0], rtol=1e-12, atol=1e-12, err_msg=f"{lens} {ctx}")
+        np.testing.assert_allclose(got[1], want[1], rtol=1e-12, atol=1e-12, err_msg=f"{lens} {ctx}")
+    # Lengths past max_seqlen are clamped, like the kernel does for device arrays.
+    got = R.decode_attention(q, k, v, [100, 9, 12])
+    np.testing.assert_allclose(got[0], full[0], rtol=1e-12, atol=1e-12, err_msg=ctx)
+
+
+def test_decode_attention_custom_scale(rng, seed):
+    q, k, v = (randn(rng, s, "float32") for s in [(2, 6, 16), (2, 11, 3, 16), (2, 11, 3, 16)])
+    ctx = context(seed)
+    for scale in (0.37, 1.0, 2.5):
+        got = R.decode_attention(q, k, v, [11, 4], softmax_scale=scale)
+        want = direct_attention(q, k, v, [11, 4], scale)
+        np.testing.assert_allclose(got[0], want[0], rtol=1e-12, atol=1e-12, err_msg=f"{scale} {ctx}")
+        np.testing.assert_allclose(got[1], want[1], rtol=1e-12, atol=1e-12, err_msg=f"{scale} {ctx}")
+    default = R.decode_attention(q, k, v, [11, 4])
+    explicit = R.decode_attention(q, k, v, [11, 4], softmax_scale=1 / math.sqrt(16))
+    np.testing.assert_array_equal(default[0], explicit[0], err_msg=ctx)
+
+
+CHUNKINGS = [
+    lambda n: [0, n],                         # one chunk
+    lambda n: [0, 1, n],                      # a single-token chunk
+    lambda n: [0, 0, n],                      # empty first chunk
+    lambda n: [0, n, n],                      # empty last chunk
+    lambda n: [0, n // 2, n // 2, n],         # empty middle chunk
+    lambda n: list(range(0, n, 7)) + [n],     # many short chunks
+    lambda n: list(range(n + 1)),             # one token each
+]
+
+
+@pytest.mark.parametrize("chunking", range(len(CHUNKINGS)))
+@pytest.mark.parametrize("logit_scale", [1.0, 1e4])
+def test_split_then_merge_equals_direct(rng, seed, chunking, logit_scale):
+    n, head_dim = 40, 8
+    ctx = context(seed, chunking=chunking, logit_scale=logit_scale)
+    if logit_scale == 1.0:
+        scores = rng.standard_normal(n)
+    else:  # |s| up to 1e4: exp(s) overflows even float64, the log domain must not
+        scores = rng.uniform(-logit_scale, logit_scale, n)
+        scores[rng.integers(n)] = logit_scale
+    values = rng.standard_normal((n, head_dim))
+    edges = CHUNKINGS[chunking](n)
+
+    o_parts, lse_parts = R.split_states(scores, values, edges)
+    assert o_parts.shape == (len(edges) - 1, head_dim) and lse_parts.shape == (len(edges) - 1,)
+    for i, (a, b) in enumerate(zip(edges[:-1], edges[1:])):
+        if b <= a:
+            assert lse_parts[i] == -np.inf and np.all(o_parts[i] == 0), ctx
+        else:
+            want_o, want_lse = direct_row(scores[a:b], values[a:b])
+            np.testing.assert_allclose(o_parts[i], want_o, rtol=1e-12, atol=1e-12, err_msg=ctx)
+            assert math.isclose(lse_parts[i], want_lse, rel_tol=1e-14, abs_tol=1e-12), ctx
+
+    with np.errstate(invalid="raise", divide="raise", over="raise"):
+        o, lse = R.merge_states(o_parts, lse_parts)
+    want_o, want_lse = direct_row(scores, values)
+    assert np.all(np.isfinite(o)) and np.isfinite(lse), ctx
+    np.testing.assert_allclose(o, want_o, rtol=1e-10, atol=1e-12, err_msg=ctx)
+    assert math.isclose(lse, want_lse, rel_tol=1e-14, abs_tol=1e-10), ctx
+
+
+def test_merge_states_row_dims_and_empty_states(rng, seed):
+    """(S, *rows, D) states, some empty with garbage (NaN) outputs that must not leak."""
+    num_states, rows, head_dim = 5, (3, 4), 6
+    ctx = context(seed)
+    o = rng.standard_normal((num_states, *rows, head_dim))
+    lse = rng.uniform(-50, 50, (num_states, *rows))
+    empty = rng.random((num_states, *rows)) < 0.4
+    empty[:, 0, 0] = True                       # one row with every state empty
+    lse[empty] = -np.inf
+    o[empty] = np.nan
+    with np.errstate(invalid="raise", divide="raise", over="raise"):
+        got_o, got_lse = R.merge_states(o, lse)
+    assert got_o.shape == (*rows, head_dim) and got_lse.shape == rows, ctx
+    assert not np.any(np.isnan(got_o)) and not np.any(np.isnan(got_lse)), ctx
+    for r in np.ndindex(*rows):
+        live = [i for i in range(num_states) if not empty[(i, *r)]]
+        if not live:
+            assert np.all(got_o[r] == 0) and got_lse[r] == -np.inf, f"{r} {ctx}"
+            continue
+        ls = [lse[(i, *r)] for i in live]
+        m = max(ls)
+        ws = [math.exp(x - m) for x in ls]
+        want_lse = m + math.log(sum(ws))
+        want_o = sum(w * o[(i, *r)] for w, i in zip(ws, live)) / sum(ws)
+        np.testing.assert_allclose(got_o[r], want_o, rtol=1e-12, atol=1e-12, err_msg=f"{r} {ctx}")
+        assert math.isclose(got_lse[r], want_lse, rel_tol=1e-14, abs_tol=1e-12), f"{r} {ctx}"
+
+
+def test_merge_all_empty_gives_zero_and_neg_inf():
+    o = np.full((3, 2, 4), np.nan)
+    lse = np.full((3, 2), -np.inf)
+    with np.errstate(all="raise"):
+        got_o, got_lse = R.merge_states(o, lse)
+    assert np.all(got_o == 0) and np.all(np.isneginf(got_lse))
+
+
+def test_merge_large_lse_spread(rng, seed):
+    """LSE of ±1e4 across states: the small ones vanish, nothing overflows or turns NaN."""
+    ctx = context(seed)
+    o = rng.standard_normal((4, 3, 8))
+    lse = np.array([[1e4, -1e4, 0.0], [1e4 - 1.0, 1e4, -1e4], [-1e4, 1e4, 0.5], [-np.inf, -1e4, 0.0]])
+    with np.errstate(invalid="raise", divide="raise", over="raise"):
+        got_o, got_lse = R.merge_states(o, lse)
+    for r in range(3):
+        ls = lse[:, r]
+        m = ls.max()
+        ws = np.exp(ls - m)
+        np.testing.assert_allclose(got_o[r], (ws[:, None] * o[:, r]).sum(0) / ws.sum(),
+                                   rtol=1e-12, atol=1e-12, err_msg=ctx)
+        assert math.isclose(got_lse[r], m + math.log(ws.sum()), rel_tol=1e-15), ctx
+
+
+def test_merge_accepts_low_precision_inputs(rng):
+    o = randn(rng, (2, 3, 8), "bfloat16")
+    lse = rng.standard_normal((2, 3)).astype(np.float32)
+    got_o, got_lse = R.merge_states(o, lse)
+    assert got_o.dtype == np.float64 and np.all(np.isfinite(got_o)) and np.all(np.isfinite(got_lse))
+
+
+def test_relative_error():
+    ref = np.array([[3.0, 4.0], [0.0, 0.0]])
+    assert R.relative_error(ref, ref) == 0.0
+    assert math.isclose(R.relative_error(ref * (1 + 1e-3), ref), 1e-3, rel_tol=1e-9)
+    assert math.isclose(R.relative_error(ref + np.array([[0, 0], [0.5, 0]]), ref), 0.1, rel_tol=1e-12)
+    # A zero reference: the absolute norm.
+    assert R.relative_error(np.array([3.0, 4.0]), np.zeros(2)) == 5.0
+    assert R.relative_error(np.zeros(2), np.zeros(2)) == 0.0
+    # Any NaN or inf in the result is an infinite error, never a silent pass.
+    assert R.relative_error(np.array([np.nan, 1.0]), np.array([1.0, 1.0])) == math.inf
+    assert R.relative_error(np.array([np.inf, 1.0]), np.array([1.0, 1.0])) == math.inf
+    # Low-precision inputs are compared in float64.
+    assert R.relative_error(ref.astype(np_dtype("bfloat16")), ref) == 0.0
+
+
+def test_lse_error():
+    ref = np.array([1.0, -np.inf, 3.0])
+    assert R.lse_error(ref, ref) == 0.0
+    assert math.isclose(R.lse_error(np.array([1.5, -np.inf, 2.9]), ref), 0.5)
+    # -inf must match -inf exactly; NaN is never accepted.
+    assert R.lse_error(np.array([1.0, -1e30, 3.0]), ref) == math.inf
+    assert R.lse_error(np.array([-np.inf, -np.inf, 3.0]), ref) == math.inf
+    assert R.lse_error(np.array([1.0, np.nan, 3.0]), ref) == math.inf
+    assert R.lse_error(np.array([np.nan, -np.inf, 3.0]), ref) == math.inf
+    # All rows empty and matching.
+    assert R.lse_error(np.full(2, -np.inf), np.full(2, -np.inf)) == 0.0
