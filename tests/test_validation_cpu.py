@@ -1,0 +1,65 @@
+"""Host arrays are refused before any GPU work, so these checks run on a machine without a GPU."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import cupydecode
+
+
+@pytest.fixture
+def cupy_importable():
+    try:
+        import cupy  # noqa: F401  (importing CuPy needs no GPU)
+    except Exception as exc:
+        pytest.skip(f"cupy cannot be imported ({type(exc).__name__}: {exc})")
+
+
+def _decode_args(dtype=np.float16):
+    q = np.zeros((2, 8, 128), dtype)
+    k = np.zeros((2, 16, 2, 128), dtype)
+    return q, k, k.copy()
+
+
+@pytest.mark.parametrize("form", ["ndarray", "list", "scalar"])
+def test_flash_decode_refuses_host_q(cupy_importable, form):
+    q, k, v = _decode_args()
+    q = {"ndarray": q, "list": q.tolist(), "scalar": 1.0}[form]
+    with pytest.raises(TypeError) as info:
+        cupydecode.flash_decode(q, k, v)
+    msg = str(info.value)
+    assert msg.startswith("q:") and "move it to the GPU" in msg, msg
+
+
+def test_flash_decode_refuses_host_arrays_with_every_option(cupy_importable):
+    q, k, v = _decode_args(np.float32)
+    with pytest.raises(TypeError, match=r"^q: .*move it to the GPU"):
+        cupydecode.flash_decode(q, k, v, [3, 4], softmax_scale=0.1, num_splits=3,
+                                return_lse=True, out=np.zeros_like(q))
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+def test_merge_states_refuses_host_arrays(cupy_importable, dtype):
+    o = np.zeros((3, 4, 64), dtype)
+    lse = np.zeros((3, 4), np.float32)
+    with pytest.raises(TypeError) as info:
+        cupydecode.merge_states(o, lse)
+    msg = str(info.value)
+    assert msg.startswith("o_parts:") and "move it to the GPU" in msg, msg
+
+
+def test_error_message_suggests_the_fix(cupy_importable):
+    q, k, v = _decode_args()
+    with pytest.raises(TypeError, match=r"cupy\.asarray\(q\)"):
+        cupydecode.flash_decode(q, k, v)
+
+
+def test_import_does_not_import_cupy():
+    """``import cupydecode`` and the NumPy reference work where CuPy cannot even load."""
+    code = ("import sys, cupydecode, cupydecode.reference, cupydecode._policy; "
+            "assert 'cupy' not in sys.modules, 'cupy imported at import time'")
+    subprocess.run([sys.executable, "-c", code], check=True)
