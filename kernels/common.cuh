@@ -122,7 +122,11 @@ __device__ __forceinline__ void cd_merge_row(const typename EI::storage* __restr
     sum = cd_warp_sum(sum);  // ≥ 1 whenever any state is live (the maximum contributes exactly 1)
     const float inv = sum > 0.f ? 1.f / sum : 0.f;
 
-    for (int d0 = lane * NV; d0 < head_dim; d0 += 32 * NV) {
+    // Every lane runs every pass (the shuffles below need the whole warp); lanes past the end of
+    // the row only skip their loads and stores.
+    for (int pass = 0; pass < head_dim; pass += 32 * NV) {
+        const int d0 = pass + lane * NV;
+        const bool mine = d0 < head_dim;
         float acc[NV];
 #pragma unroll
         for (int e = 0; e < NV; ++e) acc[e] = 0.f;
@@ -133,16 +137,20 @@ __device__ __forceinline__ void cd_merge_row(const typename EI::storage* __restr
 #pragma unroll 8
             for (int j = 0; j < n; ++j) {
                 const float w = __shfl_sync(0xffffffffu, w_lane, j);
-                const typename EI::storage* src = o + (long long)(base + j) * o_stride + d0;
+                if (mine) {
+                    const typename EI::storage* src = o + (long long)(base + j) * o_stride + d0;
 #pragma unroll
-                for (int e = 0; e < NV; ++e) {
-                    const float x = EI::to_float(cd_ldcg(src + e));
-                    acc[e] = w != 0.f ? fmaf(w, x, acc[e]) : acc[e];  // select: never 0 · NaN
+                    for (int e = 0; e < NV; ++e) {
+                        const float x = EI::to_float(cd_ldcg(src + e));
+                        acc[e] = w != 0.f ? fmaf(w, x, acc[e]) : acc[e];  // select: never 0 · NaN
+                    }
                 }
             }
         }
+        if (mine) {
 #pragma unroll
-        for (int e = 0; e < NV; ++e) dst[d0 + e] = EO::from_float(acc[e] * inv);
+            for (int e = 0; e < NV; ++e) dst[d0 + e] = EO::from_float(acc[e] * inv);
+        }
     }
     if (lse_dst && lane == 0) *lse_dst = sum > 0.f ? (mx + log2f(sum)) * CD_LN2 : CD_NEG_INF;
 }

@@ -50,6 +50,9 @@ def main():
         e, le = check(2, 32, 8, 128, 3000, dtype, None, None, qscale=300.0)
         print(f"big logits {dtype}: rel {e:.2e} lse {le:.2e}", flush=True)
 
+    if "--no-timing" in sys.argv:
+        print("FAILS", fails)
+        return
     # rough timing, graph replay, 32/8/128 fp16
     from cupy.cuda import Graph  # noqa
     dev = cp.cuda.Device()
