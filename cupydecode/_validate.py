@@ -128,6 +128,8 @@ def check_decode_inputs(q, k_cache, v_cache):
         fail(ValueError, "v_cache", f"the shape of k_cache {tuple(k.shape)}", tuple(v.shape))
     if num_heads < 1:
         fail(ValueError, "q", "num_heads >= 1", num_heads)
+    if batch > 65535:
+        fail(ValueError, "q", "batch <= 65535 (one grid row per sequence)", batch)
     if num_kv_heads < 1 or num_heads % num_kv_heads:
         fail(ValueError, "k_cache", f"num_kv_heads dividing num_heads={num_heads}", num_kv_heads)
     check_vector_layout(q, "q", (0, 1))

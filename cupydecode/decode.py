@@ -140,7 +140,7 @@ class DecodePlan:
                                             cupy.int32)
         self.out = cupy.empty((self.batch, self.num_heads, self.head_dim), self.dtype)
         self.lse = cupy.empty((self.batch, self.num_heads), cupy.float32)
-        self._grid = (self.num_splits * self.head_tiles, self.num_kv_heads, self.batch)
+        self._grid = (self.num_kv_heads * self.head_tiles, self.num_splits, self.batch)
         self._static = (np.int32(self.num_heads), np.int32(self.group),
                         np.int32(self.head_tiles), np.int32(self.chunk_tokens))
 

@@ -88,24 +88,16 @@ __device__ __forceinline__ u16 cd_ldcg(const u16* p) {
     return x;
 }
 
-__device__ __forceinline__ float cd_warp_max(float x) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
-    return x;
-}
-__device__ __forceinline__ float cd_warp_sum(float x) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
-    return x;
-}
-
 // Kernel 2's math for ONE row, done by one warp (DESIGN.md, natural-log LSE in and out):
 //   LSE = max_i LSE_i + log Σ_i exp(LSE_i − max_i LSE_i),  w_i = exp(LSE_i − LSE),  O = Σ_i w_i Õ_i
 // State i of the row is at o[i·o_stride .. + head_dim) and lse[i·lse_stride]. Empty states
 // (LSE_i = −inf) get weight exactly 0 and their Õ_i is never multiplied in (it may hold NaN);
-// all empty gives O = 0, LSE = −inf. The lanes load the LSEs of 32 states at once and then
-// accumulate with the weights broadcast by shuffle, so the loads are independent, not a chain
-// over the states. Used by merge_states.cu and by the fused merge at the end of decode_split.cu.
+// all empty gives O = 0, LSE = −inf.
+// Latency, not bytes, is what this costs (it ends every split decode): each lane loads the LSEs
+// of states lane, lane+32, … once and folds them into an online (max, sum) pair, the warp merges
+// the pairs with shuffles, and the Õ loads of up to 16 states are in flight together. For
+// S ≤ 32 that is two dependent trips to L2 in all. Used by merge_states.cu and by the fused merge
+// at the end of decode_split.cu.
 template <typename EI, typename EO, int NV>  // NV elements per lane per pass
 __device__ __forceinline__ void cd_merge_row(const typename EI::storage* __restrict__ o,
                                              long long o_stride,
@@ -113,14 +105,25 @@ __device__ __forceinline__ void cd_merge_row(const typename EI::storage* __restr
                                              int num_states, int head_dim,
                                              typename EO::storage* __restrict__ dst,
                                              float* __restrict__ lse_dst, int lane) {
-    float mx = CD_NEG_INF;
-    for (int i = lane; i < num_states; i += 32) mx = fmaxf(mx, cd_ldcg(lse + i * lse_stride) * CD_LOG2E);
-    mx = cd_warp_max(mx);
-    const float ref = (mx == CD_NEG_INF) ? 0.f : mx;  // all empty: weights stay 0, no NaN
-    float sum = 0.f;
-    for (int i = lane; i < num_states; i += 32) sum += cd_exp2(cd_ldcg(lse + i * lse_stride) * CD_LOG2E - ref);
-    sum = cd_warp_sum(sum);  // ≥ 1 whenever any state is live (the maximum contributes exactly 1)
-    const float inv = sum > 0.f ? 1.f / sum : 0.f;
+    float m = CD_NEG_INF, sum = 0.f, first = CD_NEG_INF;  // first: this lane's state `lane`
+    for (int i = lane; i < num_states; i += 32) {
+        const float x = cd_ldcg(lse + i * lse_stride) * CD_LOG2E;
+        if (i == lane) first = x;
+        if (x == CD_NEG_INF) continue;  // empty state: nothing to add, and no −inf − (−inf)
+        const float mn = fmaxf(m, x);
+        sum = sum * cd_exp2(m - mn) + cd_exp2(x - mn);
+        m = mn;
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+        const float m2 = __shfl_xor_sync(0xffffffffu, m, off);
+        const float s2 = __shfl_xor_sync(0xffffffffu, sum, off);
+        const cd_rescale r = cd_merge_scales(m, m2);
+        sum = sum * r.a + s2 * r.b;
+        m = r.m;
+    }
+    const float ref = (m == CD_NEG_INF) ? 0.f : m;  // all empty: weights stay 0, no NaN
+    const float inv = sum > 0.f ? 1.f / sum : 0.f;   // sum ≥ 1 whenever any state is live
 
     // Every lane runs every pass (the shuffles below need the whole warp); lanes past the end of
     // the row only skip their loads and stores.
@@ -132,17 +135,19 @@ __device__ __forceinline__ void cd_merge_row(const typename EI::storage* __restr
         for (int e = 0; e < NV; ++e) acc[e] = 0.f;
         for (int base = 0; base < num_states; base += 32) {
             const int i = base + lane;
-            const float w_lane = i < num_states ? cd_exp2(cd_ldcg(lse + i * lse_stride) * CD_LOG2E - ref) : 0.f;
+            const float x = base == 0 ? first
+                          : (i < num_states ? cd_ldcg(lse + i * lse_stride) * CD_LOG2E : CD_NEG_INF);
+            const float w_lane = cd_exp2(x - ref);  // exp2(−inf) = 0 for empty and absent states
             const int n = min(32, num_states - base);
-#pragma unroll 8
+#pragma unroll 16
             for (int j = 0; j < n; ++j) {
                 const float w = __shfl_sync(0xffffffffu, w_lane, j);
                 if (mine) {
                     const typename EI::storage* src = o + (long long)(base + j) * o_stride + d0;
 #pragma unroll
                     for (int e = 0; e < NV; ++e) {
-                        const float x = EI::to_float(cd_ldcg(src + e));
-                        acc[e] = w != 0.f ? fmaf(w, x, acc[e]) : acc[e];  // select: never 0 · NaN
+                        const float v = EI::to_float(cd_ldcg(src + e));
+                        acc[e] = w != 0.f ? fmaf(w, v, acc[e]) : acc[e];  // select: never 0 · NaN
                     }
                 }
             }
@@ -152,5 +157,5 @@ __device__ __forceinline__ void cd_merge_row(const typename EI::storage* __restr
             for (int e = 0; e < NV; ++e) dst[d0 + e] = EO::from_float(acc[e] * inv);
         }
     }
-    if (lse_dst && lane == 0) *lse_dst = sum > 0.f ? (mx + log2f(sum)) * CD_LN2 : CD_NEG_INF;
+    if (lse_dst && lane == 0) *lse_dst = sum > 0.f ? (m + log2f(sum)) * CD_LN2 : CD_NEG_INF;
 }
