@@ -97,3 +97,30 @@ def assert_lse_close(got, ref, atol: float, ctx: str, rtol: float = 0.0) -> floa
     assert np.all(diff <= bound), (
         f"lse: error {diff[worst]:.3e} > {bound[worst]:.1e} (value {ref[~dead][worst]:.4g}) {ctx}")
     return float(diff.max())
+
+
+def to_device(x: np.ndarray):
+    """Host array → CuPy array of the same dtype (bfloat16 travels as its 16-bit pattern)."""
+    import cupy
+
+    x = np.ascontiguousarray(x)
+    if x.dtype == np_dtype("bfloat16"):
+        return cupy.asarray(x.view(np.uint16)).view(x.dtype)
+    return cupy.asarray(x)
+
+
+def poison_pool(cupy, nbytes: int) -> None:
+    """Leave NaN-filled blocks in CuPy's memory pool, so that a following ``cupy.empty`` of a
+    similar size gets NaN memory: an output element the kernels forget to write then shows."""
+    n = max(1, -(-nbytes // 4))
+    blocks = [cupy.full(n, np.nan, cupy.float32) for _ in range(4)]
+    del blocks
+
+
+def nan_tail(k: np.ndarray, lens) -> np.ndarray:
+    """K or V with every token past each sequence's length set to NaN: a kernel that reads
+    past the length turns the output NaN (the reference never reads there)."""
+    k = k.copy()
+    for b, n in enumerate(lens):
+        k[b, n:] = np.nan
+    return k

@@ -1,0 +1,345 @@
+"""flash_decode against the float64 reference, on the GPU.
+
+Every case draws fresh random data; outputs are poisoned with NaN before each call (through
+``out=`` and, for the no-``out`` path, through the memory pool), and the cache past each
+sequence's length is NaN, so an unwritten output element or an out-of-range read fails the test.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+
+import numpy as np
+import pytest
+
+import cupydecode
+from cupydecode import reference as R
+from helpers import (DTYPES, LSE_TOL, OUT_TOL, assert_lse_close, assert_out_close, context,
+                     decode_inputs, nan_tail, poison_pool, randn, to_device)
+
+pytestmark = pytest.mark.gpu
+
+HEAD_DIMS = (64, 128, 256)
+GROUPS = (1, 4, 7, 8)
+LENGTHS = (1, 2, 17, 255, 256, 257, 4097, 65536)
+BATCHES = (1, 3, 8)
+SPLITS = (1, 3, None)
+# Elements of K per case at most (the float64 reference reads K and V in float64).
+MAX_KV_ELEMS = 1 << 24
+
+
+def _fits(dtype, head_dim, group, length, batch, splits):
+    if length >= 65536 and batch > 1:
+        return False
+    return batch * length * head_dim <= MAX_KV_ELEMS
+
+
+def _covering_cases(n_extra: int = 36):
+    """Every length × dtype, the other axes drawn from a fixed generator (stable test ids; the
+    data itself is fresh every run), then extra draws from the whole product, then one case
+    for any axis value still missing. Each case: (dtype, head_dim, group, length, batch, splits)."""
+    pick = random.Random(0x5EED)
+    cases = []
+    for length, dtype in itertools.product(LENGTHS, DTYPES):
+        while True:
+            c = (dtype, pick.choice(HEAD_DIMS), pick.choice(GROUPS), length,
+                 pick.choice(BATCHES), pick.choice(SPLITS))
+            if _fits(*c):
+                cases.append(c)
+                break
+    product = [c for c in itertools.product(DTYPES, HEAD_DIMS, GROUPS, LENGTHS, BATCHES, SPLITS)
+               if _fits(*c) and c not in cases]
+    cases += pick.sample(product, n_extra)
+    for axis, values in enumerate((DTYPES, HEAD_DIMS, GROUPS, LENGTHS, BATCHES, SPLITS)):
+        for value in values:
+            if not any(c[axis] == value for c in cases):
+                cases.append(next(c for c in product if c[axis] == value and c not in cases))
+    return cases
+
+
+CASES = _covering_cases()
+
+
+def _case_id(c):
+    dtype, head_dim, group, length, batch, splits = c
+    return f"{dtype}-D{head_dim}-G{group}-L{length}-B{batch}-S{'auto' if splits is None else splits}"
+
+
+def test_case_list_covers_every_value():
+    for axis, values in enumerate((DTYPES, HEAD_DIMS, GROUPS, LENGTHS, BATCHES, SPLITS)):
+        assert {c[axis] for c in CASES} == set(values)
+    assert 50 <= len(CASES) <= 80
+
+
+def _lengths(rng, batch, length, varlen):
+    """Per-sequence lengths: all full, or random with one full and (batch ≥ 3) one empty."""
+    if not varlen or batch == 1:
+        return [length] * batch
+    lens = rng.integers(0, length + 1, batch)
+    lens[rng.integers(batch)] = length
+    if batch >= 3:
+        lens[(np.argmax(lens) + 1) % batch] = 0
+    return [int(x) for x in lens]
+
+
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_flash_decode_matches_reference(cupy, rng, seed, case):
+    dtype, head_dim, group, length, batch, splits = case
+    num_kv_heads = 2 if batch * length * head_dim * 2 <= MAX_KV_ELEMS else 1
+    num_heads = group * num_kv_heads
+    varlen = batch > 1 and CASES.index(case) % 2 == 0
+    lens = _lengths(rng, batch, length, varlen)
+    ctx = context(seed, case=_case_id(case), num_heads=num_heads, num_kv_heads=num_kv_heads,
+                  lens=lens if batch <= 8 else "...")
+    q, k, v = decode_inputs(rng, batch, num_heads, num_kv_heads, head_dim, length, dtype)
+    k, v = nan_tail(k, lens), nan_tail(v, lens)
+    ref_out, ref_lse = R.decode_attention(q, k, v, lens)
+
+    dq, dk, dv = to_device(q), to_device(k), to_device(v)
+    seqlens = cupy.asarray(np.asarray(lens, np.int32)) if varlen else None
+    out = cupy.full(q.shape, np.nan, dtype=dq.dtype)
+    got, lse = cupydecode.flash_decode(dq, dk, dv, seqlens, num_splits=splits, return_lse=True,
+                                       out=out)
+    assert got is out, ctx
+    assert got.dtype == dq.dtype and got.shape == q.shape, ctx
+    assert lse.dtype == np.float32 and lse.shape == (batch, num_heads), ctx
+    assert_out_close(got, ref_out, OUT_TOL[dtype], ctx)
+    assert_lse_close(lse, ref_lse, LSE_TOL[dtype], ctx)
+    for b, n in enumerate(lens):
+        if n == 0:
+            assert not cupy.any(got[b]), f"empty sequence {b}: out not exactly 0 {ctx}"
+
+    # The no-out path, over a memory pool full of NaN: same kernels, same bits.
+    poison_pool(cupy, got.nbytes)
+    again = cupydecode.flash_decode(dq, dk, dv, seqlens, num_splits=splits)
+    assert again.dtype == got.dtype and again.shape == got.shape, ctx
+    assert cupy.array_equal(again.view(cupy.uint8), got.view(cupy.uint8)), f"no-out path differs {ctx}"
+
+
+SPLIT_AGREEMENT = [  # (dtype, batch, num_heads, num_kv_heads, head_dim, length)
+    ("float16", 2, 32, 8, 128, 4097),
+    ("bfloat16", 3, 28, 4, 128, 2000),
+    ("float32", 1, 16, 2, 64, 8191),
+    ("float16", 1, 8, 1, 256, 65536),
+    ("bfloat16", 8, 8, 8, 64, 257),
+]
+
+
+@pytest.mark.parametrize("dtype,batch,num_heads,num_kv_heads,head_dim,length", SPLIT_AGREEMENT)
+def test_split_counts_agree(cupy, rng, seed, dtype, batch, num_heads, num_kv_heads, head_dim, length):
+    ctx = context(seed, dtype=dtype, batch=batch, heads=f"{num_heads}/{num_kv_heads}",
+                  head_dim=head_dim, length=length)
+    q, k, v = decode_inputs(rng, batch, num_heads, num_kv_heads, head_dim, length, dtype)
+    ref_out, ref_lse = R.decode_attention(q, k, v)
+    dq, dk, dv = to_device(q), to_device(k), to_device(v)
+    results = {}
+    for splits in (1, 3, None):
+        out = cupy.full(q.shape, np.nan, dtype=dq.dtype)
+        results[splits] = cupydecode.flash_decode(dq, dk, dv, num_splits=splits, return_lse=True,
+                                                  out=out)
+        assert_out_close(results[splits][0], ref_out, OUT_TOL[dtype], f"splits={splits} {ctx}")
+        assert_lse_close(results[splits][1], ref_lse, LSE_TOL[dtype], f"splits={splits} {ctx}")
+    for a, b in itertools.combinations(results, 2):
+        what = f"splits {a} vs {b}"
+        assert_out_close(results[a][0], results[b][0], OUT_TOL[dtype], ctx, what)
+        assert_lse_close(results[a][1], results[b][1], LSE_TOL[dtype], f"{what} {ctx}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("form", ["device", "host_list", "host_ndarray", "int", "none"])
+def test_cache_seqlens_forms(cupy, rng, seed, dtype, form):
+    batch, num_heads, num_kv_heads, head_dim, max_seqlen = 4, 16, 4, 128, 700
+    lens = {"int": [333] * batch, "none": [max_seqlen] * batch}.get(form, [0, 1, 700, 301])
+    arg = {"device": cupy.asarray(np.asarray(lens, np.int32)), "host_list": lens,
+           "host_ndarray": np.asarray(lens, np.int64), "int": 333, "none": None}[form]
+    ctx = context(seed, dtype=dtype, form=form, lens=lens)
+    q, k, v = decode_inputs(rng, batch, num_heads, num_kv_heads, head_dim, max_seqlen, dtype)
+    k, v = nan_tail(k, lens), nan_tail(v, lens)
+    ref_out, ref_lse = R.decode_attention(q, k, v, lens)
+    for splits in (1, 3, None):
+        out = cupy.full(q.shape, np.nan, dtype=q.dtype)
+        got, lse = cupydecode.flash_decode(to_device(q), to_device(k), to_device(v), arg,
+                                           num_splits=splits, out=out, return_lse=True)
+        assert_out_close(got, ref_out, OUT_TOL[dtype], f"splits={splits} {ctx}")
+        assert_lse_close(lse, ref_lse, LSE_TOL[dtype], f"splits={splits} {ctx}")
+        for b, n in enumerate(lens):
+            if n == 0:
+                assert not cupy.any(got[b]) and bool(cupy.all(cupy.isneginf(lse[b]))), ctx
+
+
+@pytest.mark.parametrize("splits", [1, 3, None])
+def test_device_seqlens_are_clamped(cupy, rng, seed, splits):
+    """Device lengths are never read on the host: out-of-range ones are clamped in the kernel."""
+    batch, num_heads, num_kv_heads, head_dim, max_seqlen = 4, 8, 2, 64, 300
+    ctx = context(seed, splits=splits)
+    q, k, v = decode_inputs(rng, batch, num_heads, num_kv_heads, head_dim, max_seqlen, "float16")
+    dq, dk, dv = to_device(q), to_device(k), to_device(v)
+    wild = cupy.asarray(np.array([max_seqlen + 1, 2**31 - 1, -5, -(2**31)], np.int32))
+    got, lse = cupydecode.flash_decode(dq, dk, dv, wild, num_splits=splits, return_lse=True)
+    clamped = [max_seqlen, max_seqlen, 0, 0]
+    ref_out, ref_lse = R.decode_attention(q, k, v, clamped)
+    assert_out_close(got, ref_out, OUT_TOL["float16"], ctx)
+    assert_lse_close(lse, ref_lse, LSE_TOL["float16"], ctx)
+    full, full_lse = cupydecode.flash_decode(dq, dk, dv, max_seqlen, num_splits=splits, return_lse=True)
+    assert cupy.array_equal(got[:2], full[:2]) and cupy.array_equal(lse[:2], full_lse[:2]), ctx
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_transposed_cache(cupy, rng, seed, dtype):
+    """A (batch, kv_heads, seq, dim) cache passed as its (0, 2, 1, 3) view."""
+    batch, num_heads, num_kv_heads, head_dim, max_seqlen = 3, 28, 4, 128, 1000
+    lens = [1000, 17, 0]
+    ctx = context(seed, dtype=dtype)
+    q = randn(rng, (batch, num_heads, head_dim), dtype)
+    k_bhsd = randn(rng, (batch, num_kv_heads, max_seqlen, head_dim), dtype)
+    v_bhsd = randn(rng, (batch, num_kv_heads, max_seqlen, head_dim), dtype)
+    k, v = k_bhsd.transpose(0, 2, 1, 3), v_bhsd.transpose(0, 2, 1, 3)
+    ref_out, ref_lse = R.decode_attention(q, k, v, lens)
+    dk = to_device(k_bhsd).transpose(0, 2, 1, 3)
+    dv = to_device(v_bhsd).transpose(0, 2, 1, 3)
+    assert not dk.flags.c_contiguous
+    for splits in (1, 3, None):
+        got, lse = cupydecode.flash_decode(to_device(q), dk, dv, lens, num_splits=splits,
+                                           return_lse=True)
+        assert_out_close(got, ref_out, OUT_TOL[dtype], f"splits={splits} {ctx}")
+        assert_lse_close(lse, ref_lse, LSE_TOL[dtype], f"splits={splits} {ctx}")
+
+
+def test_cache_that_is_a_slice_of_a_longer_buffer(cupy, rng, seed):
+    """k_cache[:, :L] of a longer preallocated cache: the batch stride is not L·Hkv·D."""
+    batch, num_heads, num_kv_heads, head_dim, capacity, length = 2, 8, 2, 128, 1024, 700
+    ctx = context(seed)
+    q, k, v = decode_inputs(rng, batch, num_heads, num_kv_heads, head_dim, capacity, "bfloat16")
+    ref_out, ref_lse = R.decode_attention(q, k[:, :length], v[:, :length])
+    dk, dv = to_device(k)[:, :length], to_device(v)[:, :length]
+    got, lse = cupydecode.flash_decode(to_device(q), dk, dv, return_lse=True)
+    assert_out_close(got, ref_out, OUT_TOL["bfloat16"], ctx)
+    assert_lse_close(lse, ref_lse, LSE_TOL["bfloat16"], ctx)
+
+
+def test_out_and_return_lse(cupy, rng, seed):
+    batch, num_heads, num_kv_heads, head_dim, max_seqlen = 2, 32, 8, 128, 513
+    ctx = context(seed)
+    q, k, v = decode_inputs(rng, batch, num_heads, num_kv_heads, head_dim, max_seqlen, "float16")
+    dq, dk, dv = to_device(q), to_device(k), to_device(v)
+    plain = cupydecode.flash_decode(dq, dk, dv)
+    assert isinstance(plain, cupy.ndarray), ctx
+    pair = cupydecode.flash_decode(dq, dk, dv, return_lse=True)
+    assert isinstance(pair, tuple) and len(pair) == 2, ctx
+    out = cupy.full(q.shape, np.nan, dtype=cupy.float16)
+    same = cupydecode.flash_decode(dq, dk, dv, out=out)
+    assert same is out, ctx
+    assert cupy.array_equal(plain, pair[0]) and cupy.array_equal(plain, out), ctx
+    ref_out, ref_lse = R.decode_attention(q, k, v)
+    assert_out_close(out, ref_out, OUT_TOL["float16"], ctx)
+    assert_lse_close(pair[1], ref_lse, LSE_TOL["float16"], ctx)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_softmax_scale(cupy, rng, seed, dtype):
+    q, k, v = decode_inputs(rng, 2, 8, 2, 64, 300, dtype)
+    for scale in (0.01, 0.5, 1.0):
+        ctx = context(seed, dtype=dtype, scale=scale)
+        got, lse = cupydecode.flash_decode(to_device(q), to_device(k), to_device(v),
+                                           softmax_scale=scale, return_lse=True)
+        ref_out, ref_lse = R.decode_attention(q, k, v, softmax_scale=scale)
+        assert_out_close(got, ref_out, OUT_TOL[dtype], ctx)
+        assert_lse_close(lse, ref_lse, LSE_TOL[dtype], ctx)
+
+
+@pytest.mark.parametrize("split_size", [64, 256, 1000])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_split_size_is_batch_independent(cupy, rng, seed, dtype, split_size):
+    """With a fixed split_size, a sequence's result is bitwise the same alone or in a batch."""
+    batch, num_heads, num_kv_heads, head_dim, max_seqlen = 5, 28, 4, 128, 3000
+    lens = [3000, 1, 2222, 0, 1500]
+    ctx = context(seed, dtype=dtype, split_size=split_size)
+    q, k, v = decode_inputs(rng, batch, num_heads, num_kv_heads, head_dim, max_seqlen, dtype)
+    dq, dk, dv = to_device(q), to_device(k), to_device(v)
+    seqlens = cupy.asarray(np.asarray(lens, np.int32))
+    whole, whole_lse = cupydecode.flash_decode(dq, dk, dv, seqlens, split_size=split_size,
+                                               return_lse=True)
+    ref_out, ref_lse = R.decode_attention(q, k, v, lens)
+    assert_out_close(whole, ref_out, OUT_TOL[dtype], ctx)
+    assert_lse_close(whole_lse, ref_lse, LSE_TOL[dtype], ctx)
+    for b in (0, 2, 4):
+        alone, alone_lse = cupydecode.flash_decode(
+            cupy.ascontiguousarray(dq[b:b + 1]), cupy.ascontiguousarray(dk[b:b + 1]),
+            cupy.ascontiguousarray(dv[b:b + 1]), seqlens[b:b + 1], split_size=split_size,
+            return_lse=True)
+        assert cupy.array_equal(alone[0].view(cupy.uint8), whole[b].view(cupy.uint8)), f"b={b} {ctx}"
+        assert cupy.array_equal(alone_lse[0], whole_lse[b]), f"b={b} {ctx}"
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("splits", [1, 3, None])
+def test_large_logits(cupy, rng, seed, dtype, splits):
+    """max |s| ≈ 1e4: exp(s) overflows every float type; the log-domain path must not.
+
+    LSE values near 1e4 are resolved by float32 only to about 1e-3 (its spacing there), and the
+    fp32 dot product of ~1e5 adds a few of those spacings, so the LSE bound here is
+    1e-3 + 1e-5·|LSE| instead of a flat 1e-3.
+    """
+    batch, num_heads, num_kv_heads, head_dim, max_seqlen = 2, 32, 8, 128, 3000
+    q, k, v = decode_inputs(rng, batch, num_heads, num_kv_heads, head_dim, max_seqlen, dtype)
+    # Calibrate: scale q so that max |s| ≈ 1e4.
+    group = num_heads // num_kv_heads
+    s = np.einsum("bkgd,bnkd->bkgn", R.to_float64(q).reshape(batch, num_kv_heads, group, head_dim),
+                  R.to_float64(k)) / math.sqrt(head_dim)
+    q = (R.to_float64(q) * (1e4 / np.abs(s).max())).astype(q.dtype)
+    ref_out, ref_lse = R.decode_attention(q, k, v)
+    ctx = context(seed, dtype=dtype, splits=splits, max_lse=f"{np.abs(ref_lse).max():.4g}")
+    assert np.abs(ref_lse).max() > 5e3, ctx
+    out = cupy.full(q.shape, np.nan, dtype=q.dtype)
+    got, lse = cupydecode.flash_decode(to_device(q), to_device(k), to_device(v), num_splits=splits,
+                                       return_lse=True, out=out)
+    assert bool(cupy.all(cupy.isfinite(got.astype(cupy.float32)))), ctx
+    assert bool(cupy.all(cupy.isfinite(lse))), ctx
+    assert_out_close(got, ref_out, OUT_TOL[dtype], ctx)
+    assert_lse_close(lse, ref_lse, 1e-3, ctx, rtol=1e-5)
+
+
+GQA_LAYOUTS = [  # (num_heads, num_kv_heads): GQA 7, 8, MQA beyond one 16-row tile, odd tiles
+    (28, 4), (64, 8), (32, 1), (17, 1), (71, 1), (48, 2),
+]
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", GQA_LAYOUTS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gqa_and_mqa_layouts(cupy, rng, seed, dtype, num_heads, num_kv_heads):
+    batch, head_dim, max_seqlen = 3, 128, 1100
+    lens = [1100, 0, 513]
+    ctx = context(seed, dtype=dtype, heads=f"{num_heads}/{num_kv_heads}")
+    q, k, v = decode_inputs(rng, batch, num_heads, num_kv_heads, head_dim, max_seqlen, dtype)
+    k, v = nan_tail(k, lens), nan_tail(v, lens)
+    ref_out, ref_lse = R.decode_attention(q, k, v, lens)
+    seqlens = cupy.asarray(np.asarray(lens, np.int32))
+    for splits in (1, 3, None):
+        out = cupy.full(q.shape, np.nan, dtype=q.dtype)
+        got, lse = cupydecode.flash_decode(to_device(q), to_device(k), to_device(v), seqlens,
+                                           num_splits=splits, return_lse=True, out=out)
+        assert_out_close(got, ref_out, OUT_TOL[dtype], f"splits={splits} {ctx}")
+        assert_lse_close(lse, ref_lse, LSE_TOL[dtype], f"splits={splits} {ctx}")
+
+
+def test_many_forced_splits(cupy, rng, seed):
+    """More splits than tokens: most splits are empty and must merge to nothing."""
+    q, k, v = decode_inputs(rng, 2, 8, 2, 64, 100, "float16")
+    ctx = context(seed)
+    ref_out, ref_lse = R.decode_attention(q, k, v, [100, 3])
+    for splits in (7, 100, 333):
+        got, lse = cupydecode.flash_decode(to_device(q), to_device(k), to_device(v), [100, 3],
+                                           num_splits=splits, return_lse=True)
+        assert_out_close(got, ref_out, OUT_TOL["float16"], f"splits={splits} {ctx}")
+        assert_lse_close(lse, ref_lse, LSE_TOL["float16"], f"splits={splits} {ctx}")
+
+
+def test_empty_batch_and_empty_cache(cupy, rng):
+    q, k, v = decode_inputs(rng, 0, 8, 2, 128, 16, "float16")
+    got = cupydecode.flash_decode(to_device(q), to_device(k), to_device(v))
+    assert got.shape == (0, 8, 128)
+    q, k, v = decode_inputs(rng, 2, 8, 2, 128, 0, "float16")
+    got, lse = cupydecode.flash_decode(to_device(q), to_device(k), to_device(v), return_lse=True)
+    assert not cupy.any(got) and bool(cupy.all(cupy.isneginf(lse)))

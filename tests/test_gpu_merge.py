@@ -1,0 +1,123 @@
+"""merge_states on the GPU against the float64 reference merge."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import cupydecode
+from cupydecode import reference as R
+from helpers import DTYPES, OUT_TOL, assert_lse_close, assert_out_close, context, randn, to_device
+
+pytestmark = pytest.mark.gpu
+
+# float32 LSE of magnitude up to ~60 here: a few float32 spacings.
+LSE_ATOL = 1e-5
+
+
+def _states(rng, shape, dtype, lse_range=20.0, empty_fraction=0.0):
+    """Random (o_parts, lse_parts) on the host; empty states get lse = -inf and o = NaN."""
+    o = randn(rng, shape, dtype)
+    lse = rng.uniform(-lse_range, lse_range, shape[:-1]).astype(np.float32)
+    if empty_fraction:
+        empty = rng.random(shape[:-1]) < empty_fraction
+        lse[empty] = -np.inf
+        o[empty] = np.nan
+    return o, lse
+
+
+SHAPES = [(1, 4, 128), (2, 7, 64), (3, 5, 256), (7, 3, 5, 128), (33, 6, 64), (100, 2, 128),
+          (4, 9, 5), (5, 3, 200), (2, 1, 1)]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_merge_matches_reference(cupy, rng, seed, dtype, shape):
+    ctx = context(seed, dtype=dtype, shape=shape)
+    o, lse = _states(rng, shape, dtype)
+    ref_o, ref_lse = R.merge_states(o, lse)
+    got_o, got_lse = cupydecode.merge_states(to_device(o), to_device(lse))
+    assert got_o.dtype == to_device(o).dtype and got_o.shape == shape[1:], ctx
+    assert got_lse.dtype == np.float32 and got_lse.shape == shape[1:-1], ctx
+    assert_out_close(got_o, ref_o, OUT_TOL[dtype], ctx)
+    assert_lse_close(got_lse, ref_lse, LSE_ATOL, ctx, rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_empty_states_never_leak(cupy, rng, seed, dtype):
+    """States with lse = -inf carry NaN outputs; rows with every state empty give 0 and -inf."""
+    shape = (6, 4, 8, 128)
+    ctx = context(seed, dtype=dtype)
+    o, lse = _states(rng, shape, dtype, empty_fraction=0.5)
+    lse[:, 0, 0] = -np.inf  # a row with every state empty
+    o[:, 0, 0] = np.nan
+    lse[1:, 1, 1] = -np.inf  # a row with one live state
+    o[1:, 1, 1] = np.nan
+    ref_o, ref_lse = R.merge_states(o, lse)
+    got_o, got_lse = cupydecode.merge_states(to_device(o), to_device(lse))
+    assert not bool(cupy.any(cupy.isnan(got_o.astype(cupy.float32)))), f"NaN leaked {ctx}"
+    assert not cupy.any(got_o[0, 0]) and float(got_lse[0, 0]) == -np.inf, ctx
+    assert_out_close(got_o, ref_o, OUT_TOL[dtype], ctx)
+    assert_lse_close(got_lse, ref_lse, LSE_ATOL, ctx, rtol=1e-6)
+
+
+@pytest.mark.parametrize("num_states", [1, 2, 40])
+def test_all_empty(cupy, num_states):
+    o = cupy.full((num_states, 3, 5, 64), np.nan, cupy.float32)
+    lse = cupy.full((num_states, 3, 5), -np.inf, cupy.float32)
+    got_o, got_lse = cupydecode.merge_states(o, lse)
+    assert not cupy.any(got_o) and not bool(cupy.any(cupy.isnan(got_o)))
+    assert bool(cupy.all(cupy.isneginf(got_lse)))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_large_lse_spread(cupy, rng, seed, dtype):
+    """LSE values of ±1e4 in one row: exp of them overflows; the max-shifted merge must not."""
+    shape = (8, 16, 128)
+    ctx = context(seed, dtype=dtype)
+    o, lse = _states(rng, shape, dtype, lse_range=1e4)
+    lse[3, :4] = 1e4                   # near-ties at the top of the range
+    lse[5, :4] = 1e4 - 0.5
+    lse[:, 4] = -1e4 + rng.uniform(0, 3, shape[0]).astype(np.float32)  # all very negative
+    ref_o, ref_lse = R.merge_states(o, lse)
+    got_o, got_lse = cupydecode.merge_states(to_device(o), to_device(lse))
+    assert bool(cupy.all(cupy.isfinite(got_o.astype(cupy.float32)))), ctx
+    assert_out_close(got_o, ref_o, OUT_TOL[dtype], ctx)
+    # |LSE| ≈ 1e4 is resolved by float32 only to ~1e-3.
+    assert_lse_close(got_lse, ref_lse, 1e-3, ctx, rtol=1e-6)
+
+
+def test_non_contiguous_inputs(cupy, rng, seed):
+    ctx = context(seed)
+    o, lse = _states(rng, (4, 6, 64), "float32")
+    ref_o, ref_lse = R.merge_states(o, lse)
+    # The same states stored (rows, S, D) and viewed as (S, rows, D).
+    do = to_device(np.ascontiguousarray(o.transpose(1, 0, 2))).transpose(1, 0, 2)
+    dl = to_device(np.ascontiguousarray(lse.T)).T
+    assert not do.flags.c_contiguous and not dl.flags.c_contiguous
+    got_o, got_lse = cupydecode.merge_states(do, dl)
+    assert_out_close(got_o, ref_o, OUT_TOL["float32"], ctx)
+    assert_lse_close(got_lse, ref_lse, LSE_ATOL, ctx, rtol=1e-6)
+
+
+def test_merge_of_decode_halves_equals_whole(cupy, rng, seed):
+    """Cascade use: attention over two halves of a cache, merged, equals attention over all."""
+    batch, num_heads, num_kv_heads, head_dim, length = 2, 16, 4, 128, 1500
+    ctx = context(seed)
+    q = to_device(randn(rng, (batch, num_heads, head_dim), "float32"))
+    k = to_device(randn(rng, (batch, length, num_kv_heads, head_dim), "float32"))
+    v = to_device(randn(rng, (batch, length, num_kv_heads, head_dim), "float32"))
+    whole, whole_lse = cupydecode.flash_decode(q, k, v, return_lse=True)
+    parts = [cupydecode.flash_decode(q, cupy.ascontiguousarray(k[:, a:b]),
+                                     cupy.ascontiguousarray(v[:, a:b]), return_lse=True)
+             for a, b in ((0, 600), (600, length))]
+    o, lse = cupydecode.merge_states(cupy.stack([p[0] for p in parts]),
+                                     cupy.stack([p[1] for p in parts]))
+    assert_out_close(o, whole, 1e-5, ctx)
+    assert_lse_close(lse, whole_lse, 1e-5, ctx)
+
+
+def test_empty_rows_shape(cupy):
+    o, lse = cupydecode.merge_states(cupy.zeros((3, 0, 64), cupy.float16),
+                                     cupy.zeros((3, 0), cupy.float32))
+    assert o.shape == (0, 64) and lse.shape == (0,)

@@ -1,0 +1,191 @@
+"""DecodePlan: same results as flash_decode, fixed workspace, and CUDA graph capture/replay."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import cupydecode
+from cupydecode import _policy
+from cupydecode import reference as R
+from helpers import (DTYPES, LSE_TOL, OUT_TOL, assert_lse_close, assert_out_close, context,
+                     decode_inputs, np_dtype, to_device)
+
+pytestmark = pytest.mark.gpu
+
+MERGES = ("fused", "kernel")
+
+
+def _plan(*args, merge=None, **kw):
+    """A DecodePlan; ``merge`` is passed only when asked for (older plans have no such option)."""
+    if merge is not None:
+        kw["merge"] = merge
+    return cupydecode.DecodePlan(*args, **kw)
+
+
+@pytest.mark.parametrize("splits", [1, 3, None])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_plan_matches_flash_decode(cupy, rng, seed, dtype, splits):
+    batch, num_heads, num_kv_heads, head_dim, max_seqlen = 3, 28, 4, 128, 2500
+    lens = [2500, 0, 999]
+    ctx = context(seed, dtype=dtype, splits=splits)
+    q, k, v = decode_inputs(rng, batch, num_heads, num_kv_heads, head_dim, max_seqlen, dtype)
+    dq, dk, dv = to_device(q), to_device(k), to_device(v)
+    seqlens = cupy.asarray(np.asarray(lens, np.int32))
+    plan = _plan(batch, num_heads, num_kv_heads, head_dim, max_seqlen, dtype, num_splits=splits)
+    out, lse = plan.run(dq, dk, dv, seqlens)
+    assert out is plan.out and lse is plan.lse, ctx
+    want, want_lse = cupydecode.flash_decode(dq, dk, dv, seqlens, num_splits=plan.num_splits,
+                                             return_lse=True)
+    assert cupy.array_equal(out.view(cupy.uint8), want.view(cupy.uint8)), ctx
+    assert cupy.array_equal(lse, want_lse), ctx
+    ref_out, ref_lse = R.decode_attention(q, k, v, lens)
+    assert_out_close(out, ref_out, OUT_TOL[dtype], ctx)
+    assert_lse_close(lse, ref_lse, LSE_TOL[dtype], ctx)
+    # Caller-provided outputs.
+    my_out = cupy.full(q.shape, np.nan, dtype=dq.dtype)
+    my_lse = cupy.full(lse.shape, np.nan, dtype=cupy.float32)
+    got, got_lse = plan.run(dq, dk, dv, seqlens, out=my_out, lse=my_lse)
+    assert got is my_out and got_lse is my_lse, ctx
+    assert cupy.array_equal(my_out.view(cupy.uint8), want.view(cupy.uint8)), ctx
+
+
+def test_merge_modes_agree(cupy, rng, seed):
+    """The fused last-block merge and the separate merge kernel give the same result."""
+    if "merge" not in cupydecode.DecodePlan.__init__.__code__.co_varnames:
+        pytest.skip("DecodePlan has no merge option")
+    batch, num_heads, num_kv_heads, head_dim, max_seqlen = 2, 32, 8, 128, 5000
+    ctx = context(seed)
+    q, k, v = decode_inputs(rng, batch, num_heads, num_kv_heads, head_dim, max_seqlen, "bfloat16")
+    dq, dk, dv = to_device(q), to_device(k), to_device(v)
+    plans = {m: _plan(batch, num_heads, num_kv_heads, head_dim, max_seqlen, "bfloat16",
+                      num_splits=7, merge=m) for m in MERGES}
+    for length in (5000, 4321, 1, 0, 5000):  # repeated runs: the fused counters reset themselves
+        ref_out, ref_lse = R.decode_attention(q, k, v, length)
+        results = {}
+        for m, plan in plans.items():
+            out, lse = plan.run(dq, dk, dv, length)
+            step = f"merge={m} length={length} {ctx}"
+            assert_out_close(out, ref_out, OUT_TOL["bfloat16"], step)
+            assert_lse_close(lse, ref_lse, LSE_TOL["bfloat16"], step)
+            results[m] = (out.copy(), lse.copy())
+        assert_out_close(results["fused"][0], results["kernel"][0], OUT_TOL["bfloat16"], ctx,
+                         "fused vs kernel")
+        assert_lse_close(results["fused"][1], results["kernel"][1], LSE_TOL["bfloat16"], ctx)
+
+
+def test_plan_attributes(cupy):
+    for batch, num_heads, num_kv_heads, head_dim, max_seqlen, dtype in [
+            (1, 32, 8, 128, 16384, "float16"), (64, 32, 8, 128, 8192, "bfloat16"),
+            (3, 71, 1, 64, 4097, "float32"), (1, 8, 1, 256, 1, "float16"),
+            (2, 8, 2, 128, 0, "float16")]:
+        plan = cupydecode.DecodePlan(batch, num_heads, num_kv_heads, head_dim, max_seqlen, dtype)
+        case = repr(plan)
+        assert 1 <= plan.num_splits <= _policy.MAX_SPLITS, case
+        assert plan.chunk_tokens >= 1, case
+        assert plan.num_splits * plan.chunk_tokens >= max_seqlen, case
+        assert (plan.num_splits - 1) * plan.chunk_tokens < max(1, max_seqlen), case
+        assert plan.out.shape == (batch, num_heads, head_dim), case
+        assert np.dtype(plan.out.dtype).name == dtype, case
+        assert plan.lse.shape == (batch, num_heads) and plan.lse.dtype == np.float32, case
+        assert plan.workspace_bytes >= 0, case
+        if plan.num_splits == 1:
+            assert plan.workspace_bytes == 0, case
+        else:
+            partials = plan.num_splits * batch * num_heads * (head_dim + 1) * 4
+            assert plan.workspace_bytes >= partials, case
+    forced = cupydecode.DecodePlan(2, 8, 2, 128, 4097, "float16", num_splits=3)
+    assert forced.num_splits == 3 and forced.chunk_tokens * 3 >= 4097
+    sized = cupydecode.DecodePlan(2, 8, 2, 128, 4097, "float16", split_size=1024)
+    assert sized.num_splits == 5 and sized.chunk_tokens == 1024
+    # A small batch at a long context must be split to fill the machine; a full one need not.
+    assert cupydecode.DecodePlan(1, 32, 8, 128, 65536, "float16").num_splits > 1
+    assert cupydecode.DecodePlan(1, 32, 8, 128, 256, "float16").num_splits == 1
+
+
+def test_plan_run_rejects(cupy, rng):
+    plan = cupydecode.DecodePlan(2, 8, 2, 128, 64, "float16")
+    q, k, v = (to_device(x) for x in decode_inputs(rng, 2, 8, 2, 128, 64, "float16"))
+    with pytest.raises(TypeError, match="cache_seqlens"):
+        plan.run(q, k, v, [64, 3])
+    with pytest.raises(TypeError, match="cache_seqlens"):
+        plan.run(q, k, v, np.array([64, 3], np.int32))
+    with pytest.raises(ValueError, match="plan"):
+        plan.run(q, cupy.ascontiguousarray(k[:, :32]), cupy.ascontiguousarray(v[:, :32]))
+    with pytest.raises(ValueError, match="plan"):
+        plan.run(q[:1], k[:1], v[:1])
+    with pytest.raises(ValueError, match="plan"):
+        plan.run(q.astype(cupy.float32), k.astype(cupy.float32), v.astype(cupy.float32))
+    with pytest.raises(ValueError, match="out"):
+        plan.run(q, k, v, out=cupy.empty((2, 8, 64), cupy.float16))
+    with pytest.raises(ValueError, match="lse"):
+        plan.run(q, k, v, lse=cupy.empty((2, 4), cupy.float32))
+    # Still usable: device lengths and ints are fine.
+    plan.run(q, k, v, cupy.asarray(np.array([64, 3], np.int32)))
+    plan.run(q, k, v, 17)
+
+
+@pytest.mark.parametrize("merge", [None, "kernel"])
+@pytest.mark.parametrize("dtype,splits", [("float16", None), ("bfloat16", 3), ("float32", 1),
+                                          ("float16", 5)])
+def test_graph_capture_and_replay(cupy, rng, seed, dtype, splits, merge):
+    """Capture plan.run once; change q, K, V and the device lengths in place; replay."""
+    if merge is not None and "merge" not in cupydecode.DecodePlan.__init__.__code__.co_varnames:
+        pytest.skip("DecodePlan has no merge option")
+    batch, num_heads, num_kv_heads, head_dim, max_seqlen = 3, 32, 8, 128, 3000
+    ctx = context(seed, dtype=dtype, splits=splits, merge=merge)
+    plan = _plan(batch, num_heads, num_kv_heads, head_dim, max_seqlen, dtype, num_splits=splits,
+                 merge=merge)
+    q = cupy.zeros((batch, num_heads, head_dim), np_dtype(dtype))
+    k = cupy.zeros((batch, max_seqlen, num_kv_heads, head_dim), q.dtype)
+    v = cupy.zeros_like(k)
+    seqlens = cupy.zeros(batch, cupy.int32)
+    out = cupy.empty(q.shape, q.dtype)
+    lse = cupy.empty((batch, num_heads), cupy.float32)
+
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        plan.run(q, k, v, seqlens, out=out, lse=lse)  # warm up: compile, opt in to shared memory
+        stream.synchronize()
+        stream.begin_capture()
+        plan.run(q, k, v, seqlens, out=out, lse=lse)
+        graph = stream.end_capture()
+
+    for step, lens in enumerate(([3000, 1, 0], [17, 2999, 1500], [0, 0, 3000])):
+        hq, hk, hv = decode_inputs(rng, batch, num_heads, num_kv_heads, head_dim, max_seqlen, dtype)
+        with stream:
+            q[...] = to_device(hq)
+            k[...] = to_device(hk)
+            v[...] = to_device(hv)
+            seqlens[...] = cupy.asarray(np.asarray(lens, np.int32))
+            out.fill(np.nan)
+            lse.fill(np.nan)
+            graph.launch(stream)
+        stream.synchronize()
+        ref_out, ref_lse = R.decode_attention(hq, hk, hv, lens)
+        step_ctx = f"step {step} lens={lens} {ctx}"
+        assert_out_close(out, ref_out, OUT_TOL[dtype], step_ctx)
+        assert_lse_close(lse, ref_lse, LSE_TOL[dtype], step_ctx)
+
+
+def test_plan_on_its_own_stream_many_replays(cupy, rng, seed):
+    """Many graph replays back to back, then one check: no state leaks between replays."""
+    batch, num_heads, num_kv_heads, head_dim, max_seqlen = 1, 32, 8, 128, 16384
+    ctx = context(seed)
+    hq, hk, hv = decode_inputs(rng, batch, num_heads, num_kv_heads, head_dim, max_seqlen, "float16")
+    q, k, v = to_device(hq), to_device(hk), to_device(hv)
+    plan = cupydecode.DecodePlan(batch, num_heads, num_kv_heads, head_dim, max_seqlen, "float16")
+    assert plan.num_splits > 1, repr(plan)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        plan.run(q, k, v)
+        stream.begin_capture()
+        for _ in range(10):
+            plan.run(q, k, v)
+        graph = stream.end_capture()
+        for _ in range(20):
+            graph.launch(stream)
+    stream.synchronize()
+    ref_out, ref_lse = R.decode_attention(hq, hk, hv)
+    assert_out_close(plan.out, ref_out, OUT_TOL["float16"], ctx)
+    assert_lse_close(plan.lse, ref_lse, LSE_TOL["float16"], ctx)

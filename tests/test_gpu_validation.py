@@ -1,0 +1,240 @@
+"""Every refused input: exception type, and a message that names the argument."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+import cupydecode
+from cupydecode import reference as R
+from helpers import OUT_TOL, assert_out_close, decode_inputs, to_device
+
+pytestmark = pytest.mark.gpu
+
+B, H, HKV, D, L = 2, 8, 2, 128, 64
+
+
+@pytest.fixture
+def good(cupy, rng):
+    """Valid device (q, k_cache, v_cache) and their host copies."""
+    host = decode_inputs(rng, B, H, HKV, D, L, "float16")
+    return tuple(to_device(x) for x in host), host
+
+
+def raises(exc, *fragments):
+    """pytest.raises whose message must contain every fragment (literally)."""
+    import re
+
+    return pytest.raises(exc, match="(?s)" + "".join(f"(?=.*{re.escape(f)})" for f in fragments))
+
+
+def misaligned(cupy, shape, dtype, offset_elems=1):
+    """A C-contiguous array whose data pointer is not 16-byte aligned."""
+    n = int(np.prod(shape))
+    base = cupy.zeros(n + 16, dtype)
+    view = base[offset_elems:offset_elems + n].reshape(shape)
+    assert view.data.ptr % 16
+    return view
+
+
+def test_shape_errors(cupy, good):
+    (q, k, v), _ = good
+    f = cupydecode.flash_decode
+    with raises(ValueError, "q:", "3-D"):
+        f(q[0], k, v)
+    with raises(ValueError, "k_cache:", "4-D"):
+        f(q, k[0], v)
+    with raises(ValueError, "v_cache:", "4-D"):
+        f(q, k, v[0])
+    with raises(ValueError, "k_cache:", "batch=2"):                       # batch mismatch
+        f(q, k[:1], v[:1])
+    with raises(ValueError, "k_cache:", "head_dim=128"):                  # head_dim mismatch
+        f(q, cupy.ascontiguousarray(k[..., :64]), cupy.ascontiguousarray(v[..., :64]))
+    with raises(ValueError, "v_cache:", "shape of k_cache"):              # k/v shapes differ
+        f(q, k, v[:, :L // 2])
+    with raises(ValueError, "v_cache:", "shape of k_cache"):              # num_kv_heads differ
+        f(q, k, cupy.ascontiguousarray(v[:, :, :1]))
+    with raises(ValueError, "k_cache:", "num_kv_heads", "dividing", "num_heads=8"):
+        f(q, cupy.zeros((B, L, 3, D), cupy.float16), cupy.zeros((B, L, 3, D), cupy.float16))
+
+
+def test_unsupported_head_dim_and_dtypes(cupy, good):
+    (q, k, v), _ = good
+    f = cupydecode.flash_decode
+    with raises(ValueError, "q:", "head_dim", "96"):
+        f(cupy.zeros((B, H, 96), cupy.float16), cupy.zeros((B, L, HKV, 96), cupy.float16),
+          cupy.zeros((B, L, HKV, 96), cupy.float16))
+    for dtype in (cupy.float64, cupy.int32):
+        with raises(TypeError, "q:", "dtype", np.dtype(dtype).name):
+            f(q.astype(dtype), k.astype(dtype), v.astype(dtype))
+    with raises(TypeError, "k_cache:", "dtype of q", "float32"):          # mixed dtypes
+        f(q, k.astype(cupy.float32), v)
+    with raises(TypeError, "v_cache:", "dtype of q", "float32"):
+        f(q, k, v.astype(cupy.float32))
+
+
+def test_layout_errors(cupy, good):
+    (q, k, v), _ = good
+    f = cupydecode.flash_decode
+    wide = cupy.zeros((B, L, HKV, 2 * D), cupy.float16)
+    with raises(ValueError, "k_cache:", "last dimension contiguous"):
+        f(q, wide[..., ::2], v)
+    with raises(ValueError, "v_cache:", "last dimension contiguous"):
+        f(q, k, wide[..., ::2])
+    with raises(ValueError, "q:", "last dimension contiguous"):
+        f(cupy.zeros((B, H, 2 * D), cupy.float16)[..., ::2], k, v)
+    with raises(ValueError, "k_cache:", "16-byte aligned"):
+        f(q, misaligned(cupy, k.shape, cupy.float16), v)
+    with raises(ValueError, "v_cache:", "16-byte aligned"):
+        f(q, k, misaligned(cupy, v.shape, cupy.float16))
+    with raises(ValueError, "q:", "16-byte aligned"):
+        f(misaligned(cupy, q.shape, cupy.float16), k, v)
+
+
+def test_host_arrays(cupy, good):
+    (q, k, v), (hq, hk, hv) = good
+    f = cupydecode.flash_decode
+    with raises(TypeError, "q:", "move it to the GPU"):
+        f(hq, k, v)
+    with raises(TypeError, "k_cache:", "move it to the GPU"):
+        f(q, hk, v)
+    with raises(TypeError, "v_cache:", "move it to the GPU"):
+        f(q, k, hv)
+    with raises(TypeError, "out:", "move it to the GPU"):
+        f(q, k, v, out=np.zeros(q.shape, np.float16))
+
+
+def test_cache_seqlens_errors(cupy, good):
+    (q, k, v), _ = good
+    f = cupydecode.flash_decode
+    with raises(ValueError, "cache_seqlens:", "shape (2,)"):
+        f(q, k, v, cupy.zeros(3, cupy.int32))
+    with raises(ValueError, "cache_seqlens:", "shape (2,)"):
+        f(q, k, v, [1, 2, 3])
+    with raises(TypeError, "cache_seqlens:", "int32", "int64"):
+        f(q, k, v, cupy.zeros(2, cupy.int64))
+    with raises(TypeError, "cache_seqlens:", "int32"):
+        f(q, k, v, cupy.zeros(2, cupy.bool_))
+    with raises(ValueError, "cache_seqlens:", f"max_seqlen={L}"):         # host out of range
+        f(q, k, v, [L + 1, 0])
+    with raises(ValueError, "cache_seqlens:", f"max_seqlen={L}"):
+        f(q, k, v, np.array([-1, 3]))
+    with raises(ValueError, "cache_seqlens:", f"[0, {L}]"):
+        f(q, k, v, L + 1)
+    with raises(ValueError, "cache_seqlens:", f"[0, {L}]"):
+        f(q, k, v, -1)
+    with raises(TypeError, "cache_seqlens:"):
+        f(q, k, v, True)
+    with raises(TypeError, "cache_seqlens:", "integers"):
+        f(q, k, v, [True, False])
+    with raises(TypeError, "cache_seqlens:", "integers"):
+        f(q, k, v, [1.5, 2.0])
+    with raises(ValueError, "cache_seqlens:", "contiguous"):
+        f(q, k, v, cupy.zeros(4, cupy.int32)[::2])
+
+
+@pytest.mark.parametrize("value,exc", [(0, ValueError), (-1, ValueError), (1.5, TypeError),
+                                       (True, TypeError), ("2", TypeError), (10**6, ValueError)])
+def test_num_splits_errors(cupy, good, value, exc):
+    (q, k, v), _ = good
+    with raises(exc, "num_splits:"):
+        cupydecode.flash_decode(q, k, v, num_splits=value)
+
+
+@pytest.mark.parametrize("value,exc", [(0, ValueError), (-64, ValueError), (64.0, TypeError)])
+def test_split_size_errors(cupy, good, value, exc):
+    (q, k, v), _ = good
+    with raises(exc, "split_size:"):
+        cupydecode.flash_decode(q, k, v, split_size=value)
+
+
+def test_num_splits_with_split_size(cupy, good):
+    (q, k, v), _ = good
+    with raises(ValueError, "num_splits", "split_size"):
+        cupydecode.flash_decode(q, k, v, num_splits=2, split_size=64)
+
+
+def test_out_errors(cupy, good):
+    (q, k, v), _ = good
+    f = cupydecode.flash_decode
+    with raises(ValueError, "out:", "shape", str((B, H, D))):
+        f(q, k, v, out=cupy.empty((B, H, D + 64), cupy.float16))
+    with raises(TypeError, "out:", "dtype float16", "float32"):
+        f(q, k, v, out=cupy.empty((B, H, D), cupy.float32))
+    with raises(ValueError, "out:", "C-contiguous"):
+        f(q, k, v, out=cupy.empty((B, D, H), cupy.float16).transpose(0, 2, 1))
+
+
+@pytest.mark.parametrize("value,exc", [(math.nan, ValueError), (math.inf, ValueError),
+                                       (-math.inf, ValueError), ("x", TypeError),
+                                       (True, TypeError), (None, None)])
+def test_softmax_scale_errors(cupy, good, value, exc):
+    (q, k, v), _ = good
+    if exc is None:
+        cupydecode.flash_decode(q, k, v, softmax_scale=value)
+        return
+    with raises(exc, "softmax_scale:"):
+        cupydecode.flash_decode(q, k, v, softmax_scale=value)
+
+
+def test_merge_states_errors(cupy, rng):
+    o = cupy.zeros((3, 4, 64), cupy.float32)
+    lse = cupy.zeros((3, 4), cupy.float32)
+    m = cupydecode.merge_states
+    with raises(TypeError, "o_parts:", "move it to the GPU"):
+        m(o.get(), lse)
+    with raises(TypeError, "lse_parts:", "move it to the GPU"):
+        m(o, lse.get())
+    with raises(TypeError, "o_parts:", "float64"):
+        m(o.astype(cupy.float64), lse)
+    with raises(TypeError, "lse_parts:", "float32", "float16"):
+        m(o, lse.astype(cupy.float16))
+    with raises(ValueError, "lse_parts:", "shape (3, 4)"):
+        m(o, lse[:, :3])
+    with raises(ValueError, "o_parts:"):
+        m(o[0, 0], lse[0])
+    with raises(ValueError, "o_parts:", "at least one state"):
+        m(o[:0], lse[:0])
+
+
+def test_plan_constructor_errors(cupy):
+    P = cupydecode.DecodePlan
+    with raises(TypeError, "dtype:", "float64"):
+        P(1, 8, 2, 128, 64, "float64")
+    with raises(TypeError, "dtype:"):
+        P(1, 8, 2, 128, 64, "not-a-dtype")
+    with raises(ValueError, "head_dim:", "96"):
+        P(1, 8, 2, 96, 64, "float16")
+    with raises(ValueError, "num_kv_heads:", "num_heads=8"):
+        P(1, 8, 3, 128, 64, "float16")
+    with raises(ValueError, "batch:"):
+        P(-1, 8, 2, 128, 64, "float16")
+    with raises(ValueError, "max_seqlen:"):
+        P(1, 8, 2, 128, -5, "float16")
+    with raises(ValueError, "num_splits:"):
+        P(1, 8, 2, 128, 64, "float16", num_splits=0)
+    with raises(ValueError, "split_size:"):
+        P(1, 8, 2, 128, 64, "float16", split_size=0)
+
+
+def test_valid_call_after_errors(cupy, good):
+    """An error leaves nothing behind: the next valid call is still correct."""
+    (q, k, v), (hq, hk, hv) = good
+    f = cupydecode.flash_decode
+    bad_calls = [
+        lambda: f(q, k, v, num_splits=0),
+        lambda: f(q, k, v[:, :3]),
+        lambda: f(q, k, v, cupy.zeros(3, cupy.int32)),
+        lambda: f(q, k, v, out=cupy.empty((1,), cupy.float16)),
+        lambda: f(q, k, v, softmax_scale=math.nan),
+        lambda: cupydecode.merge_states(cupy.zeros((2, 3, 8), cupy.float32), cupy.zeros((2, 4), cupy.float32)),
+    ]
+    ref_out, _ = R.decode_attention(hq, hk, hv, [L, 5])
+    for bad in bad_calls:
+        with pytest.raises((TypeError, ValueError)):
+            bad()
+        for splits in (None, 3):
+            got = f(q, k, v, cupy.asarray(np.array([L, 5], np.int32)), num_splits=splits)
+            assert_out_close(got, ref_out, OUT_TOL["float16"], f"after {bad}")
