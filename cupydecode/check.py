@@ -1,0 +1,171 @@
+"""Correctness check of one workload against a float64 reference (``cupydecode check``).
+
+For each workload: fresh random inputs, outputs poisoned with NaN, one ``DecodePlan.run`` (the
+launch that ``flash_decode`` makes, with the plan exposing the split count it chose), then
+errors against float64. The reference is ``cupydecode.reference.decode_attention`` (NumPy) for
+small caches and the same math in float64 on the GPU (:func:`reference_gpu`) where NumPy would
+be slow.
+
+Tolerances: relative L2 error of the output ≤ 2e-3 (fp16), 1e-2 (bf16), 1e-4 (fp32); max abs
+LSE error ≤ 1e-3, widened for huge logits by the rounding an fp32 LSE cannot avoid (see
+:func:`lse_tolerance`). Rows of empty sequences must give LSE = −inf exactly and out = 0.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from . import reference as R
+from .workloads import Workload, make_inputs
+
+REL_TOL = {"float16": 2e-3, "bfloat16": 1e-2, "float32": 1e-4}
+LSE_ATOL = 1e-3
+# Above this many cache elements (per K), the float64 reference runs on the GPU: NumPy would
+# copy K and V to float64 on the host (4× an fp16 cache) and take seconds.
+NUMPY_REFERENCE_MAX_ELEMENTS = 1 << 22
+
+
+def lse_tolerance(ref_lse, head_dim: int) -> float:
+    """Max abs LSE error accepted: 1e-3 + 2⁻²³ · √head_dim · max|LSE|.
+
+    The second term is the rounding of an fp32 dot product of head_dim terms at the logits'
+    magnitude (about √D ulps). It is < 1e-5 for ordinary logits and matters only for the
+    overflow workload: at |LSE| = 1e4 one fp32 ulp is already 1e-3, and with D = 128 the bound
+    is 1.45e-2.
+    """
+    ref = R.to_float64(ref_lse)
+    live = ref[np.isfinite(ref)]
+    mag = float(np.abs(live).max()) if live.size else 0.0
+    return LSE_ATOL + 2.0**-23 * math.sqrt(head_dim) * mag
+
+
+def reference_gpu(q, k, v, lengths=None, softmax_scale=None, batch_ids=None, kv_heads=None):
+    """Float64 decode attention on the GPU for some sequences and KV heads.
+
+    Same math as ``reference.decode_attention``: s_j = c·q·k_j, O = Σ softmax(s)_j v_j,
+    LSE = log Σ exp(s_j). ``lengths`` is a host sequence (None: all max_seqlen);
+    ``batch_ids`` / ``kv_heads`` select what to compute (None: all).
+
+    Returns CuPy float64 ``(out, lse)`` of shapes (nb, nk, G, D) and (nb, nk, G), with
+    G = num_heads // num_kv_heads (the query heads of each selected KV head, in order).
+    Empty sequences give out = 0, lse = −inf. Memory: float64 copies of one sequence's K and V
+    for the selected heads at a time.
+    """
+    import cupy
+
+    batch, num_heads, head_dim = q.shape
+    max_seqlen, num_kv_heads = k.shape[1], k.shape[2]
+    group = num_heads // num_kv_heads
+    scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
+    batch_ids = list(range(batch)) if batch_ids is None else list(batch_ids)
+    kv_heads = list(range(num_kv_heads)) if kv_heads is None else list(kv_heads)
+    out = cupy.zeros((len(batch_ids), len(kv_heads), group, head_dim), cupy.float64)
+    lse = cupy.full((len(batch_ids), len(kv_heads), group), -math.inf, cupy.float64)
+    for i, b in enumerate(batch_ids):
+        n = max_seqlen if lengths is None else int(lengths[b])
+        if n == 0:
+            continue
+        qb = q[b].reshape(num_kv_heads, group, head_dim)[kv_heads].astype(cupy.float64)
+        kb = k[b, :n][:, kv_heads].astype(cupy.float64)          # (n, nk, D)
+        s = cupy.einsum("kgd,nkd->kgn", qb, kb) * scale          # s_j = c · q·k_j
+        del kb
+        m = s.max(axis=-1, keepdims=True)
+        p = cupy.exp(s - m)
+        del s
+        l = p.sum(axis=-1, keepdims=True)
+        vb = v[b, :n][:, kv_heads].astype(cupy.float64)
+        out[i] = cupy.einsum("kgn,nkd->kgd", p, vb) / l
+        lse[i] = (m + cupy.log(l))[..., 0]
+    return out, lse
+
+
+def select_rows(x, num_kv_heads: int, batch_ids=None, kv_heads=None):
+    """The rows of a (B, H, ...) result that :func:`reference_gpu` computed: (nb, nk, G, ...)."""
+    batch = x.shape[0]
+    y = x.reshape(batch, num_kv_heads, x.shape[1] // num_kv_heads, *x.shape[2:])
+    if batch_ids is not None:
+        y = y[list(batch_ids)]
+    if kv_heads is not None:
+        y = y[:, list(kv_heads)]
+    return y
+
+
+def reference_for(w: Workload, q, k, v):
+    """Float64 ``(out, lse, kind)`` for the whole workload; out (B, H, D), lse (B, H)."""
+    if k[0].size * w.batch <= NUMPY_REFERENCE_MAX_ELEMENTS:
+        lens = None if w.lengths is None else np.asarray(w.lengths)
+        out, lse = R.decode_attention(q, k, v, lens)
+        return out, lse, "numpy f64"
+    out, lse = reference_gpu(q, k, v, w.lengths)
+    return (out.reshape(w.batch, w.num_heads, w.head_dim).get(),
+            lse.reshape(w.batch, w.num_heads).get(), "gpu f64")
+
+
+def max_abs_error(x, ref) -> float:
+    x = R.to_float64(x)
+    ref = R.to_float64(ref)
+    if not np.all(np.isfinite(x)):
+        return math.inf
+    return float(np.max(np.abs(x - ref))) if x.size else 0.0
+
+
+def _row_skeleton(w: Workload) -> dict:
+    return {
+        "name": w.name, "dtype": w.dtype, "batch": w.batch, "seqlen": w.seqlen,
+        "num_heads": w.num_heads, "num_kv_heads": w.num_kv_heads, "head_dim": w.head_dim,
+        "lengths": None if w.lengths is None else list(w.lengths), "q_scale": w.q_scale,
+        "splits_requested": w.splits_label, "splits": None, "chunk_tokens": None,
+        "seed": w.seed, "reference": None, "max_abs_err": None, "rel_err": None,
+        "lse_err": None, "rel_tol": REL_TOL[w.dtype], "lse_tol": None, "max_abs_lse": None,
+        "passed": False, "error": "",
+    }
+
+
+def run_check(w: Workload) -> dict:
+    """Check one workload; returns a result row (``passed`` True/False, never raises)."""
+    import cupy
+
+    from .decode import DecodePlan
+
+    row = _row_skeleton(w)
+    try:
+        q, k, v, seqlens = make_inputs(w)
+        row["seed"] = w.seed
+        plan = DecodePlan(w.batch, w.num_heads, w.num_kv_heads, w.head_dim, w.seqlen, w.dtype,
+                          num_splits=w.num_splits)
+        row["splits"], row["chunk_tokens"] = plan.num_splits, plan.chunk_tokens
+        # Poisoned outputs: a row the kernels forget to write stays NaN and fails the check.
+        out = cupy.full((w.batch, w.num_heads, w.head_dim), math.nan, w.dtype)
+        lse = cupy.full((w.batch, w.num_heads), math.nan, cupy.float32)
+        plan.run(q, k, v, seqlens, out=out, lse=lse)
+        cupy.cuda.get_current_stream().synchronize()
+        ref_out, ref_lse, kind = reference_for(w, q, k, v)
+        row["reference"] = kind
+        row["max_abs_err"] = max_abs_error(out, ref_out)
+        row["rel_err"] = R.relative_error(out, ref_out)
+        row["lse_err"] = R.lse_error(lse, ref_lse)
+        row["lse_tol"] = lse_tolerance(ref_lse, w.head_dim)
+        live = ref_lse[np.isfinite(ref_lse)]
+        row["max_abs_lse"] = float(np.abs(live).max()) if live.size else 0.0
+        row["passed"] = bool(row["rel_err"] <= row["rel_tol"] and row["lse_err"] <= row["lse_tol"])
+    except Exception as exc:  # a crash is a failed row, not a crashed run
+        row["error"] = f"{type(exc).__name__}: {exc}"
+        row["passed"] = False
+    finally:
+        cupy.get_default_memory_pool().free_all_blocks()
+    return row
+
+
+def repro_command(row: dict) -> str:
+    """The ``cupydecode check`` command line that replays one row (same seed, same data)."""
+    parts = ["cupydecode check", f"--batch {row['batch']}", f"--seqlen {row['seqlen']}",
+             f"--heads {row['num_heads']}", f"--kv-heads {row['num_kv_heads']}",
+             f"--head-dim {row['head_dim']}", f"--dtype {row['dtype']}",
+             f"--splits {row['splits_requested']}", f"--seed {row['seed']}"]
+    if row["lengths"] is not None:
+        parts.append("--lengths " + ",".join(str(n) for n in row["lengths"]))
+    if row["q_scale"] != 1.0:
+        parts.append(f"--q-scale {row['q_scale']:g}")
+    return " ".join(parts)
