@@ -1,0 +1,613 @@
+"""Benchmark: HBM read ceiling, flash_decode timings, baselines, result rows.
+
+Protocol (see BENCH.md):
+  * The read ceiling is measured in the same run by a read-only kernel over a ~2 GB buffer, and
+    every time is compared with floor_us = bytes(K + V) / ceiling.
+  * Two times per point: eager (host wall time of one ``flash_decode`` call, launch and
+    synchronise included: what a plain Python caller sees) and GPU time per call from a CUDA
+    graph of several ``DecodePlan.run`` calls replayed 20 times (median, p20, p80).
+  * Calls rotate among enough independent KV buffer sets that together they exceed 4× L2, so
+    no call finds its cache in L2.
+  * Data is fresh random data (seed recorded in the row); the timed configuration's output is
+    checked once against float64 (a few heads, on the GPU).
+  * Baselines: the same kernels forced to num_splits=1; a naive CuPy version (cuBLAS matmul,
+    softmax in float32; timed by events over back-to-back calls, because CuPy refuses cuBLAS
+    calls inside a graph capture); optionally torch SDPA (cuDNN, FlashAttention-2) and FlashInfer, each
+    imported only when asked for and never a dependency.
+
+Rows are plain dicts (one per point), ready for CSV or JSON.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+import time
+
+import numpy as np
+
+from .check import REL_TOL, reference_gpu, select_rows
+from . import reference as R
+from .workloads import Workload, fresh_seed, make_inputs
+
+GRAPH_TRIALS = 20          # graph replays per measurement
+MIN_GRAPH_CALLS = 10       # calls captured per graph (more if there are more buffer sets)
+MAX_BUFFER_SETS = 256
+L2_FACTOR = 4              # rotate over more than this many L2's worth of KV
+MARGIN_BYTES = 512 << 20   # kept free for workspaces, cuBLAS, the reference
+
+
+# ---------------------------------------------------------------------------- device facts
+
+def device_info() -> dict:
+    """GPU and software facts for headers and ``cupydecode info`` (needs a working GPU)."""
+    import cupy
+
+    dev = cupy.cuda.Device()
+    props = cupy.cuda.runtime.getDeviceProperties(dev.id)
+    free, total = cupy.cuda.runtime.memGetInfo()
+    name = props["name"]
+    return {
+        "device_id": dev.id,
+        "name": name.decode() if isinstance(name, bytes) else str(name),
+        "compute_capability": f"{props['major']}.{props['minor']}",
+        "sm_count": props["multiProcessorCount"],
+        "l2_bytes": props["l2CacheSize"],
+        "total_mem": total,
+        "free_mem": free,
+        "cupy": cupy.__version__,
+        "cuda_runtime": _cuda_version(cupy.cuda.runtime.runtimeGetVersion()),
+        "cuda_driver": _cuda_version(cupy.cuda.runtime.driverGetVersion()),
+    }
+
+
+def _cuda_version(v: int) -> str:
+    return f"{v // 1000}.{(v % 1000) // 10}"
+
+
+# ---------------------------------------------------------------------------- read ceiling
+
+# Read-only bandwidth probe. Each thread streams 16-byte (uint4) loads with a grid-stride loop,
+# four independent loads in flight per iteration, and XOR-folds them so the loads cannot be
+# removed; each block writes one word. No writes to speak of, so the result is the read ceiling
+# that a decode kernel (which only reads K and V) can hope for.
+_CEILING_SRC = r"""
+extern "C" __global__ void cd_read_ceiling(const uint4* __restrict__ src, unsigned long long n,
+                                           unsigned int* __restrict__ out) {
+    const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
+    unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
+    unsigned int acc = 0;
+    for (; i + 3 * stride < n; i += 4 * stride) {
+        const uint4 a = src[i], b = src[i + stride], c = src[i + 2 * stride], d = src[i + 3 * stride];
+        acc ^= a.x ^ a.y ^ a.z ^ a.w ^ b.x ^ b.y ^ b.z ^ b.w;
+        acc ^= c.x ^ c.y ^ c.z ^ c.w ^ d.x ^ d.y ^ d.z ^ d.w;
+    }
+    for (; i < n; i += stride) {
+        const uint4 a = src[i];
+        acc ^= a.x ^ a.y ^ a.z ^ a.w;
+    }
+    for (int o = 16; o > 0; o >>= 1) acc ^= __shfl_xor_sync(0xffffffffu, acc, o);
+    __shared__ unsigned int warp_acc[32];
+    if ((threadIdx.x & 31) == 0) warp_acc[threadIdx.x >> 5] = acc;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        unsigned int r = 0;
+        for (int w = 0; w < (int)(blockDim.x >> 5); ++w) r ^= warp_acc[w];
+        out[blockIdx.x] = r;
+    }
+}
+"""
+
+
+def measure_read_ceiling(nbytes: int = 2 << 30, trials: int = 10) -> dict:
+    """HBM read bandwidth in GB/s (1e9 B/s): best block count, median of ``trials`` each.
+
+    Returns {"gbps", "nbytes", "us", "blocks_per_sm"}. Uses a smaller buffer if free memory is
+    short (the buffer must still be far larger than L2 for the number to mean anything).
+    """
+    import cupy
+
+    free = cupy.cuda.runtime.memGetInfo()[0]
+    nbytes = int(min(nbytes, free // 4)) // (16 << 20) * (16 << 20)
+    if nbytes <= 0:
+        raise MemoryError("not enough free GPU memory to measure the read ceiling")
+    kernel = cupy.RawKernel(_CEILING_SRC, "cd_read_ceiling")
+    buf = cupy.empty(nbytes // 16 * 16, cupy.uint8)
+    buf.fill(1)
+    sms = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["multiProcessorCount"]
+    best = None
+    for blocks_per_sm in (2, 4, 8):
+        grid = sms * blocks_per_sm
+        out = cupy.empty(grid, cupy.uint32)
+        args = (buf, np.uint64(nbytes // 16), out)
+        for _ in range(2):
+            kernel((grid,), (512,), args)
+        times = []
+        for _ in range(trials):
+            e0, e1 = cupy.cuda.Event(), cupy.cuda.Event()
+            e0.record()
+            kernel((grid,), (512,), args)
+            e1.record()
+            e1.synchronize()
+            times.append(cupy.cuda.get_elapsed_time(e0, e1) * 1e3)
+        us = statistics.median(times)
+        if best is None or us < best[0]:
+            best = (us, blocks_per_sm)
+    del buf
+    cupy.get_default_memory_pool().free_all_blocks()
+    us, bps = best
+    return {"gbps": nbytes / (us * 1e3), "nbytes": nbytes, "us": us, "blocks_per_sm": bps}
+
+
+# ---------------------------------------------------------------------------- timing
+
+def _stats(times_us) -> tuple[float, float, float]:
+    """(median, p20, p80)."""
+    a = np.asarray(times_us, np.float64)
+    return float(np.median(a)), float(np.percentile(a, 20)), float(np.percentile(a, 80))
+
+
+def graph_time_cupy(call, n_calls: int, trials: int = GRAPH_TRIALS) -> tuple[float, float, float]:
+    """GPU µs per call of ``call(i)``, i = 0..n_calls-1, captured in one CUDA graph.
+
+    ``call`` launches work on the current CuPy stream. It is run once per i first (compiles,
+    allocates, initialises cuBLAS) on the capture stream, then captured and replayed.
+    Temporaries that ``call`` allocates during capture go back to CuPy's pool and are written
+    by every replay: nothing must be allocated between capture and the last replay.
+    """
+    import cupy
+
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        for i in range(n_calls):
+            call(i)
+        stream.synchronize()
+        stream.begin_capture()
+        try:
+            for i in range(n_calls):
+                call(i)
+        except BaseException:
+            try:
+                stream.end_capture()
+            except Exception:
+                pass
+            raise
+        graph = stream.end_capture()
+        graph.launch(stream)
+        stream.synchronize()
+        times = []
+        for _ in range(trials):
+            e0, e1 = cupy.cuda.Event(), cupy.cuda.Event()
+            e0.record(stream)
+            graph.launch(stream)
+            e1.record(stream)
+            e1.synchronize()
+            times.append(cupy.cuda.get_elapsed_time(e0, e1) * 1e3 / n_calls)
+    del graph
+    return _stats(times)
+
+
+def stream_time_cupy(call, n_calls: int, trials: int = GRAPH_TRIALS) -> tuple[float, float, float]:
+    """GPU µs per call from events around ``n_calls`` back-to-back eager calls (no graph).
+
+    For work that CuPy refuses to capture (it raises on cuBLAS calls during stream capture):
+    any gap the host leaves between launches is included, as a plain caller would see it.
+    """
+    import cupy
+
+    stream = cupy.cuda.get_current_stream()
+    for i in range(n_calls):
+        call(i)
+    stream.synchronize()
+    times = []
+    for _ in range(trials):
+        e0, e1 = cupy.cuda.Event(), cupy.cuda.Event()
+        e0.record(stream)
+        for i in range(n_calls):
+            call(i)
+        e1.record(stream)
+        e1.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(e0, e1) * 1e3 / n_calls)
+    return _stats(times)
+
+
+def eager_time_cupy(call, n: int) -> float:
+    """Median host wall µs of ``call(i)`` followed by a stream synchronise."""
+    import cupy
+
+    stream = cupy.cuda.get_current_stream()
+    for i in range(3):
+        call(i)
+    stream.synchronize()
+    times = []
+    for i in range(n):
+        t0 = time.perf_counter()
+        call(i)
+        stream.synchronize()
+        times.append((time.perf_counter() - t0) * 1e6)
+    return statistics.median(times)
+
+
+# ---------------------------------------------------------------------------- naive baseline
+
+_MATMUL_OK: dict[str, bool] = {}
+
+
+def _matmul_dtype(dtype: str):
+    """The dtype the naive baseline multiplies in: the input's if cuBLAS takes it, else float32."""
+    import cupy
+
+    if dtype not in _MATMUL_OK:
+        try:
+            a = cupy.ones((2, 16, 16), dtype)
+            cupy.matmul(a, a)
+            cupy.cuda.get_current_stream().synchronize()
+            _MATMUL_OK[dtype] = True
+        except Exception:
+            _MATMUL_OK[dtype] = False
+    return dtype if _MATMUL_OK[dtype] else "float32"
+
+
+def naive_decode(q, k, v, scale: float, mm_dtype=None):
+    """Decode attention the obvious CuPy way: cuBLAS for q·Kᵀ and P·V, softmax in float32.
+
+    GQA without copies: q is viewed as (B, Hkv, G, D) and multiplied by Kᵀ viewed as
+    (B, Hkv, D, L), which broadcasts the G query heads over their KV head.
+    Traffic: reads K and V (and whatever copies cuBLAS's layout needs), writes and reads the
+    (B, H, L) scores several times in float32.
+    """
+    import cupy
+
+    B, H, D = q.shape
+    Hkv = k.shape[2]
+    mm = q.dtype if mm_dtype is None else cupy.dtype(mm_dtype)
+    qg = q.reshape(B, Hkv, H // Hkv, D).astype(mm, copy=False)
+    kt = k.transpose(0, 2, 3, 1).astype(mm, copy=False)          # (B, Hkv, D, L)
+    vt = v.transpose(0, 2, 1, 3).astype(mm, copy=False)          # (B, Hkv, L, D)
+    s = cupy.matmul(qg, kt).astype(cupy.float32)                 # (B, Hkv, G, L)
+    s *= scale
+    s -= s.max(axis=-1, keepdims=True)
+    cupy.exp(s, out=s)
+    s /= s.sum(axis=-1, keepdims=True)
+    o = cupy.matmul(s.astype(mm), vt)                             # (B, Hkv, G, D)
+    return o.reshape(B, H, D).astype(q.dtype, copy=False)
+
+
+def naive_bytes(w: Workload) -> int:
+    """Rough peak extra memory of :func:`naive_decode`: a copy of K and V plus the scores."""
+    return w.kv_bytes() * (2 if w.dtype == "bfloat16" else 1) + 16 * w.batch * w.num_heads * w.seqlen
+
+
+# ---------------------------------------------------------------------------- peers (optional)
+
+def torch_available() -> str | None:
+    """None if torch with CUDA can be used, else why not."""
+    try:
+        import torch
+    except Exception as exc:
+        return f"PyTorch is not importable ({type(exc).__name__}: {exc}); install torch to compare"
+    if not torch.cuda.is_available():
+        return "PyTorch is installed but sees no CUDA device"
+    return None
+
+
+def flashinfer_available() -> str | None:
+    reason = torch_available()
+    if reason:
+        return reason
+    try:
+        import flashinfer  # noqa: F401
+    except Exception as exc:
+        return f"FlashInfer is not importable ({type(exc).__name__}: {exc}); install flashinfer to compare"
+    return None
+
+
+def _torch_graph_time(torch, call, n_calls: int, trials: int = GRAPH_TRIALS):
+    """Like :func:`graph_time_cupy` with torch.cuda.CUDAGraph; returns (stats, first output)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for i in range(min(n_calls, 3)):
+            call(i)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = [call(i) for i in range(n_calls)]
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(trials):
+        e0 = torch.cuda.Event(enable_timing=True)
+        e1 = torch.cuda.Event(enable_timing=True)
+        e0.record()
+        graph.replay()
+        e1.record()
+        e1.synchronize()
+        times.append(e0.elapsed_time(e1) * 1e3 / n_calls)
+    first = outs[0].clone()
+    del graph, outs
+    return _stats(times), first
+
+
+def _torch_views(torch, sets):
+    """torch tensors sharing memory with the CuPy sets: q (B,H,1,D), k/v (B,Hkv,L,D) views."""
+    views = []
+    for q, k, v, _ in sets:
+        tq = torch.from_dlpack(q).unsqueeze(2)
+        tk = torch.from_dlpack(k).permute(0, 2, 1, 3)
+        tv = torch.from_dlpack(v).permute(0, 2, 1, 3)
+        views.append((tq, tk, tv))
+    return views
+
+
+def torch_sdpa_times(sets, w: Workload, scale: float, n_calls: int, check) -> dict:
+    """GPU µs per call of torch SDPA with the cuDNN and FlashAttention-2 backends.
+
+    Returns {"torch_cudnn_us": (µs or None, note), "torch_flash_us": (...)}; a backend that
+    refuses these inputs gives None with the reason, never an exception.
+    """
+    import cupy
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    cupy.cuda.Device().synchronize()
+    views = _torch_views(torch, sets)
+    gqa = w.group > 1
+    results = {}
+    for col, backend in (("torch_cudnn_us", SDPBackend.CUDNN_ATTENTION),
+                         ("torch_flash_us", SDPBackend.FLASH_ATTENTION)):
+        def call(i, _views=views):
+            tq, tk, tv = _views[i % len(_views)]
+            return F.scaled_dot_product_attention(tq, tk, tv, scale=scale, enable_gqa=gqa)
+        try:
+            with sdpa_kernel([backend]):
+                (med, _, _), first = _torch_graph_time(torch, call, n_calls)
+            err = check(cupy.from_dlpack(first.squeeze(2).contiguous()))
+            results[col] = (med, "" if err <= REL_TOL[w.dtype] else f"{col}: rel err {err:.1e}")
+        except Exception as exc:
+            results[col] = (None, f"{col}: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}")
+        torch.cuda.synchronize()
+    del views
+    torch.cuda.empty_cache()
+    return results
+
+
+def flashinfer_times(sets, w: Workload, scale: float, n_calls: int, check) -> dict:
+    """GPU µs per call of FlashInfer's batch decode (CUDA-core and tensor-core variants).
+
+    The cache is used as a paged cache without copying: page_size = seqlen, one page per
+    sequence, NHD layout (pages, page_size, kv_heads, head_dim) = our (B, L, Hkv, D).
+    """
+    import cupy
+    import flashinfer
+    import torch
+
+    cupy.cuda.Device().synchronize()
+    dt = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}[w.dtype]
+    dev = torch.device("cuda", cupy.cuda.Device().id)
+    B, L = w.batch, w.seqlen
+    tsets = [(torch.from_dlpack(q), torch.from_dlpack(k), torch.from_dlpack(v)) for q, k, v, _ in sets]
+    results = {}
+    for col, tensor_cores in (("flashinfer_us", False), ("flashinfer_tc_us", True)):
+        try:
+            workspace = torch.empty(128 << 20, dtype=torch.uint8, device=dev)
+            indptr = torch.arange(B + 1, dtype=torch.int32, device=dev)
+            indices = torch.arange(B, dtype=torch.int32, device=dev)
+            last = torch.full((B,), L, dtype=torch.int32, device=dev)
+            wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                workspace, "NHD", use_cuda_graph=True, use_tensor_cores=tensor_cores,
+                paged_kv_indptr_buffer=indptr, paged_kv_indices_buffer=indices,
+                paged_kv_last_page_len_buffer=last)
+            try:
+                wrapper.plan(indptr, indices, last, w.num_heads, w.num_kv_heads, w.head_dim, L,
+                             data_type=dt, q_data_type=dt, sm_scale=scale)
+            except TypeError:  # older signature
+                wrapper.plan(indptr, indices, last, w.num_heads, w.num_kv_heads, w.head_dim, L,
+                             data_type=dt, sm_scale=scale)
+
+            def call(i, _w=wrapper):
+                tq, tk, tv = tsets[i % len(tsets)]
+                return _w.run(tq, (tk, tv))
+            (med, _, _), first = _torch_graph_time(torch, call, n_calls)
+            err = check(cupy.from_dlpack(first.contiguous()))
+            results[col] = (med, "" if err <= REL_TOL[w.dtype] else f"{col}: rel err {err:.1e}")
+        except Exception as exc:
+            results[col] = (None, f"{col}: {type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}")
+        torch.cuda.synchronize()
+    del tsets
+    torch.cuda.empty_cache()
+    return results
+
+
+PEERS = {"torch": (torch_available, torch_sdpa_times, ("torch_cudnn_us", "torch_flash_us")),
+         "flashinfer": (flashinfer_available, flashinfer_times, ("flashinfer_us", "flashinfer_tc_us"))}
+
+
+# ---------------------------------------------------------------------------- one point
+
+def buffer_sets_needed(w: Workload, l2_bytes: int) -> int:
+    """Independent KV sets so that together they exceed L2_FACTOR × L2 (at least one)."""
+    return int(min(MAX_BUFFER_SETS, max(1, math.ceil(L2_FACTOR * l2_bytes / max(1, w.kv_bytes()) + 1e-9))))
+
+
+def napkin(w: Workload, symbolic: bool = False) -> str:
+    """The KV byte count written out (``symbolic``: batch and seqlen left as names)."""
+    from .workloads import ITEMSIZE
+
+    bl = "batch × seqlen" if symbolic else f"{w.batch} seq × {w.seqlen} tok"
+    text = (f"K+V = 2 × {bl} × {w.num_kv_heads} kv heads × {w.head_dim} dims × "
+            f"{ITEMSIZE[w.dtype]} B")
+    return text if symbolic else f"{text} = {w.kv_bytes() / 1e6:.1f} MB"
+
+
+def empty_row(w: Workload, model: str) -> dict:
+    return {
+        "model": model, "dtype": w.dtype, "batch": w.batch, "seqlen": w.seqlen,
+        "num_heads": w.num_heads, "num_kv_heads": w.num_kv_heads, "head_dim": w.head_dim,
+        "splits_requested": w.splits_label, "num_splits": None, "chunk_tokens": None,
+        "kv_bytes": w.kv_bytes(), "buffer_sets": None, "ceiling_gbps": None, "floor_us": None,
+        "eager_us": None, "gpu_us": None, "gpu_us_p20": None, "gpu_us_p80": None, "gbps": None,
+        "pct_of_floor": None, "split1_us": None, "speedup_vs_split1": None, "naive_us": None,
+        "speedup_vs_naive": None, "torch_cudnn_us": None, "torch_flash_us": None,
+        "flashinfer_us": None, "flashinfer_tc_us": None, "rel_err": None, "check": "",
+        "seed": w.seed, "skipped": "", "notes": "",
+    }
+
+
+def _subset_checker(w: Workload, q, k, v):
+    """A function out → relative error on two sequences × two KV heads (float64 on the GPU)."""
+    b_ids = sorted({0, w.batch - 1})
+    h_ids = sorted({0, w.num_kv_heads - 1})
+    ref_out, _ = reference_gpu(q, k, v, None, None, b_ids, h_ids)
+
+    def check(out) -> float:
+        return R.relative_error(select_rows(out, w.num_kv_heads, b_ids, h_ids), ref_out)
+    return check
+
+
+def bench_point(w: Workload, ceiling_gbps: float, l2_bytes: int, model: str = "",
+                peers=()) -> dict:
+    """Measure one workload; returns a result row (``skipped`` says why if it could not run)."""
+    import cupy
+
+    from .decode import DecodePlan, flash_decode
+
+    if w.seed is None:
+        w.seed = fresh_seed()
+    row = empty_row(w, model)
+    row["ceiling_gbps"] = ceiling_gbps
+    row["floor_us"] = w.kv_bytes() / (ceiling_gbps * 1e3)
+    nsets = buffer_sets_needed(w, l2_bytes)
+    row["buffer_sets"] = nsets
+    free = cupy.cuda.runtime.memGetInfo()[0]
+    need = nsets * w.cache_bytes() + MARGIN_BYTES
+    if need > free:
+        row["skipped"] = (f"needs {need / 1e9:.1f} GB ({nsets} buffer set(s) of "
+                          f"{w.cache_bytes() / 1e9:.2f} GB + margin), {free / 1e9:.1f} GB free")
+        return row
+    notes = []
+    sets = [make_inputs(dataclasses.replace(w, seed=(w.seed + i) % 2**32)) for i in range(nsets)]
+    try:
+        n_calls = max(MIN_GRAPH_CALLS, nsets)
+        scale = 1.0 / math.sqrt(w.head_dim)
+        plan = DecodePlan(w.batch, w.num_heads, w.num_kv_heads, w.head_dim, w.seqlen, w.dtype,
+                          num_splits=w.num_splits)
+        row["num_splits"], row["chunk_tokens"] = plan.num_splits, plan.chunk_tokens
+
+        def run_plan(i, _plan=plan):
+            q, k, v, _ = sets[i % nsets]
+            _plan.run(q, k, v)
+        med, p20, p80 = graph_time_cupy(run_plan, n_calls)
+        row.update(gpu_us=med, gpu_us_p20=p20, gpu_us_p80=p80, gbps=w.kv_bytes() / (med * 1e3),
+                   pct_of_floor=100.0 * row["floor_us"] / med)
+
+        def eager(i):
+            q, k, v, _ = sets[i % nsets]
+            flash_decode(q, k, v, num_splits=w.num_splits)
+        row["eager_us"] = eager_time_cupy(eager, int(min(200, max(20, 2.5e5 / (med + 20)))))
+
+        q0, k0, v0, _ = sets[0]
+        check = _subset_checker(w, q0, k0, v0)
+        out, _ = plan.run(q0, k0, v0)
+        row["rel_err"] = check(out)
+        row["check"] = "ok" if row["rel_err"] <= REL_TOL[w.dtype] else "FAIL"
+
+        if plan.num_splits == 1:
+            row["split1_us"] = med
+        else:
+            plan1 = DecodePlan(w.batch, w.num_heads, w.num_kv_heads, w.head_dim, w.seqlen,
+                               w.dtype, num_splits=1)
+            row["split1_us"] = graph_time_cupy(lambda i: plan1.run(*sets[i % nsets][:3]), n_calls)[0]
+            del plan1
+        row["speedup_vs_split1"] = row["split1_us"] / med
+
+        _naive(row, w, sets, n_calls, scale, check, notes)
+        for name in peers:
+            _, fn, cols = PEERS[name]
+            if cupy.cuda.runtime.memGetInfo()[0] < MARGIN_BYTES:
+                notes.append(f"{name}: skipped, GPU memory is full")
+                continue
+            for col, (us, note) in fn(sets, w, scale, n_calls, check).items():
+                row[col] = us
+                if note:
+                    notes.append(note)
+    except Exception as exc:
+        notes.append(f"error: {type(exc).__name__}: {exc}")
+        row["check"] = row["check"] or "ERROR"
+    finally:
+        del sets
+        cupy.get_default_memory_pool().free_all_blocks()
+    row["notes"] = "; ".join(notes)
+    return row
+
+
+def _naive(row: dict, w: Workload, sets, n_calls: int, scale: float, check, notes: list) -> None:
+    import cupy
+
+    free = cupy.cuda.runtime.memGetInfo()[0]
+    if naive_bytes(w) + MARGIN_BYTES > free:
+        notes.append(f"naive: skipped, needs ~{naive_bytes(w) / 1e9:.1f} GB, {free / 1e9:.1f} GB free")
+        return
+    try:
+        mm = _matmul_dtype(w.dtype)
+        q0, k0, v0, _ = sets[0]
+        err = check(naive_decode(q0, k0, v0, scale, mm))
+        if err > REL_TOL[w.dtype] * 5:
+            notes.append(f"naive: rel err {err:.1e}")
+        # CuPy cannot capture cuBLAS in a graph: back-to-back calls timed by events instead.
+        row["naive_us"] = stream_time_cupy(
+            lambda i: naive_decode(*sets[i % len(sets)][:3], scale, mm), n_calls,
+            trials=max(3, GRAPH_TRIALS // 4))[0]
+        row["speedup_vs_naive"] = row["naive_us"] / row["gpu_us"]
+        if mm != w.dtype:
+            notes.append(f"naive: matmul in {mm}")
+    except Exception as exc:
+        notes.append(f"naive: {type(exc).__name__}: {exc}")
+    finally:
+        cupy.get_default_memory_pool().free_all_blocks()
+
+
+def sweep(model: str, dtype: str, seqlens, batches, num_splits=None) -> list[Workload]:
+    """The points of a bench run, batch-major, each with a fresh seed."""
+    from .workloads import workload_for_model
+
+    return [workload_for_model(model, b, L, dtype, num_splits=num_splits, seed=fresh_seed())
+            for b in batches for L in seqlens]
+
+
+# ---------------------------------------------------------------------------- plot
+
+def plot_rows(rows: list[dict], path: str, title: str = "") -> None:
+    """µs per call and % of floor vs sequence length, one line per batch size (log x)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_us, ax_pct) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for batch in sorted({r["batch"] for r in rows}):
+        pts = sorted((r["seqlen"], r["gpu_us"], r["pct_of_floor"], r["floor_us"]) for r in rows
+                     if r["batch"] == batch and r["gpu_us"] is not None)
+        if not pts:
+            continue
+        L, us, pct, floor = zip(*pts)
+        line = ax_us.plot(L, us, marker="o", label=f"batch {batch}")[0]
+        ax_us.plot(L, floor, linestyle=":", color=line.get_color())
+        ax_pct.plot(L, pct, marker="o", label=f"batch {batch}")
+    for ax in (ax_us, ax_pct):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("sequence length (tokens)")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    ax_us.set_yscale("log")
+    ax_us.set_ylabel("GPU µs per call (graph replay); dotted: floor")
+    ax_pct.set_ylabel("% of floor (floor / time)")
+    ax_pct.set_ylim(0, 105)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
