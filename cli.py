@@ -1,0 +1,3 @@
+from cupydecode.cli import main
+
+main()

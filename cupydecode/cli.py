@@ -1,0 +1,587 @@
+"""The ``cupydecode`` command line: check, bench, explain, info, models.
+
+Thin on purpose: options are parsed and validated here, the work is done by
+``cupydecode.check`` (correctness), ``cupydecode.bench`` (timings), ``cupydecode.explain``
+(the algorithm on a tiny example) and ``cupydecode.workloads`` (shapes and data). The library
+never imports this module, and this module imports CuPy only inside commands that need a GPU.
+
+Exit codes: 0 success, 1 a check failed, 2 bad usage or no usable GPU.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import sys
+import time
+
+import click
+
+from . import __version__
+from .workloads import DTYPES, MODELS, Workload, fresh_seed, random_lengths
+
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+MAX_SPLITS = 4096  # mirrors cupydecode._policy.MAX_SPLITS (checked again by the library)
+DTYPE_ALIASES = {"fp16": "float16", "half": "float16", "bf16": "bfloat16", "fp32": "float32",
+                 "float": "float32"}
+
+
+# ---------------------------------------------------------------------------- GPU detection
+
+def detect_gpu() -> tuple[bool, str]:
+    """(usable, description). Never raises: a missing CuPy or driver is a 'no'."""
+    try:
+        import cupy
+    except Exception as exc:
+        return False, f"CuPy cannot be imported ({type(exc).__name__}: {exc})"
+    try:
+        n = cupy.cuda.runtime.getDeviceCount()
+    except Exception as exc:
+        return False, f"CUDA found no usable device ({type(exc).__name__}: {exc})"
+    if n < 1:
+        return False, "CUDA reports 0 devices"
+    return True, f"{n} CUDA device(s)"
+
+
+def require_gpu(ctx: click.Context) -> None:
+    ok, why = detect_gpu()
+    if not ok:
+        click.echo(f"error: no usable GPU: {why}. This command runs CUDA kernels; "
+                   "`cupydecode explain` and `cupydecode models` work without one.", err=True)
+        ctx.exit(EXIT_USAGE)
+
+
+# ---------------------------------------------------------------------------- option types
+
+class SplitsType(click.ParamType):
+    """'auto' or an integer split count in [1, MAX_SPLITS]; 'auto' converts to the string."""
+
+    name = "auto|N"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, int) and not isinstance(value, bool):
+            text = str(value)
+        else:
+            text = str(value).strip().lower()
+        if text == "auto":
+            return "auto"
+        try:
+            n = int(text)
+        except ValueError:
+            self.fail(f"expected 'auto' or an integer >= 1, got {value!r}", param, ctx)
+        if not 1 <= n <= MAX_SPLITS:
+            self.fail(f"expected 'auto' or an integer in [1, {MAX_SPLITS}], got {n}", param, ctx)
+        return n
+
+
+class IntListType(click.ParamType):
+    """Comma-separated integers, each >= ``minimum``; a k suffix multiplies by 1024 (64k)."""
+
+    name = "N,N,..."
+
+    def __init__(self, minimum: int = 1):
+        self.minimum = minimum
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, (list, tuple)):
+            return list(value)
+        out = []
+        for part in str(value).split(","):
+            text = part.strip().lower()
+            mult = 1024 if text.endswith("k") else 1
+            try:
+                n = int(text[:-1] if mult > 1 else text) * mult
+            except ValueError:
+                self.fail(f"expected comma-separated integers (e.g. 1024,4096,64k), got {value!r}",
+                          param, ctx)
+            if n < self.minimum:
+                self.fail(f"expected integers >= {self.minimum}, got {n}", param, ctx)
+            out.append(n)
+        if not out:
+            self.fail("expected at least one integer", param, ctx)
+        return out
+
+
+def _dtype_callback(ctx, param, value):
+    if value is None:
+        return None
+    return DTYPE_ALIASES.get(value.lower(), value.lower())
+
+
+DTYPE_CHOICE = click.Choice([*DTYPES, *DTYPE_ALIASES], case_sensitive=False)
+MODEL_CHOICE = click.Choice(list(MODELS), case_sensitive=False)
+HEAD_DIM_CHOICE = click.Choice(["64", "128", "256"])
+
+
+# ---------------------------------------------------------------------------- output helpers
+
+def _fmt(x, spec: str) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, float) and not math.isfinite(x):
+        return str(x)
+    return format(x, spec)
+
+
+def format_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> list[str]:
+    """Text table; columns are (header, key, format spec). Text left, numbers right."""
+    cells = [[h for h, _, _ in columns]]
+    for r in rows:
+        cells.append([_fmt(r.get(k), spec) for _, k, spec in columns])
+    widths = [max(len(c[i]) for c in cells) for i in range(len(columns))]
+    left = [spec == "s" for _, _, spec in columns]
+    return ["  ".join(c[i].ljust(widths[i]) if left[i] else c[i].rjust(widths[i])
+                      for i in range(len(columns))).rstrip() for c in cells]
+
+
+def _jsonable(x):
+    if isinstance(x, float) and not math.isfinite(x):
+        return str(x)  # "inf" / "nan": strict JSON has no such numbers
+    if isinstance(x, dict):
+        return {k: _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    return x
+
+
+def write_json(path: str, payload: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(_jsonable(payload), f, indent=2)
+        f.write("\n")
+
+
+def write_csv(path: str, rows: list[dict]) -> None:
+    fields = list(rows[0]) if rows else []
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields)
+        writer.writeheader()
+        for r in rows:
+            writer.writerow({k: ("" if v is None else v) for k, v in r.items()})
+
+
+def _device_header() -> tuple[dict, list[str]]:
+    from .bench import device_info
+
+    d = device_info()
+    return d, [f"GPU {d['device_id']}: {d['name']} (sm_{d['compute_capability'].replace('.', '')}, "
+               f"{d['sm_count']} SMs, L2 {d['l2_bytes'] / 2**20:.0f} MiB, "
+               f"{d['total_mem'] / 2**30:.0f} GiB)",
+               f"cupydecode {__version__}, CuPy {d['cupy']}, CUDA runtime {d['cuda_runtime']}, "
+               f"driver {d['cuda_driver']}"]
+
+
+# ---------------------------------------------------------------------------- main group
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="cupydecode")
+def main():
+    """FlashDecoding (split-KV decode attention) for CuPy: check, measure, explain.
+
+    \b
+    Examples:
+      cupydecode check                        # built-in correctness matrix vs float64
+      cupydecode bench --model llama-3-8b     # timings vs the HBM read floor
+      cupydecode explain                      # the split/merge math on 12 tokens (no GPU)
+    """
+
+
+# ---------------------------------------------------------------------------- check
+
+def _single_workload(batch, seqlen, heads, kv_heads, head_dim, dtype, splits, seed, varlen,
+                     lengths, q_scale, model) -> Workload:
+    """One workload from ``check``'s options (raises click.BadParameter on bad combinations)."""
+    preset = MODELS[(model or "llama-3-8b").lower()]
+    if heads is None:
+        heads = preset.num_heads
+        kv_heads = preset.num_kv_heads if kv_heads is None else kv_heads
+    elif kv_heads is None:
+        kv_heads = preset.num_kv_heads if model else heads
+    head_dim = preset.head_dim if head_dim is None else int(head_dim)
+    if heads % kv_heads:
+        raise click.BadParameter(f"expected a divisor of --heads {heads}, got {kv_heads}",
+                                 param_hint="'--kv-heads'")
+    if lengths is not None:
+        if batch is not None and batch != len(lengths):
+            raise click.BadParameter(f"expected {batch} lengths (one per sequence of --batch), "
+                                     f"got {len(lengths)}", param_hint="'--lengths'")
+        batch = len(lengths)
+        seqlen = max(lengths) if seqlen is None else seqlen
+        if max(lengths) > seqlen:
+            raise click.BadParameter(f"expected lengths <= --seqlen {seqlen}, got {max(lengths)}",
+                                     param_hint="'--lengths'")
+    batch = 2 if batch is None else batch
+    seqlen = 4096 if seqlen is None else seqlen
+    seed = fresh_seed() if seed is None else seed
+    if varlen and lengths is None:
+        lengths = random_lengths(batch, seqlen, seed)
+    name = (model or "custom") + (" varlen" if lengths is not None else "")
+    return Workload(batch, seqlen, heads, kv_heads, head_dim, dtype or "float16",
+                    None if splits in (None, "auto") else splits, lengths, q_scale, seed, name)
+
+
+def _workload_label(w: Workload) -> str:
+    label = f"{w.name}: {w.shape_label()}"
+    if w.lengths is not None:
+        label += " lens=" + ",".join(str(n) for n in w.lengths)
+    return label
+
+
+def _check_line(row: dict, label: str, width: int) -> str:
+    req = row["splits_requested"]
+    splits = f"{req}→{_fmt(row['splits'], 'd')}" if req == "auto" else str(req)
+    result = "PASS" if row["passed"] else "FAIL"
+    return (f"{label:<{width}s}  {row['dtype']:<8s}  {splits:>8s}  "
+            f"{_fmt(row['max_abs_err'], '.2e'):>11s}  {_fmt(row['rel_err'], '.2e'):>9s}  "
+            f"{_fmt(row['lse_err'], '.2e'):>9s}  {result}")
+
+
+def _check_header(width: int) -> str:
+    return (f"{'workload':<{width}s}  {'dtype':<8s}  {'splits':>8s}  {'max abs err':>11s}  "
+            f"{'rel err':>9s}  {'LSE err':>9s}  result")
+
+
+@main.command()
+@click.option("--batch", type=click.IntRange(min=1), help="Sequences (default 2).")
+@click.option("--seqlen", type=click.IntRange(min=1), help="max_seqlen of the cache (default 4096).")
+@click.option("--heads", type=click.IntRange(min=1), help="Query heads (default: the model's).")
+@click.option("--kv-heads", type=click.IntRange(min=1), help="KV heads; must divide --heads.")
+@click.option("--head-dim", type=HEAD_DIM_CHOICE, help="64, 128 or 256 (default: the model's).")
+@click.option("--dtype", type=DTYPE_CHOICE, callback=_dtype_callback,
+              help="float16 (default), bfloat16 or float32.")
+@click.option("--splits", type=SplitsType(), help="'auto' (default) or a forced split count.")
+@click.option("--seed", type=click.IntRange(0, 2**32 - 1), help="Replay a run's random data.")
+@click.option("--varlen", is_flag=True, help="Random per-sequence lengths (one full, one empty).")
+@click.option("--lengths", type=IntListType(minimum=0), help="Explicit per-sequence lengths.")
+@click.option("--q-scale", type=float, default=1.0, show_default=True,
+              help="Multiply q (and so every logit), e.g. 2400 for logits of about ±1e4.")
+@click.option("--model", type=MODEL_CHOICE, help="Take heads/kv-heads/head-dim from a preset.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True),
+              help="Write the result rows to this JSON file.")
+@click.pass_context
+def check(ctx, batch, seqlen, heads, kv_heads, head_dim, dtype, splits, seed, varlen, lengths,
+          q_scale, model, json_path):
+    """Compare flash_decode with a float64 reference; one row per workload.
+
+    Without shape options, runs the built-in matrix (fp16/bf16/fp32, head_dim 64/128/256,
+    MHA to MQA, lengths 1 to 65536, variable lengths with an empty sequence, forced and
+    automatic splits, logits of ±1e4). Outputs are filled with NaN before each call.
+    Tolerances: relative L2 error 2e-3 (fp16), 1e-2 (bf16), 1e-4 (fp32); LSE 1e-3.
+    Exit status 0 if all pass, 1 if any fails, 2 on bad usage or without a GPU.
+
+    \b
+    Examples:
+      cupydecode check
+      cupydecode check --model llama-3-8b --seqlen 300 --batch 2 --varlen
+      cupydecode check --heads 28 --kv-heads 4 --seqlen 4097 --dtype bf16 --splits 3
+      cupydecode check --json check.json
+    """
+    from .workloads import default_check_matrix
+
+    single = any(x is not None for x in (batch, seqlen, heads, kv_heads, head_dim, dtype, splits,
+                                         lengths, model)) or varlen or q_scale != 1.0
+    if single:
+        workloads = [_single_workload(batch, seqlen, heads, kv_heads, head_dim, dtype, splits,
+                                      seed, varlen, lengths, q_scale, model)]
+    else:
+        workloads = default_check_matrix()
+        base = fresh_seed() if seed is None else seed
+        for i, w in enumerate(workloads):
+            w.seed = (base + i) % 2**32
+    require_gpu(ctx)
+    from .check import repro_command, run_check
+
+    device, header = _device_header()
+    for line in header:
+        click.echo(line)
+    click.echo(f"{len(workloads)} workload(s); reference: float64 (NumPy, or on the GPU for "
+               f"large caches); outputs poisoned with NaN before each call\n")
+    labels = [_workload_label(w) for w in workloads]
+    width = max(len(x) for x in labels)
+    click.echo(_check_header(width))
+    t0 = time.perf_counter()
+    rows = []
+    for w, label in zip(workloads, labels):
+        row = run_check(w)
+        rows.append(row)
+        click.echo(_check_line(row, label, width))
+        if not row["passed"]:
+            if row["error"]:
+                click.echo(f"    error: {row['error']}")
+            click.echo(f"    replay: {repro_command(row)}")
+    failed = sum(not r["passed"] for r in rows)
+    click.echo(f"\n{len(rows) - failed}/{len(rows)} passed in {time.perf_counter() - t0:.1f} s")
+    if json_path:
+        write_json(json_path, {"device": device, "rows": rows})
+        click.echo(f"wrote {json_path}")
+    ctx.exit(EXIT_FAILED if failed else 0)
+
+
+# ---------------------------------------------------------------------------- bench
+
+PEER_LABELS = {"torch_cudnn_us": "cuDNN µs", "torch_flash_us": "FA2 µs",
+               "flashinfer_us": "FlashInfer µs", "flashinfer_tc_us": "FI-TC µs"}
+
+
+def _bench_columns(peer_cols) -> list[tuple[str, str, str]]:
+    cols = [("batch", "batch", "d"), ("seqlen", "seqlen", "d"), ("KV MB", "kv_mb", ".1f"),
+            ("splits", "num_splits", "d"), ("floor µs", "floor_us", ".1f"),
+            ("eager µs", "eager_us", ".1f"), ("GPU µs", "gpu_us", ".1f"),
+            ("p20–p80", "spread", "s"), ("GB/s", "gbps", ".0f"), ("% floor", "pct_of_floor", ".0f"),
+            ("×split1", "speedup_vs_split1", ".2f"), ("naive µs", "naive_us", ".1f"),
+            ("×naive", "speedup_vs_naive", ".1f")]
+    cols += [(PEER_LABELS[c], c, ".1f") for c in peer_cols]
+    cols.append(("check", "check", "s"))
+    return cols
+
+
+def _bench_display(row: dict) -> dict:
+    spread = (f"{row['gpu_us_p20']:.1f}–{row['gpu_us_p80']:.1f}"
+              if row["gpu_us_p20"] is not None else None)
+    return dict(row, kv_mb=row["kv_bytes"] / 1e6, spread=spread)
+
+
+def _check_plot_available(ctx) -> None:
+    try:
+        import matplotlib  # noqa: F401
+    except Exception as exc:
+        click.echo(f"error: --plot needs matplotlib ({type(exc).__name__}: {exc}); "
+                   "install it with `pip install matplotlib` (not a dependency of cupydecode)",
+                   err=True)
+        ctx.exit(EXIT_USAGE)
+
+
+@main.command()
+@click.option("--model", type=MODEL_CHOICE, default="llama-3-8b", show_default=True,
+              help="Head shape preset (see `cupydecode models`).")
+@click.option("--dtype", type=DTYPE_CHOICE, default="float16", show_default=True,
+              callback=_dtype_callback, help="float16, bfloat16 or float32.")
+@click.option("--seqlens", type=IntListType(), default="1024,4096,16384,65536,262144",
+              show_default=True, help="Comma list of sequence lengths (64k allowed).")
+@click.option("--batch", "batches", type=IntListType(), default="1,4,16", show_default=True,
+              help="Comma list of batch sizes.")
+@click.option("--splits", type=SplitsType(), default="auto", show_default=True,
+              help="'auto' or a forced split count.")
+@click.option("--baseline", "baselines", type=click.Choice(["torch", "flashinfer"]),
+              multiple=True, help="Also time a peer (repeatable); needs torch / flashinfer.")
+@click.option("--csv", "csv_path", type=click.Path(dir_okay=False, writable=True),
+              help="Write the rows to this CSV file.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True),
+              help="Write the rows (and device facts) to this JSON file.")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False, writable=True),
+              help="Plot µs and % of floor vs seqlen to this PNG (needs matplotlib).")
+@click.pass_context
+def bench(ctx, model, dtype, seqlens, batches, splits, baselines, csv_path, json_path, plot_path):
+    """Time flash_decode against the HBM read floor and against baselines.
+
+    Per point: floor = bytes(K+V) / read ceiling measured in this run; eager µs (host wall time
+    of one flash_decode call); GPU µs per call from a replayed CUDA graph (median, p20–p80),
+    rotating over KV buffers larger than 4× L2; speedups over the same kernels with
+    num_splits=1 and over a naive CuPy version (cuBLAS + float32 softmax). The output of the
+    timed configuration is checked against float64.
+
+    \b
+    Examples:
+      cupydecode bench
+      cupydecode bench --seqlens 4096,65536 --batch 1,16 --csv out.csv --plot out.png
+      cupydecode bench --model qwen2.5-7b --dtype bf16 --baseline torch
+    """
+    from . import bench as B
+
+    if plot_path:
+        _check_plot_available(ctx)
+    require_gpu(ctx)
+    peers = list(dict.fromkeys(baselines))
+    for name in peers:
+        why = B.PEERS[name][0]()
+        if why:
+            click.echo(f"error: --baseline {name}: {why}", err=True)
+            ctx.exit(EXIT_USAGE)
+    device, header = _device_header()
+    for line in header:
+        click.echo(line)
+    ceiling = B.measure_read_ceiling()
+    click.echo(f"HBM read ceiling: {ceiling['gbps']:.0f} GB/s (read-only kernel over "
+               f"{ceiling['nbytes'] / 1e9:.2f} GB, {ceiling['us']:.0f} µs)")
+    points = B.sweep(model, dtype, seqlens, batches, None if splits == "auto" else splits)
+    p = MODELS[model]
+    click.echo(f"{model}: {p.num_heads} query heads, {p.num_kv_heads} KV heads, head_dim "
+               f"{p.head_dim}, {dtype}, splits {splits}")
+    click.echo(f"bytes per point: {B.napkin(points[0], symbolic=True)} "
+               f"(e.g. {B.napkin(points[0])})")
+    click.echo(f"GPU µs: {B.GRAPH_TRIALS} replays of a graph of ≥{B.MIN_GRAPH_CALLS} calls; "
+               f"floor µs = KV bytes / {ceiling['gbps']:.0f} GB/s")
+    click.echo("naive µs: cuBLAS q·Kᵀ, float32 softmax, cuBLAS P·V, timed by events over "
+               "back-to-back calls (CuPy cannot capture cuBLAS in a graph)\n")
+    rows = []
+    with click.progressbar(points, label="bench", file=sys.stderr,
+                           item_show_func=lambda w: w and f"B={w.batch} L={w.seqlen}") as bar:
+        for w in bar:
+            rows.append(B.bench_point(w, ceiling["gbps"], device["l2_bytes"], model, peers))
+    peer_cols = [c for name in peers for c in B.PEERS[name][2]]
+    done = [r for r in rows if not r["skipped"]]
+    if done:
+        for line in format_table([_bench_display(r) for r in done], _bench_columns(peer_cols)):
+            click.echo(line)
+    for r in rows:
+        if r["skipped"]:
+            click.echo(f"skipped batch {r['batch']} seqlen {r['seqlen']}: {r['skipped']}")
+        if r["notes"]:
+            click.echo(f"note batch {r['batch']} seqlen {r['seqlen']}: {r['notes']}")
+    payload = {"device": device, "ceiling": ceiling, "model": model, "rows": rows}
+    if csv_path:
+        write_csv(csv_path, rows)
+        click.echo(f"wrote {csv_path}")
+    if json_path:
+        write_json(json_path, payload)
+        click.echo(f"wrote {json_path}")
+    if plot_path:
+        B.plot_rows(rows, plot_path, f"{model} {dtype} on {device['name']} "
+                                     f"(ceiling {ceiling['gbps']:.0f} GB/s)")
+        click.echo(f"wrote {plot_path}")
+    if any(r["check"] in ("FAIL", "ERROR") for r in rows):
+        click.echo("error: a timed configuration failed its correctness check", err=True)
+        ctx.exit(EXIT_FAILED)
+
+
+# ---------------------------------------------------------------------------- explain
+
+@main.command()
+@click.option("--tokens", type=click.IntRange(1, 4096), default=12, show_default=True,
+              help="Tokens in the cache.")
+@click.option("--splits", type=click.IntRange(1, 64), default=3, show_default=True,
+              help="Chunks the cache is split into.")
+@click.option("--head-dim", type=click.IntRange(1, 256), default=4, show_default=True,
+              help="Vector length.")
+@click.option("--seed", type=click.IntRange(0, 2**32 - 1), default=0, show_default=True,
+              help="Seed of the example's q, K, V.")
+@click.option("--center", type=float, default=120.0, show_default=True,
+              help="Logits are drawn around this value.")
+@click.option("--gpu", is_flag=True, help="Also read the same numbers from the real kernels.")
+@click.pass_context
+def explain(ctx, tokens, splits, head_dim, seed, center, gpu):
+    """Walk the split/merge algorithm of DESIGN.md on a tiny example, number by number.
+
+    Prints the scores s_j, each split's m_i, l_i, V_i, Õ_i and LSE_i, the merge weights w_i
+    and the merged O next to a direct float64 softmax; then shows the direct exp-sum
+    overflowing in float16 and float32 while the LSE path stays exact. Runs on the CPU;
+    --gpu adds the partials read back from the CUDA kernels.
+
+    \b
+    Examples:
+      cupydecode explain
+      cupydecode explain --tokens 10 --splits 4 --head-dim 8 --seed 3
+      cupydecode explain --gpu
+    """
+    from . import explain as E
+
+    wk = E.walk(tokens, splits, head_dim, seed, center)
+    for line in E.format_walk(wk) + E.format_overflow(wk):
+        click.echo(line)
+    if gpu:
+        require_gpu(ctx)
+        for line in E.format_gpu(wk, E.gpu_partials(wk)):
+            click.echo(line)
+
+
+# ---------------------------------------------------------------------------- info
+
+def _cache_dir() -> str:
+    return os.environ.get("CUPY_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cupy",
+                                                            "kernel_cache")
+
+
+def _safe(fn, default="unavailable"):
+    try:
+        return fn()
+    except Exception as exc:
+        return f"{default} ({type(exc).__name__})"
+
+
+@main.command()
+@click.option("--compile", "compile_all", is_flag=True,
+              help="Build every kernel specialisation now (fills CuPy's on-disk cache).")
+@click.pass_context
+def info(ctx, compile_all):
+    """Versions, GPU facts, and where compiled kernels are cached.
+
+    \b
+    Examples:
+      cupydecode info
+      cupydecode info --compile      # build all dtype × head_dim specialisations
+    """
+    from . import _kernels
+
+    click.echo(f"cupydecode {__version__} (Python {sys.version.split()[0]})")
+    click.echo(f"kernel sources: {_safe(lambda: str(_kernels.kernel_dir()), 'not found')}")
+    try:
+        import cupy
+    except Exception as exc:
+        click.echo(f"CuPy: not importable ({type(exc).__name__}: {exc})")
+        click.echo("no GPU found: CuPy is needed to run the kernels; `cupydecode explain` works without it")
+        return
+    from .bench import _cuda_version
+
+    click.echo(f"CuPy {cupy.__version__}")
+    click.echo("CUDA runtime " + str(_safe(lambda: _cuda_version(cupy.cuda.runtime.runtimeGetVersion()))))
+    driver = _safe(cupy.cuda.runtime.driverGetVersion)
+    click.echo("CUDA driver " + (("none found" if driver == 0 else _cuda_version(driver))
+                                 if isinstance(driver, int) else driver))
+    click.echo("NVRTC " + str(_safe(lambda: ".".join(map(str, cupy.cuda.nvrtc.getVersion())))))
+    cache = _cache_dir()
+    n_files = sum(len(f) for _, _, f in os.walk(cache)) if os.path.isdir(cache) else 0
+    click.echo(f"CuPy kernel cache: {cache} ({n_files} file(s)"
+               f"{'' if os.environ.get('CUPY_CACHE_DIR') else '; set CUPY_CACHE_DIR to move it'})")
+    ok, why = detect_gpu()
+    if not ok:
+        click.echo(f"no GPU found: {why}")
+        return
+    _, header = _device_header()
+    click.echo(header[0])
+    free, total = cupy.cuda.runtime.memGetInfo()
+    click.echo(f"memory: {free / 2**30:.1f} GiB free of {total / 2**30:.1f} GiB")
+    if compile_all:
+        _compile_all()
+    specs = _kernels.compiled_specialisations()
+    click.echo(f"specialisations compiled in this process: {len(specs)}")
+    for s in specs:
+        click.echo(f"  {s}")
+
+
+def _compile_all() -> None:
+    """Build the split and merge kernels for every dtype × head_dim through public plans."""
+    from .decode import DecodePlan
+
+    for dt in DTYPES:
+        for d in (64, 128, 256):
+            t0 = time.perf_counter()
+            DecodePlan(1, 1, 1, d, 1024, dt, num_splits=2)
+            click.echo(f"  built {dt} head_dim {d} in {time.perf_counter() - t0:.2f} s")
+
+
+# ---------------------------------------------------------------------------- models
+
+@main.command()
+def models():
+    """List the model presets usable with --model.
+
+    \b
+    Example:
+      cupydecode models
+    """
+    rows = []
+    for name, p in MODELS.items():
+        rows.append({"model": name, "heads": p.num_heads, "kv_heads": p.num_kv_heads,
+                     "head_dim": p.head_dim, "group": p.group,
+                     "kv_kib": 2 * p.num_kv_heads * p.head_dim * 2 / 1024, "note": p.note})
+    cols = [("model", "model", "s"), ("heads", "heads", "d"), ("kv heads", "kv_heads", "d"),
+            ("head_dim", "head_dim", "d"), ("G", "group", "d"),
+            ("KV KiB/token/layer (fp16)", "kv_kib", ".1f"), ("", "note", "s")]
+    for line in format_table(rows, cols):
+        click.echo(line.rstrip())
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()
