@@ -1,0 +1,186 @@
+"""CLI tests that need no GPU: help texts, `explain`, option errors, the no-GPU exit path."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from cupydecode import cli, explain
+from cupydecode.workloads import MODELS, Workload, default_check_matrix, random_lengths
+
+COMMANDS = ["check", "bench", "explain", "info", "models"]
+
+
+@pytest.fixture
+def runner():
+    return CliRunner()
+
+
+@pytest.fixture
+def no_gpu(monkeypatch):
+    """Make GPU detection say no, whatever this machine has."""
+    monkeypatch.setattr(cli, "detect_gpu", lambda: (False, "simulated: no CUDA device"))
+
+
+@pytest.mark.parametrize("command", [[], *[[c] for c in COMMANDS]])
+def test_help_has_example(runner, command):
+    result = runner.invoke(cli.main, [*command, "--help"])
+    assert result.exit_code == 0, result.output
+    assert re.search(r"Examples?:", result.output), result.output
+    assert "cupydecode" in result.output.split("Example")[1]
+
+
+def test_explain_prints_every_quantity(runner):
+    result = runner.invoke(cli.main, ["explain"])
+    assert result.exit_code == 0, result.output
+    for token in ["s_j", "m_i", "l_i", "V_i", "Õ_i", "LSE_i", "w_i", "O_direct", "LSE_direct"]:
+        assert token in result.output, token
+    assert "12 tokens" in result.output and "3 split" in result.output
+
+
+def _reported(output: str, label: str) -> float:
+    m = re.search(re.escape(label) + r" = ([0-9.e+-]+)", output)
+    assert m, f"{label!r} not in output"
+    return float(m.group(1))
+
+
+@pytest.mark.parametrize("args", [[], ["--tokens", "10", "--splits", "4", "--head-dim", "8",
+                                       "--seed", "3"], ["--tokens", "5", "--splits", "7"]])
+def test_explain_merge_matches_direct_softmax(runner, args):
+    result = runner.invoke(cli.main, ["explain", *args])
+    assert result.exit_code == 0, result.output
+    assert _reported(result.output, "max |O − O_direct|") < 1e-12
+    assert _reported(result.output, "|LSE − LSE_direct|") < 1e-10
+
+
+@pytest.mark.parametrize("tokens,splits", [(12, 3), (1, 1), (5, 4), (3, 8), (64, 5)])
+def test_walk_numbers(tokens, splits, seed):
+    wk = explain.walk(tokens, splits, 4, seed)
+    assert np.allclose(wk.O, wk.O_direct, rtol=0, atol=1e-12)
+    assert abs(wk.lse - wk.lse_direct) < 1e-10
+    assert abs(wk.w.sum() - 1) < 1e-12
+    assert np.all(wk.s > 100)  # logits near 120: the overflow regime
+    assert wk.edges[0] == 0 and wk.edges[-1] == tokens and len(wk.edges) == splits + 1
+    empty = np.diff(wk.edges) == 0
+    assert np.all(np.isneginf(wk.lse_part[empty])) and np.all(wk.O_part[empty] == 0)
+    assert np.all(np.isfinite(wk.lse_part[~empty]))
+    live = ~empty
+    assert np.allclose(wk.lse_part[live], wk.m[live] + np.log(wk.l[live]))
+    assert np.allclose(wk.O_part[live], wk.V[live] / wk.l[live, None])
+    assert np.all(wk.l[live] >= 1)
+
+
+def test_overflow_demo_shows_inf_and_nan(runner):
+    result = runner.invoke(cli.main, ["explain"])
+    assert result.exit_code == 0, result.output
+    lines = [ln for ln in result.output.splitlines() if "direct in float" in ln]
+    assert len(lines) == 2, result.output
+    for ln in lines:
+        assert "Σ_j exp(s_j) = inf" in ln
+        assert "nan" in ln
+    err = re.search(r"max \|ΔO\| = ([0-9.e+-]+)", result.output)
+    assert err and float(err.group(1)) < 1e-5, result.output
+
+
+def test_direct_softmax_overflows_lse_path_does_not():
+    wk = explain.walk()
+    for dt in (np.float16, np.float32):
+        den, out = explain.direct_softmax(wk.s, wk.v, dt)
+        assert np.isinf(den) and np.all(np.isnan(out))
+    r = explain.split_merge(wk.s, wk.v, wk.edges, np.float32)
+    assert np.all(np.isfinite(r["O"]))
+    assert np.max(np.abs(r["O"] - wk.O_direct)) < 1e-5
+
+
+@pytest.mark.parametrize("args", [
+    ["check", "--dtype", "float64"],
+    ["check", "--splits", "0"],
+    ["check", "--splits", "many"],
+    ["check", "--head-dim", "96"],
+    ["check", "--heads", "32", "--kv-heads", "5"],
+    ["check", "--batch", "3", "--lengths", "1,2"],
+    ["check", "--seqlen", "10", "--lengths", "4,11"],
+    ["check", "--model", "llama-9"],
+    ["bench", "--seqlens", "a,b"],
+    ["bench", "--seqlens", "1024,0"],
+    ["bench", "--batch", "1,,4"],
+    ["bench", "--dtype", "int8"],
+    ["bench", "--baseline", "jax"],
+    ["explain", "--tokens", "0"],
+    ["explain", "--head-dim", "300"],
+])
+def test_bad_usage_exits_2(runner, no_gpu, args):
+    result = runner.invoke(cli.main, args)
+    assert result.exit_code == 2, result.output
+    assert "Error" in result.output or "error" in result.output
+
+
+@pytest.mark.parametrize("args", [["check"], ["check", "--model", "gpt-2", "--seqlen", "17"],
+                                  ["bench"], ["bench", "--seqlens", "1024", "--batch", "1"],
+                                  ["explain", "--gpu"]])
+def test_no_gpu_exits_2_with_message(runner, no_gpu, args):
+    result = runner.invoke(cli.main, args)
+    assert result.exit_code == 2, result.output
+    assert "no usable GPU" in result.output
+    assert "simulated: no CUDA device" in result.output
+
+
+def test_info_without_gpu_says_so(runner, no_gpu):
+    result = runner.invoke(cli.main, ["info"])
+    assert result.exit_code == 0, result.output
+    assert "cupydecode" in result.output
+    assert "no GPU found" in result.output
+
+
+def test_models_lists_presets(runner):
+    result = runner.invoke(cli.main, ["models"])
+    assert result.exit_code == 0
+    for name in MODELS:
+        assert name in result.output
+    assert re.search(r"falcon-7b\s+71\s+1\s+64", result.output)
+
+
+def test_option_types():
+    assert cli.SplitsType().convert("auto", None, None) == "auto"
+    assert cli.SplitsType().convert("3", None, None) == 3
+    assert cli.IntListType().convert("1024, 4k,64K", None, None) == [1024, 4096, 65536]
+
+
+def test_single_workload_from_options():
+    w = cli._single_workload(2, 300, None, None, None, None, None, 7, True, None, 1.0, "llama-3-8b")
+    assert (w.num_heads, w.num_kv_heads, w.head_dim) == (32, 8, 128)
+    assert w.lengths == random_lengths(2, 300, 7) and w.lengths[0] == 300
+    w = cli._single_workload(None, None, 28, None, "64", "bfloat16", 3, None, False, [5, 0, 9],
+                             1.0, None)
+    assert (w.batch, w.seqlen, w.num_heads, w.num_kv_heads, w.head_dim) == (3, 9, 28, 28, 64)
+    assert w.num_splits == 3 and w.seed is not None
+
+
+def test_default_matrix_covers_the_contract():
+    m = default_check_matrix()
+    assert {w.dtype for w in m} == {"float16", "bfloat16", "float32"}
+    assert {w.head_dim for w in m} == {64, 128, 256}
+    groups = {w.group for w in m}
+    assert 7 in groups and 1 in groups and any(w.num_kv_heads == 1 for w in m)
+    lengths = {w.seqlen for w in m}
+    assert {1, 17, 255, 257, 4097, 65536} <= lengths
+    assert any(w.lengths is not None and 0 in w.lengths for w in m)
+    assert {1, 3, None} <= {w.num_splits for w in m}
+    assert any(w.q_scale > 1000 for w in m)
+    # keep the float64 reference cheap: no cache above ~70M elements
+    assert max(w.batch * w.seqlen * w.num_kv_heads * w.head_dim for w in m) <= 70_000_000
+    for w in m:
+        assert w.num_heads % w.num_kv_heads == 0 and w.seed is None
+
+
+def test_workload_bytes_and_lengths():
+    w = Workload(2, 100, 8, 2, 64, "float16", lengths=(100, 10))
+    assert w.kv_bytes() == 2 * 110 * 2 * 64 * 2
+    with pytest.raises(ValueError, match="lengths"):
+        Workload(2, 100, 8, 2, 64, lengths=(101, 3))
+    assert random_lengths(4, 50, 1) == random_lengths(4, 50, 1)
+    lens = random_lengths(5, 50, 2)
+    assert lens[0] == 50 and lens[-1] == 0 and all(0 <= n <= 50 for n in lens)

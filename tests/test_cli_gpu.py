@@ -1,0 +1,102 @@
+"""CLI tests on a real GPU: the check matrix, a varlen check, a tiny bench, explain --gpu, info."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from cupydecode import cli, explain
+from cupydecode import reference as R
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture
+def runner():
+    return CliRunner()
+
+
+def test_check_default_matrix_passes(runner, tmp_path):
+    out = tmp_path / "check.json"
+    result = runner.invoke(cli.main, ["check", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) >= 20 and all(r["passed"] for r in rows)
+    assert {r["reference"] for r in rows} == {"numpy f64", "gpu f64"}
+    assert any(r["max_abs_lse"] > 5e3 for r in rows)  # the ±1e4 logits workload ran
+
+
+def test_check_single_varlen(runner, tmp_path):
+    out = tmp_path / "one.json"
+    result = runner.invoke(cli.main, ["check", "--model", "llama-3-8b", "--seqlen", "300",
+                                      "--batch", "2", "--varlen", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "PASS" in result.output
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["num_heads"] == 32 and row["num_kv_heads"] == 8 and row["batch"] == 2
+    assert row["lengths"][0] == 300
+
+
+def test_check_replay_uses_the_same_data(runner, tmp_path):
+    outs = []
+    for i in range(2):
+        path = tmp_path / f"r{i}.json"
+        result = runner.invoke(cli.main, ["check", "--heads", "28", "--kv-heads", "4",
+                                          "--seqlen", "257", "--splits", "3", "--seed", "1234",
+                                          "--json", str(path)])
+        assert result.exit_code == 0, result.output
+        outs.append(json.loads(path.read_text())["rows"][0])
+    assert outs[0]["max_abs_err"] == outs[1]["max_abs_err"]
+
+
+def test_gpu_reference_matches_numpy(cupy, seed):
+    from cupydecode.check import reference_gpu, select_rows
+    from cupydecode.workloads import Workload, make_inputs
+
+    w = Workload(3, 130, 28, 4, 64, "bfloat16", lengths=(130, 0, 7), seed=seed)
+    q, k, v, _ = make_inputs(w)
+    ref_out, ref_lse = R.decode_attention(q, k, v, np.array(w.lengths))
+    out, lse = reference_gpu(q, k, v, w.lengths, batch_ids=[0, 2], kv_heads=[1, 3])
+    want = select_rows(ref_out, 4, [0, 2], [1, 3])
+    assert np.allclose(out.get(), want, rtol=1e-12, atol=1e-12)
+    assert np.array_equal(np.isneginf(lse.get()), np.isneginf(select_rows(ref_lse, 4, [0, 2], [1, 3])))
+
+
+def test_bench_tiny_sweep_writes_files(runner, tmp_path):
+    csv_path, json_path = tmp_path / "b.csv", tmp_path / "b.json"
+    result = runner.invoke(cli.main, ["bench", "--seqlens", "1024", "--batch", "1",
+                                      "--csv", str(csv_path), "--json", str(json_path)])
+    assert result.exit_code == 0, result.output
+    assert "HBM read ceiling" in result.output
+    payload = json.loads(json_path.read_text())
+    (row,) = payload["rows"]
+    assert payload["ceiling"]["gbps"] > 100
+    assert row["check"] == "ok" and row["gpu_us"] > 0 and row["eager_us"] > 0
+    assert row["buffer_sets"] * row["kv_bytes"] > 4 * payload["device"]["l2_bytes"]
+    assert row["naive_us"] is not None and row["split1_us"] is not None
+    with open(csv_path) as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 1 and float(rows[0]["gpu_us"]) == pytest.approx(row["gpu_us"])
+
+
+def test_explain_gpu_matches_cpu(runner):
+    for tokens, splits, head_dim in [(12, 3, 4), (5, 4, 8), (40, 1, 128)]:
+        wk = explain.walk(tokens, splits, head_dim, seed=tokens)
+        d = explain.gpu_differences(wk, explain.gpu_partials(wk))
+        assert d["O_part"] < 1e-5 and d["O"] < 1e-5, d
+        assert d["lse_part"] < 1e-4 and d["lse"] < 1e-4, d   # |LSE| ≈ 120: a few fp32 ulps
+    result = runner.invoke(cli.main, ["explain", "--gpu"])
+    assert result.exit_code == 0, result.output
+    assert "max |GPU − CPU|" in result.output
+
+
+def test_info_names_the_gpu(runner, cupy):
+    name = cupy.cuda.runtime.getDeviceProperties(0)["name"]
+    name = name.decode() if isinstance(name, bytes) else name
+    result = runner.invoke(cli.main, ["info"])
+    assert result.exit_code == 0, result.output
+    assert name in result.output
