@@ -58,6 +58,10 @@ def test_shape_errors(cupy, good):
         f(q, k, cupy.ascontiguousarray(v[:, :, :1]))
     with raises(ValueError, "k_cache:", "num_kv_heads", "dividing", "num_heads=8"):
         f(q, cupy.zeros((B, L, 3, D), cupy.float16), cupy.zeros((B, L, 3, D), cupy.float16))
+    big = 65536  # one grid row per sequence: CUDA allows 65535
+    with raises(ValueError, "q:", "65535"):
+        f(cupy.zeros((big, 1, 64), cupy.float16), cupy.zeros((big, 1, 1, 64), cupy.float16),
+          cupy.zeros((big, 1, 1, 64), cupy.float16))
 
 
 def test_unsupported_head_dim_and_dtypes(cupy, good):
@@ -217,6 +221,9 @@ def test_plan_constructor_errors(cupy):
         P(1, 8, 2, 128, 64, "float16", num_splits=0)
     with raises(ValueError, "split_size:"):
         P(1, 8, 2, 128, 64, "float16", split_size=0)
+    if "merge" in P.__init__.__code__.co_varnames:
+        with raises(ValueError, "merge:"):
+            P(1, 8, 2, 128, 64, "float16", num_splits=2, merge="twice")
 
 
 def test_valid_call_after_errors(cupy, good):
