@@ -74,6 +74,10 @@ class DecodePlan:
     ``merge`` says how split partials are combined: ``"fused"`` (default) lets the last split
     block of each KV head merge them inside the one launch; ``"kernel"`` runs merge_states.cu as a
     second kernel (same math, one more launch).
+
+    A plan's workspace (partials and the fused merge's arrival counters) is shared by its runs:
+    run one plan on one stream at a time, and make one plan per stream for concurrent decoding
+    (``flash_decode`` keeps its cached plans per stream for this reason).
     """
 
     def __init__(self, batch: int, num_heads: int, num_kv_heads: int, head_dim: int,

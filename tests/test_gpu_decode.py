@@ -336,9 +336,6 @@ def test_many_forced_splits(cupy, rng, seed):
         assert_lse_close(lse, ref_lse, LSE_TOL["float16"], f"splits={splits} {ctx}")
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "cupydecode._validate.check_vector_layout refuses zero-size arrays: CuPy gives them all-zero "
-    "strides, which fail the last-dimension-contiguous check"))
 def test_empty_batch(cupy):
     q = cupy.zeros((0, 8, 128), cupy.float16)
     k = cupy.zeros((0, 16, 2, 128), cupy.float16)
@@ -346,9 +343,6 @@ def test_empty_batch(cupy):
     assert got.shape == (0, 8, 128) and lse.shape == (0, 8)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "cupydecode._validate.check_vector_layout refuses zero-size arrays: CuPy gives them all-zero "
-    "strides, which fail the last-dimension-contiguous check"))
 def test_empty_cache(cupy, rng):
     """max_seqlen = 0: every sequence is empty, out = 0 and lse = -inf."""
     q = to_device(randn(rng, (2, 8, 128), "float16"))
