@@ -184,3 +184,19 @@ def test_workload_bytes_and_lengths():
     assert random_lengths(4, 50, 1) == random_lengths(4, 50, 1)
     lens = random_lengths(5, 50, 2)
     assert lens[0] == 50 and lens[-1] == 0 and all(0 <= n <= 50 for n in lens)
+
+
+def test_plot_without_matplotlib_exits_2(runner, monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_matplotlib(name, *args, **kwargs):
+        if name == "matplotlib" or name.startswith("matplotlib."):
+            raise ModuleNotFoundError("No module named 'matplotlib'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    result = runner.invoke(cli.main, ["bench", "--plot", "out.png"])
+    assert result.exit_code == 2, result.output
+    assert "matplotlib" in result.output
