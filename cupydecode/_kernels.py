@@ -113,6 +113,7 @@ def compile_for_arch(filename: str, defines: dict[str, int], arch: str) -> bytes
 
 
 _SCALAR_TYPES = (np.int32, np.int64, np.uint32, np.uint64, np.float32, np.float64)
+_ARG_TYPES: frozenset = frozenset()
 
 
 def launch(fn, grid: tuple[int, int, int], block: tuple[int, int, int], args: tuple,
@@ -120,14 +121,17 @@ def launch(fn, grid: tuple[int, int, int], block: tuple[int, int, int], args: tu
     """Start ``fn`` on the current CuPy stream.
 
     Scalars must already be explicit NumPy scalars matching the kernel's parameter types;
-    pointers are CuPy arrays or ``0`` (spelled ``np.uint64(0)``) for a null pointer.
+    pointers are CuPy arrays or ``np.uint64(0)`` for a null pointer.
     """
-    import cupy
+    global _ARG_TYPES
+    if not _ARG_TYPES:
+        import cupy
 
+        _ARG_TYPES = frozenset((cupy.ndarray, *_SCALAR_TYPES))
     for i, a in enumerate(args):
-        if not isinstance(a, (cupy.ndarray, *_SCALAR_TYPES)):
-            raise TypeError(f"kernel argument {i} of {fn.kernel.name if hasattr(fn, 'kernel') else fn}"
-                            f" must be a cupy.ndarray or an explicit NumPy scalar, got {type(a).__name__}")
+        if type(a) not in _ARG_TYPES:  # exact types: bool and Python int are refused
+            raise TypeError(f"kernel argument {i} must be a cupy.ndarray or an explicit NumPy "
+                            f"scalar, got {type(a).__name__}")
     allow_shared_memory(fn, shared_mem)
     fn(grid, block, args, shared_mem=shared_mem)
 

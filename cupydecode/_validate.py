@@ -83,10 +83,11 @@ def check_vector_layout(x, name: str, axes: tuple[int, ...]) -> None:
 def check_same_device(arrays: dict) -> None:
     import cupy
 
-    current = cupy.cuda.Device().id
+    current = cupy.cuda.runtime.getDevice()
     for name, a in arrays.items():
-        if a is not None and a.device.id != current:
-            fail(ValueError, name, f"an array on the current device (GPU {current})", f"GPU {a.device.id}")
+        if a is not None and a.data.device_id != current:
+            fail(ValueError, name, f"an array on the current device (GPU {current})",
+                 f"GPU {a.data.device_id}")
 
 
 def check_int(value, name: str, lo: int | None = None, hi: int | None = None) -> int:

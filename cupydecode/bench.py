@@ -114,8 +114,8 @@ def measure_read_ceiling(nbytes: int = 2 << 30, trials: int = 10) -> dict:
     if nbytes <= 0:
         raise MemoryError("not enough free GPU memory to measure the read ceiling")
     kernel = cupy.RawKernel(_CEILING_SRC, "cd_read_ceiling")
-    buf = cupy.empty(nbytes // 16 * 16, cupy.uint8)
-    buf.fill(1)
+    # Random bytes, not a constant: never time on data a memory system could compress.
+    buf = cupy.random.randint(0, 2**31 - 1, size=nbytes // 4, dtype=cupy.int32)
     sms = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["multiProcessorCount"]
     best = None
     for blocks_per_sm in (2, 4, 8):
@@ -211,6 +211,26 @@ def stream_time_cupy(call, n_calls: int, trials: int = GRAPH_TRIALS) -> tuple[fl
         e1.synchronize()
         times.append(cupy.cuda.get_elapsed_time(e0, e1) * 1e3 / n_calls)
     return _stats(times)
+
+
+def host_time_cupy(call, n: int = 200) -> float:
+    """Host CPU µs per ``call(i)`` alone: ``n`` back-to-back calls, no synchronise in between.
+
+    The launches are asynchronous, so this is the Python + launch cost a caller pays per call
+    (validation, plan lookup, argument packing, launch), without the GPU time.
+    """
+    import cupy
+
+    stream = cupy.cuda.get_current_stream()
+    for i in range(3):
+        call(i)
+    stream.synchronize()
+    t0 = time.process_time()
+    for i in range(n):
+        call(i)
+    host = (time.process_time() - t0) * 1e6 / n
+    stream.synchronize()
+    return host
 
 
 def eager_time_cupy(call, n: int) -> float:
@@ -453,7 +473,7 @@ def empty_row(w: Workload, model: str) -> dict:
         "num_heads": w.num_heads, "num_kv_heads": w.num_kv_heads, "head_dim": w.head_dim,
         "splits_requested": w.splits_label, "num_splits": None, "chunk_tokens": None,
         "kv_bytes": w.kv_bytes(), "buffer_sets": None, "ceiling_gbps": None, "floor_us": None,
-        "eager_us": None, "gpu_us": None, "gpu_us_p20": None, "gpu_us_p80": None, "gbps": None,
+        "eager_us": None, "host_us": None, "gpu_us": None, "gpu_us_p20": None, "gpu_us_p80": None, "gbps": None,
         "pct_of_floor": None, "split1_us": None, "speedup_vs_split1": None, "naive_us": None,
         "speedup_vs_naive": None, "torch_cudnn_us": None, "torch_flash_us": None,
         "flashinfer_us": None, "flashinfer_tc_us": None, "rel_err": None, "check": "",
@@ -512,6 +532,7 @@ def bench_point(w: Workload, ceiling_gbps: float, l2_bytes: int, model: str = ""
             q, k, v, _ = sets[i % nsets]
             flash_decode(q, k, v, num_splits=w.num_splits)
         row["eager_us"] = eager_time_cupy(eager, int(min(200, max(20, 2.5e5 / (med + 20)))))
+        row["host_us"] = host_time_cupy(eager, 100)
 
         q0, k0, v0, _ = sets[0]
         check = _subset_checker(w, q0, k0, v0)

@@ -328,7 +328,8 @@ PEER_LABELS = {"torch_cudnn_us": "cuDNN µs", "torch_flash_us": "FA2 µs",
 def _bench_columns(peer_cols) -> list[tuple[str, str, str]]:
     cols = [("batch", "batch", "d"), ("seqlen", "seqlen", "d"), ("KV MB", "kv_mb", ".1f"),
             ("splits", "num_splits", "d"), ("floor µs", "floor_us", ".1f"),
-            ("eager µs", "eager_us", ".1f"), ("GPU µs", "gpu_us", ".1f"),
+            ("eager µs", "eager_us", ".1f"), ("host µs", "host_us", ".1f"),
+            ("GPU µs", "gpu_us", ".1f"),
             ("p20–p80", "spread", "s"), ("GB/s", "gbps", ".0f"), ("% floor", "pct_of_floor", ".0f"),
             ("×split1", "speedup_vs_split1", ".2f"), ("naive µs", "naive_us", ".1f"),
             ("×naive", "speedup_vs_naive", ".1f")]

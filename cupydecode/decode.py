@@ -145,8 +145,15 @@ class DecodePlan:
         self.out = cupy.empty((self.batch, self.num_heads, self.head_dim), self.dtype)
         self.lse = cupy.empty((self.batch, self.num_heads), cupy.float32)
         self._grid = (self.num_kv_heads * self.head_tiles, self.num_splits, self.batch)
+        # Kernel scalars that never change for this plan, packed once.
+        self._block = (self.config.threads, 1, 1)
         self._static = (np.int32(self.num_heads), np.int32(self.group),
                         np.int32(self.head_tiles), np.int32(self.chunk_tokens))
+        self._max_seqlen_arg = np.int32(self.max_seqlen)
+        self._part_args = ((_NULL, _NULL) if self.o_part is None
+                           else (self.o_part, self.lse_part))
+        self._counter_arg = _NULL if self._counters is None else self._counters
+        self._stride_args: dict = {}
 
     def __repr__(self) -> str:
         return (f"DecodePlan(batch={self.batch}, num_heads={self.num_heads}, "
@@ -180,19 +187,23 @@ class DecodePlan:
         """Everything after validation: the split kernel, then (if split) the merge kernel."""
         if self.batch == 0:
             return
-        es = q.itemsize
-        direct = self.o_part is None
-        args = (q, np.int64(q.strides[0] // es), np.int64(q.strides[1] // es),
-                k, np.int64(k.strides[0] // es), np.int64(k.strides[1] // es), np.int64(k.strides[2] // es),
-                v, np.int64(v.strides[0] // es), np.int64(v.strides[1] // es), np.int64(v.strides[2] // es),
-                _NULL if seqlens is None else seqlens, np.int32(seqlen_all), np.int32(self.max_seqlen),
-                *self._static, np.float32(scale * _LOG2E),
-                _NULL if direct else self.o_part, _NULL if direct else self.lse_part,
-                out, np.int64(out.strides[0] // es), np.int64(out.strides[1] // es),
-                _NULL if lse is None else lse,
-                _NULL if self._counters is None else self._counters)
-        _kernels.launch(self._split_fn, self._grid, (self.config.threads, 1, 1), args,
-                        self.config.smem_bytes)
+        strides = (q.strides, k.strides, v.strides, out.strides)
+        packed = self._stride_args.get(strides)
+        if packed is None:  # element strides as kernel scalars, built once per layout
+            es = q.itemsize
+            e = lambda x: np.int64(x // es)  # noqa: E731
+            packed = ((e(q.strides[0]), e(q.strides[1])),
+                      (e(k.strides[0]), e(k.strides[1]), e(k.strides[2])),
+                      (e(v.strides[0]), e(v.strides[1]), e(v.strides[2])),
+                      (e(out.strides[0]), e(out.strides[1])))
+            if len(self._stride_args) < 64:
+                self._stride_args[strides] = packed
+        qs, ks, vs, os_ = packed
+        args = (q, *qs, k, *ks, v, *vs,
+                _NULL if seqlens is None else seqlens, np.int32(seqlen_all), self._max_seqlen_arg,
+                *self._static, np.float32(scale * _LOG2E), *self._part_args,
+                out, *os_, _NULL if lse is None else lse, self._counter_arg)
+        _kernels.launch(self._split_fn, self._grid, self._block, args, self.config.smem_bytes)
         if self._merge_fn is not None:
             _launch_merge(self.o_part, self.lse_part, out, lse, self.num_splits,
                           self.batch * self.num_heads, self.head_dim, self._merge_fn)
@@ -208,7 +219,8 @@ def _cached_plan(shape: dict, dtype: str, num_splits, split_size) -> DecodePlan:
     import cupy
 
     stream = cupy.cuda.get_current_stream().ptr
-    key = (tuple(shape.values()), dtype, num_splits, split_size, cupy.cuda.Device().id, stream)
+    key = (tuple(shape.values()), dtype, num_splits, split_size, cupy.cuda.runtime.getDevice(),
+           stream)
     plan = _PLAN_CACHE.get(key)
     if plan is None:
         plan = DecodePlan(shape["batch"], shape["num_heads"], shape["num_kv_heads"],

@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# Everything to check and time on a GPU machine in one go, from a checkout (no install needed):
+#   bash scripts/device_check.sh [OUTDIR]          (default OUTDIR: ./device_out)
+# Steps: versions → full pytest (GPU tests included) → compute-sanitizer memcheck on a
+# representative subset → `cupydecode check` → `cupydecode bench` sweeps with peers (torch SDPA;
+# FlashInfer when importable). Logs, CSV/JSON and the plot go to OUTDIR; a summary prints last.
+# STEPS="tests sanitizer check bench layouts" selects steps.
+set -u
+OUT_DIR=${1:-${OUT:-./device_out}}
+mkdir -p "$OUT_DIR"
+export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$(pwd) PYTHONUNBUFFERED=1
+STEPS=${STEPS:-"tests sanitizer check bench layouts"}
+PY=${PY:-python3}
+summary=()
+has() { [[ " $STEPS " == *" $1 "* ]]; }
+
+# Peers that are not installed on the machine can travel as wheels in .whl/ (never dependencies).
+if ls .whl/*.whl >/dev/null 2>&1; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/peers .whl/*.whl \
+    && export PYTHONPATH=$PYTHONPATH:/tmp/peers
+fi
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.total --format=csv \
+  | tee "$OUT_DIR/gpu.txt"
+$PY -c "import cupy, numpy; print('cupy', cupy.__version__, 'numpy', numpy.__version__, 'cuda runtime', cupy.cuda.runtime.runtimeGetVersion())"
+
+if has tests; then
+  $PY -m pytest -q -ra -p no:cacheprovider 2>&1 | tee "$OUT_DIR/pytest.log"
+  summary+=("pytest: $(tail -n 1 "$OUT_DIR/pytest.log")")
+fi
+
+if has sanitizer; then
+  timeout 240 compute-sanitizer --tool memcheck --error-exitcode 3 \
+    $PY -m pytest -q -p no:cacheprovider tests/test_gpu_decode.py tests/test_gpu_merge.py \
+    tests/test_gpu_plan.py -k "clamped or transposed or slice or large_logits or gqa or empty \
+    or cache_seqlens or split_counts or many_forced or merge or graph" 2>&1 \
+    | tail -n 40 > "$OUT_DIR/sanitizer.log"
+  summary+=("memcheck: $(grep -E 'ERROR SUMMARY' "$OUT_DIR/sanitizer.log" | tail -n 1) | $(grep -E 'passed|failed' "$OUT_DIR/sanitizer.log" | tail -n 1)")
+fi
+
+if has check; then
+  $PY -m cupydecode.cli check --json "$OUT_DIR/check.json" 2>&1 | tee "$OUT_DIR/check.log"
+  summary+=("check: exit ${PIPESTATUS[0]}, $(grep -c PASS "$OUT_DIR/check.log") PASS, $(grep -c FAIL "$OUT_DIR/check.log") FAIL")
+fi
+
+BASELINES="--baseline torch"
+$PY -c "import flashinfer" 2>/dev/null && BASELINES="$BASELINES --baseline flashinfer"
+if has bench; then
+  $PY -m cupydecode.cli bench $BASELINES --csv "$OUT_DIR/bench.csv" --json "$OUT_DIR/bench.json" \
+    --plot "$OUT_DIR/bench.png" 2>"$OUT_DIR/bench.err" | tee "$OUT_DIR/bench.txt"
+  $PY -m cupydecode.cli bench $BASELINES --seqlens 8192 --batch 4,16,64 \
+    --csv "$OUT_DIR/bench_b8k.csv" 2>>"$OUT_DIR/bench.err" | tee -a "$OUT_DIR/bench.txt"
+  $PY -m cupydecode.cli bench $BASELINES --seqlens 32768 --batch 16 \
+    --csv "$OUT_DIR/bench_b32k.csv" 2>>"$OUT_DIR/bench.err" | tee -a "$OUT_DIR/bench.txt"
+  summary+=("bench: $(wc -l < "$OUT_DIR/bench.csv") rows in bench.csv")
+fi
+
+if has layouts; then
+  for spec in "llama-3-70b float16" "qwen2.5-7b bfloat16" "gemma-2-9b float16" "gpt-2 bfloat16" \
+              "falcon-7b float16"; do
+    set -- $spec
+    $PY -m cupydecode.cli bench --model "$1" --dtype "$2" --seqlens 16384,65536 --batch 1,16 \
+      2>>"$OUT_DIR/bench.err" | tee -a "$OUT_DIR/layouts.txt"
+  done
+fi
+
+echo "================ summary"
+printf '%s\n' "${summary[@]}"
