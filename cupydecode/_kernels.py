@@ -129,11 +129,17 @@ def launch(fn, grid: tuple[int, int, int], block: tuple[int, int, int], args: tu
 
         _ARG_TYPES = frozenset((cupy.ndarray, *_SCALAR_TYPES))
     for i, a in enumerate(args):
-        if type(a) not in _ARG_TYPES:  # exact types: bool and Python int are refused
-            raise TypeError(f"kernel argument {i} must be a cupy.ndarray or an explicit NumPy "
-                            f"scalar, got {type(a).__name__}")
+        if type(a) not in _ARG_TYPES and not _is_param_struct(a):
+            # exact types: bool and Python int are refused
+            raise TypeError(f"kernel argument {i} must be a cupy.ndarray, an explicit NumPy "
+                            f"scalar or a one-element structured NumPy array (a struct passed by "
+                            f"value), got {type(a).__name__}")
     allow_shared_memory(fn, shared_mem)
     fn(grid, block, args, shared_mem=shared_mem)
+
+
+def _is_param_struct(a) -> bool:
+    return type(a) is np.ndarray and a.shape == (1,) and a.dtype.names is not None
 
 
 _smem_opted_in: set[tuple[int, int]] = set()

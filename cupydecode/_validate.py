@@ -14,8 +14,16 @@ import numpy as np
 from ._policy import DTYPE_IDS, SUPPORTED_HEAD_DIMS
 
 
+_DTYPE_NAMES: dict = {}
+
+
 def dtype_name(dtype) -> str:
-    return np.dtype(dtype).name
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:  # np.dtype(...).name is computed in Python each time: remember it
+        name = np.dtype(dtype).name
+        if len(_DTYPE_NAMES) < 64:
+            _DTYPE_NAMES[dtype] = name
+    return name
 
 
 def fail(kind: type[Exception], name: str, expected: str, got) -> None:
@@ -112,8 +120,34 @@ def check_scale(softmax_scale, head_dim: int) -> float:
     return s
 
 
+_VALIDATED: dict = {}
+
+
 def check_decode_inputs(q, k_cache, v_cache):
-    """Validate q, k_cache, v_cache; return (q, k, v, dtype, shape dict) as device arrays."""
+    """Validate q, k_cache, v_cache; return (q, k, v, dtype, shape dict) as device arrays.
+
+    Every property the checks depend on (shapes, strides, dtypes, pointer alignment, devices) is
+    a key of a small cache, so a serving loop that passes the same layouts every step pays for a
+    dictionary lookup instead of the full checks.
+    """
+    import cupy
+
+    if type(q) is cupy.ndarray and type(k_cache) is cupy.ndarray and type(v_cache) is cupy.ndarray:
+        qd, kd, vd = q.data, k_cache.data, v_cache.data
+        key = (q.shape, q.strides, q.dtype, k_cache.shape, k_cache.strides, k_cache.dtype,
+               v_cache.shape, v_cache.strides, v_cache.dtype, (qd.ptr | kd.ptr | vd.ptr) & 15,
+               qd.device_id, kd.device_id, vd.device_id, cupy.cuda.runtime.getDevice())
+        hit = _VALIDATED.get(key)
+        if hit is not None:
+            return q, k_cache, v_cache, hit[0], hit[1]
+        result = _check_decode_inputs(q, k_cache, v_cache)
+        if len(_VALIDATED) < 256:
+            _VALIDATED[key] = result[3:]
+        return result
+    return _check_decode_inputs(q, k_cache, v_cache)
+
+
+def _check_decode_inputs(q, k_cache, v_cache):
     q = as_device_array(q, "q")
     k = as_device_array(k_cache, "k_cache")
     v = as_device_array(v_cache, "v_cache")

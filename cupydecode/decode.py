@@ -6,6 +6,7 @@ Thin by design: validate (``_validate``) → plan (``_policy``) → launch (``_k
 from __future__ import annotations
 
 import functools
+import struct
 from collections import OrderedDict
 
 import numpy as np
@@ -147,13 +148,12 @@ class DecodePlan:
         self._grid = (self.num_kv_heads * self.head_tiles, self.num_splits, self.batch)
         # Kernel scalars that never change for this plan, packed once.
         self._block = (self.config.threads, 1, 1)
-        self._static = (np.int32(self.num_heads), np.int32(self.group),
-                        np.int32(self.head_tiles), np.int32(self.chunk_tokens))
-        self._max_seqlen_arg = np.int32(self.max_seqlen)
-        self._part_args = ((_NULL, _NULL) if self.o_part is None
-                           else (self.o_part, self.lse_part))
-        self._counter_arg = _NULL if self._counters is None else self._counters
-        self._stride_args: dict = {}
+        self._static = (self.max_seqlen, self.num_heads, self.group, self.head_tiles,
+                        self.chunk_tokens)
+        self._part_ptrs = ((0, 0) if self.o_part is None
+                           else (self.o_part.data.ptr, self.lse_part.data.ptr))
+        self._counter_ptr = 0 if self._counters is None else self._counters.data.ptr
+        self._strides: dict = {}
 
     def __repr__(self) -> str:
         return (f"DecodePlan(batch={self.batch}, num_heads={self.num_heads}, "
@@ -187,26 +187,32 @@ class DecodePlan:
         """Everything after validation: the split kernel, then (if split) the merge kernel."""
         if self.batch == 0:
             return
-        strides = (q.strides, k.strides, v.strides, out.strides)
-        packed = self._stride_args.get(strides)
-        if packed is None:  # element strides as kernel scalars, built once per layout
+        layout = (q.strides, k.strides, v.strides, out.strides)
+        strides = self._strides.get(layout)
+        if strides is None:  # element strides, computed once per layout
             es = q.itemsize
-            e = lambda x: np.int64(x // es)  # noqa: E731
-            packed = ((e(q.strides[0]), e(q.strides[1])),
-                      (e(k.strides[0]), e(k.strides[1]), e(k.strides[2])),
-                      (e(v.strides[0]), e(v.strides[1]), e(v.strides[2])),
-                      (e(out.strides[0]), e(out.strides[1])))
-            if len(self._stride_args) < 64:
-                self._stride_args[strides] = packed
-        qs, ks, vs, os_ = packed
-        args = (q, *qs, k, *ks, v, *vs,
-                _NULL if seqlens is None else seqlens, np.int32(seqlen_all), self._max_seqlen_arg,
-                *self._static, np.float32(scale * _LOG2E), *self._part_args,
-                out, *os_, _NULL if lse is None else lse, self._counter_arg)
-        _kernels.launch(self._split_fn, self._grid, self._block, args, self.config.smem_bytes)
+            strides = tuple(x // es for x in (q.strides[0], q.strides[1], *k.strides[:3],
+                                              *v.strides[:3], out.strides[0], out.strides[1]))
+            if len(self._strides) < 64:
+                self._strides[layout] = strides
+        params = np.frombuffer(_PARAMS.pack(
+            q.data.ptr, k.data.ptr, v.data.ptr, 0 if seqlens is None else seqlens.data.ptr,
+            *self._part_ptrs, out.data.ptr, 0 if lse is None else lse.data.ptr, self._counter_ptr,
+            *strides, seqlen_all, *self._static, scale * _LOG2E), dtype=_PARAMS_DTYPE)
+        # Raw pointers in the struct are as safe as array arguments: the arrays are alive during
+        # this call, and CuPy's pool hands freed memory out again only in stream order.
+        _kernels.launch(self._split_fn, self._grid, self._block, (params,), self.config.smem_bytes)
         if self._merge_fn is not None:
             _launch_merge(self.o_part, self.lse_part, out, lse, self.num_splits,
                           self.batch * self.num_heads, self.head_dim, self._merge_fn)
+
+
+# Byte layout of struct cd_decode_params in kernels/decode_split.cu: 9 pointers, 10 int64 strides,
+# seqlen_all, max_seqlen, num_heads, group, head_tiles, chunk_tokens (int32), scale_log2 (float32),
+# 4 bytes of padding.
+_PARAMS = struct.Struct("<9Q10q6if4x")
+_PARAMS_DTYPE = np.dtype([("raw", "<u8", (_PARAMS.size // 8,))])
+assert _PARAMS.size == 184
 
 
 _LOG2E = 1.4426950408889634

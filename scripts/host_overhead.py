@@ -1,0 +1,56 @@
+"""Where the host time of one eager call goes: µs per call of each layer, no synchronisation."""
+import sys
+import time
+
+import cupy as cp
+import numpy as np
+
+sys.path.insert(0, ".")
+import cupydecode as cd  # noqa: E402
+from cupydecode import _validate as V  # noqa: E402
+
+
+def per_call(fn, n=3000):
+    for _ in range(50):
+        fn()
+    cp.cuda.Device().synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    t = (time.perf_counter() - t0) * 1e6 / n
+    cp.cuda.Device().synchronize()
+    return t
+
+
+b, H, Hkv, D, L = 1, 32, 8, 128, 1024
+q = cp.random.standard_normal((b, H, D), dtype=cp.float32).astype(cp.float16)
+k = cp.random.standard_normal((b, L, Hkv, D), dtype=cp.float32).astype(cp.float16)
+v = k.copy()
+plan = cd.DecodePlan(b, H, Hkv, D, L, "float16")
+out = cp.empty((b, H, D), cp.float16)
+scale = 1 / np.sqrt(D)
+rows = {
+    "flash_decode": lambda: cd.flash_decode(q, k, v),
+    "flash_decode(out=)": lambda: cd.flash_decode(q, k, v, out=out),
+    "plan.run": lambda: plan.run(q, k, v),
+    "plan._launch": lambda: plan._launch(q, k, v, None, L, scale, out, None),
+    "check_decode_inputs": lambda: V.check_decode_inputs(q, k, v),
+    "cupy.empty": lambda: cp.empty((b, H, D), cp.float16),
+}
+triv3 = cp.RawKernel('extern "C" __global__ void t3(float* a, int n, float s) {}', "t3")
+args27 = ", ".join(f"long long a{i}" for i in range(24))
+triv27 = cp.RawKernel(f'extern "C" __global__ void t27(float* p, float* r, float* s, {args27}) {{}}', "t27")
+x = cp.zeros(4, cp.float32)
+a27 = (x, x, x) + tuple(np.int64(i) for i in range(24))
+rows["raw launch 3 args"] = lambda: triv3((1,), (32,), (x, np.int32(1), np.float32(1)))
+rows["raw launch 27 args"] = lambda: triv27((1,), (32,), a27)
+for name, fn in rows.items():
+    print(f"{name:24s} {per_call(fn):7.2f} us/call", flush=True)
+import cProfile, pstats  # noqa: E401,E402
+pr = cProfile.Profile()
+pr.enable()
+for _ in range(2000):
+    cd.flash_decode(q, k, v)
+pr.disable()
+cp.cuda.Device().synchronize()
+pstats.Stats(pr).sort_stats("tottime").print_stats(14)
