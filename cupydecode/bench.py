@@ -402,8 +402,10 @@ def torch_sdpa_times(sets, w: Workload, scale: float, n_calls: int, check) -> di
 def flashinfer_times(sets, w: Workload, scale: float, n_calls: int, check) -> dict:
     """GPU µs per call of FlashInfer's batch decode (CUDA-core and tensor-core variants).
 
-    The cache is used as a paged cache without copying: page_size = seqlen, one page per
-    sequence, NHD layout (pages, page_size, kv_heads, head_dim) = our (B, L, Hkv, D).
+    The cache is used as a paged cache without copying: our contiguous (B, L, Hkv, D) cache
+    viewed as NHD pages (B·L/page, page, Hkv, D) with page = 16 tokens (1 if L is not a multiple
+    of 16), sequence b owning pages [b·L/page, (b+1)·L/page). One giant page per sequence is a
+    layout FlashInfer's decode kernels are not built for (they run an order of magnitude slower).
     """
     import cupy
     import flashinfer
@@ -413,23 +415,28 @@ def flashinfer_times(sets, w: Workload, scale: float, n_calls: int, check) -> di
     dt = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}[w.dtype]
     dev = torch.device("cuda", cupy.cuda.Device().id)
     B, L = w.batch, w.seqlen
-    tsets = [(torch.from_dlpack(q), torch.from_dlpack(k), torch.from_dlpack(v)) for q, k, v, _ in sets]
+    page = 16 if L % 16 == 0 else 1
+    pages_per_seq = L // page
+
+    def paged(x):
+        return torch.from_dlpack(x).reshape(B * pages_per_seq, page, w.num_kv_heads, w.head_dim)
+    tsets = [(torch.from_dlpack(q), paged(k), paged(v)) for q, k, v, _ in sets]
     results = {}
     for col, tensor_cores in (("flashinfer_us", False), ("flashinfer_tc_us", True)):
         try:
             workspace = torch.empty(128 << 20, dtype=torch.uint8, device=dev)
-            indptr = torch.arange(B + 1, dtype=torch.int32, device=dev)
-            indices = torch.arange(B, dtype=torch.int32, device=dev)
-            last = torch.full((B,), L, dtype=torch.int32, device=dev)
+            indptr = torch.arange(B + 1, dtype=torch.int32, device=dev) * pages_per_seq
+            indices = torch.arange(B * pages_per_seq, dtype=torch.int32, device=dev)
+            last = torch.full((B,), page, dtype=torch.int32, device=dev)
             wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
                 workspace, "NHD", use_cuda_graph=True, use_tensor_cores=tensor_cores,
                 paged_kv_indptr_buffer=indptr, paged_kv_indices_buffer=indices,
                 paged_kv_last_page_len_buffer=last)
             try:
-                wrapper.plan(indptr, indices, last, w.num_heads, w.num_kv_heads, w.head_dim, L,
+                wrapper.plan(indptr, indices, last, w.num_heads, w.num_kv_heads, w.head_dim, page,
                              data_type=dt, q_data_type=dt, sm_scale=scale)
             except TypeError:  # older signature
-                wrapper.plan(indptr, indices, last, w.num_heads, w.num_kv_heads, w.head_dim, L,
+                wrapper.plan(indptr, indices, last, w.num_heads, w.num_kv_heads, w.head_dim, page,
                              data_type=dt, sm_scale=scale)
 
             def call(i, _w=wrapper):
