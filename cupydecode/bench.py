@@ -388,15 +388,28 @@ def torch_sdpa_times(sets, w: Workload, scale: float, n_calls: int, check) -> di
             # the reason lands in the row's notes
             with warnings.catch_warnings(), sdpa_kernel([backend]):
                 warnings.simplefilter("ignore")
-                (med, _, _), first = _torch_graph_time(torch, call, n_calls)
-            err = check(cupy.from_dlpack(first.squeeze(2).contiguous()))
-            results[col] = (med, "" if err <= REL_TOL[w.dtype] else f"{col}: rel err {err:.1e}")
+                results[col] = _timed_peer(torch, call, n_calls, check, w.dtype, col,
+                                           lambda t: t.squeeze(2))
         except Exception as exc:
-            results[col] = (None, f"{col}: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}")
+            results[col] = _peer_failure(col, exc)
         torch.cuda.synchronize()
     del views
     torch.cuda.empty_cache()
     return results
+
+
+def _timed_peer(torch, call, n_calls: int, check, dtype: str, col: str, view=lambda t: t):
+    """(GPU µs per call, note) of a peer's graph-replayed ``call``, its first output checked."""
+    import cupy
+
+    (med, _, _), first = _torch_graph_time(torch, call, n_calls)
+    err = check(cupy.from_dlpack(view(first).contiguous()))
+    return med, "" if err <= REL_TOL[dtype] else f"{col}: rel err {err:.1e}"
+
+
+def _peer_failure(col: str, exc: Exception) -> tuple[None, str]:
+    text = str(exc).splitlines()[0][:120] if str(exc) else ""
+    return None, f"{col}: {type(exc).__name__}: {text}"
 
 
 def flashinfer_times(sets, w: Workload, scale: float, n_calls: int, check) -> dict:
@@ -442,11 +455,9 @@ def flashinfer_times(sets, w: Workload, scale: float, n_calls: int, check) -> di
             def call(i, _w=wrapper):
                 tq, tk, tv = tsets[i % len(tsets)]
                 return _w.run(tq, (tk, tv))
-            (med, _, _), first = _torch_graph_time(torch, call, n_calls)
-            err = check(cupy.from_dlpack(first.contiguous()))
-            results[col] = (med, "" if err <= REL_TOL[w.dtype] else f"{col}: rel err {err:.1e}")
+            results[col] = _timed_peer(torch, call, n_calls, check, w.dtype, col)
         except Exception as exc:
-            results[col] = (None, f"{col}: {type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}")
+            results[col] = _peer_failure(col, exc)
         torch.cuda.synchronize()
     del tsets
     torch.cuda.empty_cache()
