@@ -157,6 +157,9 @@ struct cd_decode_params {
     float scale_log2;
     int pad_;
 };
+// The host packs this struct by hand (decode.py, _PARAMS): a drifted size must not compile.
+// (Fields are in falling alignment order, so there is no interior padding to drift.)
+static_assert(sizeof(cd_decode_params) == 184, "cd_decode_params: 184 bytes expected");
 
 extern "C" __global__ void __launch_bounds__(NUM_THREADS)
 cd_decode_split(const cd_decode_params p) {
