@@ -142,12 +142,15 @@ def _is_param_struct(a) -> bool:
     return type(a) is np.ndarray and a.shape == (1,) and a.dtype.names is not None
 
 
-_smem_opted_in: set[tuple[int, int]] = set()
+_smem_opted_in: set[tuple[int, int, int]] = set()
 
 
 def allow_shared_memory(fn, shared_mem: int) -> None:
     """Opt ``fn`` in to ``shared_mem`` bytes of dynamic shared memory (needed above 48 KB)."""
-    key = (id(fn), shared_mem)
+    import cupy
+
+    # per device: CuPy keeps one function per device and sets the attribute on the current one
+    key = (id(fn), shared_mem, cupy.cuda.runtime.getDevice())
     if shared_mem > 48 * 1024 and key not in _smem_opted_in:
         fn.max_dynamic_shared_size_bytes = shared_mem
         _smem_opted_in.add(key)

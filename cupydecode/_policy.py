@@ -20,6 +20,7 @@ TILE_N = 16   # tokens per warp tile
 SPLIT_GRANULE = 64   # chunk lengths are multiples of this (one tile for each of 4 warps)
 MIN_CHUNK = 256      # below this a split's fixed costs (Q load, epilogue, partials) dominate
 MAX_SPLITS = 4096
+MAX_TOKENS = 2**30   # token counts are int32 in the kernels, with headroom for chunk arithmetic
 # A second kernel costs about 2 µs of GPU time in a graph (drain + launch), which at ~4.5 TB/s is
 # the time to stream ~8 MB: the split heuristic charges that much to any plan that needs a merge.
 MERGE_OVERHEAD_BYTES = 8 * 2**20

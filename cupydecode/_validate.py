@@ -11,7 +11,7 @@ import numbers
 
 import numpy as np
 
-from ._policy import DTYPE_IDS, SUPPORTED_HEAD_DIMS
+from ._policy import DTYPE_IDS, MAX_TOKENS, SUPPORTED_HEAD_DIMS
 
 
 _DTYPE_NAMES: dict = {}
@@ -164,6 +164,8 @@ def _check_decode_inputs(q, k_cache, v_cache):
     kb, max_seqlen, num_kv_heads, kd = k.shape
     check_shape(k, "k_cache", (batch, None, None, head_dim),
                 f"(batch={batch}, max_seqlen, num_kv_heads, head_dim={head_dim}) to match q")
+    if max_seqlen > MAX_TOKENS:
+        fail(ValueError, "k_cache", f"max_seqlen <= {MAX_TOKENS}", max_seqlen)
     if tuple(v.shape) != tuple(k.shape):
         fail(ValueError, "v_cache", f"the shape of k_cache {tuple(k.shape)}", tuple(v.shape))
     if num_heads < 1:

@@ -27,6 +27,14 @@ def _sm_count(device_id: int) -> int:
     return cupy.cuda.runtime.getDeviceProperties(device_id)["multiProcessorCount"]
 
 
+@functools.lru_cache(maxsize=None)
+def _smem_per_block(device_id: int) -> int:
+    import cupy
+
+    # 0 when the CUDA properties do not report it: then the launch itself is the check.
+    return int(cupy.cuda.runtime.getDeviceProperties(device_id).get("sharedMemPerBlockOptin", 0))
+
+
 def _split_function(cfg: _policy.SplitKernelConfig):
     return _kernels.get_function(_SPLIT_FILE, _SPLIT_KERNEL, cfg.defines())
 
@@ -90,7 +98,7 @@ class DecodePlan:
         self.num_heads = V.check_int(num_heads, "num_heads", 1)
         self.num_kv_heads = V.check_int(num_kv_heads, "num_kv_heads", 1)
         self.head_dim = V.check_int(head_dim, "head_dim", 1)
-        self.max_seqlen = V.check_int(max_seqlen, "max_seqlen", 0)
+        self.max_seqlen = V.check_int(max_seqlen, "max_seqlen", 0, _policy.MAX_TOKENS)
         try:
             self.dtype = V.dtype_name(dtype)
         except TypeError:
@@ -104,22 +112,32 @@ class DecodePlan:
                    self.num_kv_heads)
         if num_splits is not None and split_size is not None:
             raise ValueError("num_splits and split_size: expected at most one of them, got both")
+        if num_splits is not None:
+            num_splits = V.check_int(num_splits, "num_splits", 1, _policy.MAX_SPLITS)
+        if split_size is not None:
+            split_size = V.check_int(split_size, "split_size", 1, _policy.MAX_TOKENS)
+        if merge not in ("fused", "kernel"):
+            V.fail(ValueError, "merge", "'fused' or 'kernel'", repr(merge))
         self.group = self.num_heads // self.num_kv_heads
         self.head_tiles = _policy.head_tiles(self.group)
         self.config = _policy.split_kernel_config(self.dtype, self.head_dim)
         self.device_id = cupy.cuda.Device().id
+        smem_optin = _smem_per_block(self.device_id)
+        if 0 < smem_optin < self.config.smem_bytes:
+            raise RuntimeError(
+                f"cupydecode needs {self.config.smem_bytes} bytes of shared memory per block for "
+                f"{self.dtype} head_dim {self.head_dim}, but GPU {self.device_id} allows "
+                f"{smem_optin}: supported are GPUs with >= 160 KB per block (A100, H100, H200, B200)")
 
         if num_splits is not None:
-            n = V.check_int(num_splits, "num_splits", 1, _policy.MAX_SPLITS)
-            chunk = _policy.chunk_for_splits(self.max_seqlen, n)
-            self.num_splits, self.chunk_tokens = n, chunk
+            self.num_splits = num_splits
+            self.chunk_tokens = _policy.chunk_for_splits(self.max_seqlen, num_splits)
         elif split_size is not None:
-            size = V.check_int(split_size, "split_size", 1)
-            self.num_splits, self.chunk_tokens = _policy.fixed_split_size(self.max_seqlen, size)
+            self.num_splits, self.chunk_tokens = _policy.fixed_split_size(self.max_seqlen, split_size)
             if self.num_splits > _policy.MAX_SPLITS:
                 V.fail(ValueError, "split_size",
                        f"at least max_seqlen / {_policy.MAX_SPLITS} = "
-                       f"{-(-self.max_seqlen // _policy.MAX_SPLITS)}", size)
+                       f"{-(-self.max_seqlen // _policy.MAX_SPLITS)}", split_size)
         else:
             self.num_splits, self.chunk_tokens = _policy.choose_num_splits(
                 self.batch * self.num_kv_heads * self.head_tiles, self.max_seqlen,
@@ -127,8 +145,6 @@ class DecodePlan:
                 rows_per_block=min(self.group, _policy.ROWS), head_dim=self.head_dim,
                 kv_itemsize=_policy.ITEMSIZE[self.dtype])
 
-        if merge not in ("fused", "kernel"):
-            V.fail(ValueError, "merge", "'fused' or 'kernel'", repr(merge))
         self.merge = merge
         rows = self.batch * self.num_heads
         self._split_fn = _split_function(self.config)
@@ -268,7 +284,7 @@ def flash_decode(q, k_cache, v_cache, cache_seqlens=None, *, softmax_scale=None,
     if num_splits is not None:
         V.check_int(num_splits, "num_splits", 1, _policy.MAX_SPLITS)
     if split_size is not None:
-        V.check_int(split_size, "split_size", 1)
+        V.check_int(split_size, "split_size", 1, _policy.MAX_TOKENS)
     out_shape = (shape["batch"], shape["num_heads"], shape["head_dim"])
     out = cupy.empty(out_shape, dt) if out is None else V.check_out(out, "out", out_shape, dt)
     lse = cupy.empty(out_shape[:2], cupy.float32) if return_lse else None

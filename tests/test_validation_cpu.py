@@ -63,3 +63,19 @@ def test_import_does_not_import_cupy():
     code = ("import sys, cupydecode, cupydecode.reference, cupydecode._policy; "
             "assert 'cupy' not in sys.modules, 'cupy imported at import time'")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    (dict(max_seqlen=2**31), "max_seqlen"),
+    (dict(max_seqlen=-1), "max_seqlen"),
+    (dict(split_size=2**31), "split_size"),
+    (dict(num_splits=0), "num_splits"),
+    (dict(batch=True), "batch"),
+])
+def test_plan_arguments_checked_before_any_gpu_use(cupy_importable, kwargs, name):
+    """Token counts are int32 in the kernels: out-of-range plan arguments fail by name, early."""
+    args = dict(batch=1, num_heads=8, num_kv_heads=2, head_dim=128, max_seqlen=1024,
+                dtype="float16")
+    args.update(kwargs)
+    with pytest.raises((TypeError, ValueError), match=rf"^{name}: expected"):
+        cupydecode.DecodePlan(**args)
