@@ -121,7 +121,8 @@ def launch(fn, grid: tuple[int, int, int], block: tuple[int, int, int], args: tu
     """Start ``fn`` on the current CuPy stream.
 
     Scalars must already be explicit NumPy scalars matching the kernel's parameter types;
-    pointers are CuPy arrays or ``np.uint64(0)`` for a null pointer.
+    pointers are CuPy arrays or ``np.uint64(0)`` for a null pointer; a struct passed by value is
+    a one-element structured NumPy array (the split kernel takes all its parameters so).
     """
     global _ARG_TYPES
     if not _ARG_TYPES:
@@ -147,10 +148,12 @@ _smem_opted_in: set[tuple[int, int, int]] = set()
 
 def allow_shared_memory(fn, shared_mem: int) -> None:
     """Opt ``fn`` in to ``shared_mem`` bytes of dynamic shared memory (needed above 48 KB)."""
+    if shared_mem <= 48 * 1024:
+        return
     import cupy
 
     # per device: CuPy keeps one function per device and sets the attribute on the current one
     key = (id(fn), shared_mem, cupy.cuda.runtime.getDevice())
-    if shared_mem > 48 * 1024 and key not in _smem_opted_in:
+    if key not in _smem_opted_in:
         fn.max_dynamic_shared_size_bytes = shared_mem
         _smem_opted_in.add(key)
