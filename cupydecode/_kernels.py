@@ -6,16 +6,19 @@ compile-time constants of one specialisation, and builds a ``cupy.RawModule`` fr
 process. Because the headers are inlined, the source CuPy hashes for its on-disk cache is the
 complete program: an edited header can never be served from a stale cubin.
 
-``launch`` is the single place where kernels are started: it owns grid, block and dynamic shared
-memory, and refuses Python ints as kernel arguments (CuPy passes those as 64-bit values, which
-silently corrupts an ``int`` parameter).
+Kernels are started in one of two places: ``launch`` (CuPy's generic path; refuses Python ints
+as kernel arguments, which CuPy passes as 64-bit values and which would silently corrupt an
+``int`` parameter) and ``StructLaunch`` (the split kernel's hot path: its one by-value parameter
+struct is packed into a prepared buffer and handed to ``cuLaunchKernel`` directly).
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import hashlib
 import re
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -121,8 +124,7 @@ def launch(fn, grid: tuple[int, int, int], block: tuple[int, int, int], args: tu
     """Start ``fn`` on the current CuPy stream.
 
     Scalars must already be explicit NumPy scalars matching the kernel's parameter types;
-    pointers are CuPy arrays or ``np.uint64(0)`` for a null pointer; a struct passed by value is
-    a one-element structured NumPy array (the split kernel takes all its parameters so).
+    pointers are CuPy arrays or ``np.uint64(0)`` for a null pointer.
     """
     global _ARG_TYPES
     if not _ARG_TYPES:
@@ -130,17 +132,48 @@ def launch(fn, grid: tuple[int, int, int], block: tuple[int, int, int], args: tu
 
         _ARG_TYPES = frozenset((cupy.ndarray, *_SCALAR_TYPES))
     for i, a in enumerate(args):
-        if type(a) not in _ARG_TYPES and not _is_param_struct(a):
-            # exact types: bool and Python int are refused
-            raise TypeError(f"kernel argument {i} must be a cupy.ndarray, an explicit NumPy "
-                            f"scalar or a one-element structured NumPy array (a struct passed by "
-                            f"value), got {type(a).__name__}")
+        if type(a) not in _ARG_TYPES:  # exact types: bool and Python int are refused
+            raise TypeError(f"kernel argument {i} must be a cupy.ndarray or an explicit NumPy "
+                            f"scalar, got {type(a).__name__}")
     allow_shared_memory(fn, shared_mem)
     fn(grid, block, args, shared_mem=shared_mem)
 
 
-def _is_param_struct(a) -> bool:
-    return type(a) is np.ndarray and a.shape == (1,) and a.dtype.names is not None
+class StructLaunch:
+    """A prepared launch of a kernel whose only parameter is a struct passed by value.
+
+    CuPy's generic launch inspects and converts every argument on each call (~16 µs for one
+    structured NumPy scalar); here the caller packs the struct straight into a buffer that lives
+    as long as this object, and the launch is one ``cuLaunchKernel`` through CuPy's driver
+    binding. Grid, block and dynamic shared memory are fixed at construction.
+
+    Each thread packs into its own buffer, so concurrent launches from several threads cannot
+    mix their parameters (the driver copies the parameters before ``cuLaunchKernel`` returns).
+    """
+
+    def __init__(self, fn, grid: tuple[int, int, int], block: tuple[int, int, int],
+                 shared_mem: int, layout):
+        allow_shared_memory(fn, shared_mem)
+        self._func = fn.kernel.ptr  # the CUfunction on the current device
+        self._dims = (*grid, *block, shared_mem)
+        self._layout = layout       # a struct.Struct matching the kernel's parameter struct
+        self._local = threading.local()
+
+    def _slot(self):
+        slot = getattr(self._local, "slot", None)
+        if slot is None:
+            buf = (ctypes.c_uint64 * (-(-self._layout.size // 8)))()   # 8-byte aligned
+            argv = (ctypes.c_void_p * 1)(ctypes.addressof(buf))          # kernelParams[0] → buf
+            slot = self._local.slot = (buf, argv, ctypes.addressof(argv))
+        return slot
+
+    def __call__(self, stream_ptr: int, *values) -> None:
+        """Pack ``values`` with the layout and launch on the stream ``stream_ptr``."""
+        from cupy_backends.cuda.api import driver
+
+        buf, _, argv = self._slot()
+        self._layout.pack_into(buf, 0, *values)
+        driver.launchKernel(self._func, *self._dims, stream_ptr, argv, 0)
 
 
 _smem_opted_in: set[tuple[int, int, int]] = set()

@@ -170,6 +170,8 @@ class DecodePlan:
                            else (self.o_part.data.ptr, self.lse_part.data.ptr))
         self._counter_ptr = 0 if self._counters is None else self._counters.data.ptr
         self._strides: dict = {}
+        self._split_launch = (None if self.batch == 0 else _kernels.StructLaunch(
+            self._split_fn, self._grid, self._block, self.config.smem_bytes, _PARAMS))
 
     def __repr__(self) -> str:
         return (f"DecodePlan(batch={self.batch}, num_heads={self.num_heads}, "
@@ -186,6 +188,9 @@ class DecodePlan:
             softmax_scale=None):
         """Decode attention for this plan's shape; returns ``(out, lse)``."""
         q, k, v, dt, shape = V.check_decode_inputs(q, k_cache, v_cache)
+        if q.data.device_id != self.device_id:
+            V.fail(ValueError, "q/k_cache/v_cache", f"arrays on the plan's GPU {self.device_id}",
+                   f"GPU {q.data.device_id}")
         expected = dict(batch=self.batch, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
                         head_dim=self.head_dim, max_seqlen=self.max_seqlen)
         if shape != expected or dt != self.dtype:
@@ -201,6 +206,8 @@ class DecodePlan:
 
     def _launch(self, q, k, v, seqlens, seqlen_all, scale, out, lse) -> None:
         """Everything after validation: the split kernel, then (if split) the merge kernel."""
+        import cupy
+
         if self.batch == 0:
             return
         layout = (q.strides, k.strides, v.strides, out.strides)
@@ -211,13 +218,13 @@ class DecodePlan:
                                               *v.strides[:3], out.strides[0], out.strides[1]))
             if len(self._strides) < 64:
                 self._strides[layout] = strides
-        params = np.frombuffer(_PARAMS.pack(
-            q.data.ptr, k.data.ptr, v.data.ptr, 0 if seqlens is None else seqlens.data.ptr,
-            *self._part_ptrs, out.data.ptr, 0 if lse is None else lse.data.ptr, self._counter_ptr,
-            *strides, seqlen_all, *self._static, scale * _LOG2E), dtype=_PARAMS_DTYPE)
         # Raw pointers in the struct are as safe as array arguments: the arrays are alive during
         # this call, and CuPy's pool hands freed memory out again only in stream order.
-        _kernels.launch(self._split_fn, self._grid, self._block, (params,), self.config.smem_bytes)
+        self._split_launch(
+            cupy.cuda.get_current_stream().ptr,
+            q.data.ptr, k.data.ptr, v.data.ptr, 0 if seqlens is None else seqlens.data.ptr,
+            *self._part_ptrs, out.data.ptr, 0 if lse is None else lse.data.ptr, self._counter_ptr,
+            *strides, seqlen_all, *self._static, scale * _LOG2E)
         if self._merge_fn is not None:
             _launch_merge(self.o_part, self.lse_part, out, lse, self.num_splits,
                           self.batch * self.num_heads, self.head_dim, self._merge_fn)
@@ -227,7 +234,6 @@ class DecodePlan:
 # seqlen_all, max_seqlen, num_heads, group, head_tiles, chunk_tokens (int32), scale_log2 (float32),
 # 4 bytes of padding.
 _PARAMS = struct.Struct("<9Q10q6if4x")
-_PARAMS_DTYPE = np.dtype([("raw", "<u8", (_PARAMS.size // 8,))])
 assert _PARAMS.size == 184
 
 

@@ -36,8 +36,8 @@
 //   fused merge (`counters` non-null): every block writes its partials, then counts itself in
 //     on its (batch, kv_head, head_tile) counter; the last block of the group to arrive merges
 //     the live splits with cd_merge_row and writes the final output — one launch in all, which
-//     saves the ~5 µs a second dependent kernel costs (docs/PERFORMANCE.md). It resets the
-//     counter to 0, so the next launch (or graph replay) starts clean.
+//     saves the ~5 µs a second dependent kernel costs (docs/PERFORMANCE.md). The counter wraps
+//     back to 0 on the last arrival (atomicInc), so the next launch (or graph replay) starts clean.
 //   partials only (`counters` null): merge_states.cu runs next as a second kernel.
 //
 // Compile-time constants (prepended by cupydecode/_kernels.py, chosen by cupydecode/_policy.py):
@@ -501,8 +501,9 @@ cd_decode_split(const cd_decode_params p) {
     __syncthreads();
     if (tid == 0) {
         int* ctr = counters + ((long long)b * num_kv_heads + kv_head) * head_tiles + head_tile;
-        s_last = atomicAdd(ctr, 1) == num_splits - 1;
-        if (s_last) *ctr = 0;
+        // atomicInc wraps to 0 on the last arrival: the counter is clean for the next launch
+        // without a second access.
+        s_last = atomicInc(reinterpret_cast<unsigned*>(ctr), num_splits - 1) == num_splits - 1;
     }
     __syncthreads();
     if (!s_last) return;

@@ -36,7 +36,12 @@ rows = {
     "plan._launch": lambda: plan._launch(q, k, v, None, L, scale, out, None),
     "check_decode_inputs": lambda: V.check_decode_inputs(q, k, v),
     "cupy.empty": lambda: cp.empty((b, H, D), cp.float16),
+    "get_current_stream().ptr": lambda: cp.cuda.get_current_stream().ptr,
 }
+_vals = (q.data.ptr, k.data.ptr, v.data.ptr, 0, *plan._part_ptrs, out.data.ptr, 0,
+         plan._counter_ptr, *([0] * 10), L, *plan._static, 0.1)
+_stream = cp.cuda.get_current_stream().ptr
+rows["struct pack + driver launch"] = lambda: plan._split_launch(_stream, *_vals)
 triv3 = cp.RawKernel('extern "C" __global__ void t3(float* a, int n, float s) {}', "t3")
 args27 = ", ".join(f"long long a{i}" for i in range(24))
 triv27 = cp.RawKernel(f'extern "C" __global__ void t27(float* p, float* r, float* s, {args27}) {{}}', "t27")

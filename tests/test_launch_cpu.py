@@ -1,0 +1,72 @@
+"""The split kernel's direct launch path, without a GPU: the driver call is intercepted and the
+parameter block it would receive is read back through kernelParams[0]."""
+
+import ctypes
+import threading
+
+import pytest
+
+pytest.importorskip("cupy")
+
+from cupydecode import _kernels  # noqa: E402
+from cupydecode.decode import _PARAMS  # noqa: E402
+
+
+class _FakeKernel:
+    class kernel:  # noqa: N801 - mirrors RawKernel.kernel.ptr
+        ptr = 0xABC0
+
+
+@pytest.fixture
+def captured(monkeypatch):
+    from cupy_backends.cuda.api import driver
+
+    calls = []
+
+    def fake_launch(func, gx, gy, gz, bx, by, bz, smem, stream, kernel_params, extra):
+        argv = ctypes.cast(kernel_params, ctypes.POINTER(ctypes.c_void_p))
+        raw = ctypes.string_at(argv[0], _PARAMS.size)  # what the driver would copy
+        calls.append(((func, gx, gy, gz, bx, by, bz, smem, stream, extra), raw))
+
+    monkeypatch.setattr(driver, "launchKernel", fake_launch)
+    return calls
+
+
+def _values(seed: int) -> tuple:
+    ptrs = tuple(0x7F0000000000 + 256 * (seed + i) for i in range(9))
+    strides = tuple(-(seed + i) if i % 3 else seed + 1000 * i for i in range(10))
+    return ptrs + strides + (seed, 1 << 20, 32, 4, 1, 256 + seed, 0.125)
+
+
+def test_struct_launch_passes_the_packed_block(captured):
+    launch = _kernels.StructLaunch(_FakeKernel(), (8, 16, 2), (128, 1, 1), 4096, _PARAMS)
+    for seed in (1, 2):
+        launch(0x5151, *_values(seed))
+    assert [c[0] for c in captured] == [(0xABC0, 8, 16, 2, 128, 1, 1, 4096, 0x5151, 0)] * 2
+    assert [_PARAMS.unpack(c[1]) for c in captured] == [_values(1), _values(2)]
+
+
+def test_struct_launch_buffers_are_per_thread(captured):
+    launch = _kernels.StructLaunch(_FakeKernel(), (1, 1, 1), (32, 1, 1), 0, _PARAMS)
+    slots = []
+
+    def worker():
+        slots.append(launch._slot())  # kept alive, so addresses cannot be reused
+        assert launch._slot() is slots[-1]  # one buffer per thread, reused by its launches
+
+    threads = [threading.Thread(target=worker) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    worker()
+    assert len({ctypes.addressof(s[0]) for s in slots}) == 4
+
+
+def test_struct_launch_refuses_wrong_values(captured):
+    launch = _kernels.StructLaunch(_FakeKernel(), (1, 1, 1), (32, 1, 1), 0, _PARAMS)
+    import struct
+
+    with pytest.raises(struct.error):
+        launch(0, *_values(1)[:-1])  # one value short
+    assert captured == []
