@@ -10,16 +10,19 @@ import cupydecode as cd  # noqa: E402
 from cupydecode import _validate as V  # noqa: E402
 
 
-def per_call(fn, n=3000):
-    for _ in range(50):
+def per_call(fn, n=40, batches=25):
+    """Median over batches of n back-to-back calls, each batch on an idle GPU (no queue stalls)."""
+    for _ in range(20):
         fn()
     cp.cuda.Device().synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    t = (time.perf_counter() - t0) * 1e6 / n
-    cp.cuda.Device().synchronize()
-    return t
+    ts = []
+    for _ in range(batches):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        ts.append((time.perf_counter() - t0) * 1e6 / n)
+        cp.cuda.Device().synchronize()
+    return float(np.median(ts))
 
 
 b, H, Hkv, D, L = 1, 32, 8, 128, 1024

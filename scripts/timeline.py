@@ -1,0 +1,103 @@
+"""Per-block timeline of the split kernel (development tool; results go to docs/PERFORMANCE.md).
+
+Instruments a copy of kernels/decode_split.cu (the shipped source is untouched) so that thread 0
+of every block records %globaltimer at: entry (t0), first K/V tile ready (t1), end of streaming
+(t2), partials written and counted in (t3), and, in the merging block, end of the merge (t4).
+Prints, per shape, when blocks start and stop streaming relative to the first block's entry.
+
+Usage: python scripts/timeline.py
+"""
+
+import sys
+
+import cupy as cp
+import numpy as np
+
+sys.path.insert(0, ".")
+import cupydecode as cd  # noqa: E402
+from cupydecode import _kernels  # noqa: E402
+
+STAMP = ("{ unsigned long long gt_; asm volatile(\"mov.u64 %0, %%globaltimer;\" : \"=l\"(gt_)); "
+         "cd_dbg[((blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x) * 8 + {K}] = gt_; }")
+INJECT = [
+    ("extern \"C\" __global__ void __launch_bounds__(NUM_THREADS)",
+     "__device__ unsigned long long cd_dbg[1 << 18];\n", "before"),
+    ("    const int h0 = kv_head * group + row0;                 // first query head\n",
+     "    if (tid == 0) " + STAMP.replace("{K}", "0") + "\n", "after"),
+    ("            cp_async_wait<STAGES - 1>();\n            __syncwarp();\n",
+     "            if (i == 0 && tid == 0) " + STAMP.replace("{K}", "1") + "\n", "after"),
+    ("        __syncthreads();  // every warp is done with the ring before it becomes sm_acc\n",
+     "        if (tid == 0) " + STAMP.replace("{K}", "2") + "\n", "after"),
+    ("    if (!o_part || !counters) return;\n",
+     "    __syncthreads();\n    if (tid == 0) " + STAMP.replace("{K}", "3") + "\n", "before"),
+    ("    if (!s_last) return;\n",
+     "    if (tid == 0) " + STAMP.replace("{K}", "5") + "\n", "before"),
+    ("                                      lse_out ? lse_out + bh0 + r : nullptr, lane);\n",
+     "    __syncthreads();\n    if (tid == 0) " + STAMP.replace("{K}", "4") + "\n", "after"),
+]
+
+_orig_source = _kernels.program_source
+
+
+def instrumented_source(filename, defines):
+    src = _orig_source(filename, defines)
+    if filename != "decode_split.cu":
+        return src
+    for anchor, text, where in INJECT:
+        assert anchor in src, anchor
+        src = src.replace(anchor, text + anchor if where == "before" else anchor + text, 1)
+    return src
+
+
+_kernels.program_source = instrumented_source
+
+
+def timeline(b, L, H=32, Hkv=8, D=128, splits=None):
+    q = cp.random.standard_normal((b, H, D), dtype=cp.float32).astype(cp.float16)
+    k = cp.random.standard_normal((b, L, Hkv, D), dtype=cp.float32).astype(cp.float16)
+    v = cp.random.standard_normal((b, L, Hkv, D), dtype=cp.float32).astype(cp.float16)
+    flush = cp.empty(512 << 20, cp.uint8)
+    plan = cd.DecodePlan(b, H, Hkv, D, L, "float16", num_splits=splits)
+    cfg = plan.config
+    mod = _kernels._module(_kernels.program_source("decode_split.cu", cfg.defines()),
+                           _kernels.COMPILE_OPTIONS)
+    dbg = mod.get_global("cd_dbg")
+    buf = cp.ndarray((1 << 18,), cp.uint64, dbg)
+    for _ in range(3):
+        plan.run(q, k, v)
+    rows = []
+    for rep in range(5):
+        flush.fill(rep)  # evict K/V from L2
+        buf.fill(0)
+        cp.cuda.Device().synchronize()
+        plan.run(q, k, v)
+        cp.cuda.Device().synchronize()
+        nblk = plan._grid[0] * plan._grid[1] * plan._grid[2]
+        t = buf[: nblk * 8].get().reshape(nblk, 8).astype(np.int64)
+        rows.append(t)
+    t = rows[-1]
+    base = t[:, 0].min()
+    rel = lambda c: (t[:, c][t[:, c] > 0] - base) / 1e3  # noqa: E731  µs
+    out = [f"b{b} L{L} splits {plan.num_splits} blocks {t.shape[0]}:"]
+    for name, c in (("entry", 0), ("first tile", 1), ("stream end", 2), ("counted in", 3),
+                    ("merge start", 5), ("merge end", 4)):
+        x = rel(c)
+        if x.size:
+            out.append(f"  {name:12s} min {x.min():6.2f}  p10 {np.percentile(x, 10):6.2f}  "
+                       f"med {np.median(x):6.2f}  p90 {np.percentile(x, 90):6.2f}  max {x.max():6.2f} us"
+                       f"  (n={x.size})")
+    # over the 5 repetitions: total = last merge end (or counted-in) - first entry
+    tot = []
+    for t in rows:
+        end = max(t[:, 4].max(), t[:, 3].max())
+        tot.append((end - t[:, 0].min()) / 1e3)
+    out.append(f"  first entry → last finish, 5 runs: {' '.join(f'{x:.2f}' for x in tot)} us")
+    ts = np.unique(np.diff(np.unique(rows[-1][:, 0])))
+    out.append(f"  globaltimer steps seen (ns): {ts[:6].tolist()}")
+    print("\n".join(out), flush=True)
+
+
+if __name__ == "__main__":
+    for b, L, s in ((1, 16384, None), (1, 1024, None), (1, 1024, 16), (4, 8192, None),
+                    (1, 65536, None)):
+        timeline(b, L, splits=s)

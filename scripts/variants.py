@@ -1,0 +1,94 @@
+"""Time source and block-shape variants of the split kernel side by side (development tool).
+
+Each variant is a text substitution on a copy of kernels/decode_split.cu and/or a block shape
+(warps, stages); the shipped source is untouched. GPU µs per call by graph replay over buffer
+sets larger than 4× L2, fp16 32/8/128, automatic splits unless a variant says otherwise.
+
+Usage: python scripts/variants.py
+"""
+
+import sys
+
+sys.path.insert(0, ".")
+sys.path.insert(0, "scripts")
+import cupydecode as cd  # noqa: E402
+from cupydecode import _kernels, _policy  # noqa: E402
+from cupydecode import decode as _decode  # noqa: E402
+from tune import graph_time, make_sets  # noqa: E402
+
+_orig_source = _kernels.program_source
+_orig_config = _policy.split_kernel_config
+
+FENCE_OLD = """    __threadfence();  // this block's partials are visible device-wide before it counts itself in
+    __syncthreads();
+    if (tid == 0) {
+"""
+FENCE_NEW = """    __syncthreads();
+    if (tid == 0) {
+        __threadfence();
+"""
+
+VARIANTS = {
+    "base": ({}, None),
+    "fence by thread 0": ({FENCE_OLD: FENCE_NEW}, None),
+    "4 warps x 5 stages": ({}, (4, 5)),
+    "4 warps x 6 stages": ({}, (4, 6)),
+    "8 warps x 3 stages": ({}, (8, 3)),
+}
+
+
+def use(subs, shape):
+    def source(filename, defines):
+        src = _orig_source(filename, defines)
+        for old, new in subs.items():
+            assert old in src, old
+            src = src.replace(old, new)
+        return src
+
+    def config(dt, hd):
+        cfg = _orig_config(dt, hd)
+        return cfg if shape is None else _policy.SplitKernelConfig(dt, hd, *shape)
+
+    _kernels.program_source = source
+    _policy.split_kernel_config = config
+    _kernels._compiled.clear()
+    _decode._blocks_per_sm.cache_clear()
+
+
+POINTS = [(1, 1024), (1, 4096), (1, 16384), (1, 65536), (4, 8192), (16, 8192)]
+
+
+def main():
+    H, Hkv, D = 32, 8, 128
+    data = {p: make_sets(*p, H, Hkv, D, "float16") for p in POINTS}
+    print(f"{'variant':24s}" + "".join(f"  b{b}x{L // 1024}k" for b, L in POINTS), flush=True)
+    for name, (subs, shape) in VARIANTS.items():
+        use(subs, shape)
+        cells = []
+        for (b, L), (nbytes, sets) in data.items():
+            plans = [cd.DecodePlan(b, H, Hkv, D, L, "float16") for _ in sets]
+            cells.append(graph_time([lambda p=p, s=s: p.run(*s) for p, s in zip(plans, sets)]))
+        print(f"{name:24s}" + "".join(f"  {c:7.2f}" for c in cells), flush=True)
+    use({}, None)
+    for label, mode in (("partials only", "partials"), ("merge kernel", "kernel")):
+        cells = []
+        for (b, L), (nbytes, sets) in data.items():
+            plans = [cd.DecodePlan(b, H, Hkv, D, L, "float16", merge="kernel") for _ in sets]
+            if mode == "partials":
+                for p in plans:
+                    p._merge_fn = None
+            cells.append(graph_time([lambda p=p, s=s: p.run(*s) for p, s in zip(plans, sets)]))
+        print(f"{label:24s}" + "".join(f"  {c:7.2f}" for c in cells), flush=True)
+    for splits in (8, 16, 32):
+        cells = []
+        for (b, L), (nbytes, sets) in data.items():
+            if L // splits < 64:
+                cells.append(float("nan"))
+                continue
+            plans = [cd.DecodePlan(b, H, Hkv, D, L, "float16", num_splits=splits) for _ in sets]
+            cells.append(graph_time([lambda p=p, s=s: p.run(*s) for p, s in zip(plans, sets)]))
+        print(f"{'splits ' + str(splits):24s}" + "".join(f"  {c:7.2f}" for c in cells), flush=True)
+
+
+if __name__ == "__main__":
+    main()
