@@ -93,11 +93,12 @@ __device__ __forceinline__ u16 cd_ldcg(const u16* p) {
 // State i of the row is at o[i·o_stride .. + head_dim) and lse[i·lse_stride]. Empty states
 // (LSE_i = −inf) get weight exactly 0 and their Õ_i is never multiplied in (it may hold NaN);
 // all empty gives O = 0, LSE = −inf.
-// Latency, not bytes, is what this costs (it ends every split decode): each lane loads the LSEs
-// of states lane, lane+32, … once and folds them into an online (max, sum) pair, the warp merges
-// the pairs with shuffles, and the Õ loads of up to 16 states are in flight together. For
-// S ≤ 32 that is two dependent trips to L2 in all. Used by merge_states.cu and by the fused merge
-// at the end of decode_split.cu.
+// Latency, not bytes, is what this costs (it ends every split decode). States are taken in groups
+// of CD_MERGE_GROUP: every lane loads the group's LSEs (one broadcast load each) together with its
+// NV elements of each Õ_i, so a group is ONE trip to L2, and the group is folded into a running
+// (max, sum, acc) in the log2 domain. Up to 16 splits therefore cost a single dependent load
+// round trip. Used by merge_states.cu and by the fused merge at the end of decode_split.cu.
+#define CD_MERGE_GROUP 16
 template <typename EI, typename EO, int NV>  // NV elements per lane per pass
 __device__ __forceinline__ void cd_merge_row(const typename EI::storage* __restrict__ o,
                                              long long o_stride,
@@ -105,57 +106,47 @@ __device__ __forceinline__ void cd_merge_row(const typename EI::storage* __restr
                                              int num_states, int head_dim,
                                              typename EO::storage* __restrict__ dst,
                                              float* __restrict__ lse_dst, int lane) {
-    float m = CD_NEG_INF, sum = 0.f, first = CD_NEG_INF;  // first: this lane's state `lane`
-    for (int i = lane; i < num_states; i += 32) {
-        const float x = cd_ldcg(lse + i * lse_stride) * CD_LOG2E;
-        if (i == lane) first = x;
-        if (x == CD_NEG_INF) continue;  // empty state: nothing to add, and no −inf − (−inf)
-        const float mn = fmaxf(m, x);
-        sum = sum * cd_exp2(m - mn) + cd_exp2(x - mn);
-        m = mn;
-    }
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) {
-        const float m2 = __shfl_xor_sync(0xffffffffu, m, off);
-        const float s2 = __shfl_xor_sync(0xffffffffu, sum, off);
-        const cd_rescale r = cd_merge_scales(m, m2);
-        sum = sum * r.a + s2 * r.b;
-        m = r.m;
-    }
-    const float ref = (m == CD_NEG_INF) ? 0.f : m;  // all empty: weights stay 0, no NaN
-    const float inv = sum > 0.f ? 1.f / sum : 0.f;   // sum ≥ 1 whenever any state is live
-
-    // Every lane runs every pass (the shuffles below need the whole warp); lanes past the end of
-    // the row only skip their loads and stores.
+    // Every lane runs every pass (uniform control flow); lanes past the end of the row only
+    // skip their Õ loads and stores.
     for (int pass = 0; pass < head_dim; pass += 32 * NV) {
         const int d0 = pass + lane * NV;
         const bool mine = d0 < head_dim;
-        float acc[NV];
+        float m = CD_NEG_INF, sum = 0.f, acc[NV];
 #pragma unroll
         for (int e = 0; e < NV; ++e) acc[e] = 0.f;
-        for (int base = 0; base < num_states; base += 32) {
-            const int i = base + lane;
-            const float x = base == 0 ? first
-                          : (i < num_states ? cd_ldcg(lse + i * lse_stride) * CD_LOG2E : CD_NEG_INF);
-            const float w_lane = cd_exp2(x - ref);  // exp2(−inf) = 0 for empty and absent states
-            const int n = min(32, num_states - base);
-#pragma unroll 16
-            for (int j = 0; j < n; ++j) {
-                const float w = __shfl_sync(0xffffffffu, w_lane, j);
-                if (mine) {
-                    const typename EI::storage* src = o + (long long)(base + j) * o_stride + d0;
+        for (int base = 0; base < num_states; base += CD_MERGE_GROUP) {
+            float x[CD_MERGE_GROUP], v[CD_MERGE_GROUP][NV];
 #pragma unroll
-                    for (int e = 0; e < NV; ++e) {
-                        const float v = EI::to_float(cd_ldcg(src + e));
-                        acc[e] = w != 0.f ? fmaf(w, v, acc[e]) : acc[e];  // select: never 0 · NaN
-                    }
-                }
+            for (int j = 0; j < CD_MERGE_GROUP; ++j) {
+                const bool live = base + j < num_states;
+                x[j] = live ? cd_ldcg(lse + (long long)(base + j) * lse_stride) * CD_LOG2E : CD_NEG_INF;
+                const typename EI::storage* src = o + (long long)(base + j) * o_stride + d0;
+#pragma unroll
+                for (int e = 0; e < NV; ++e) v[j][e] = (live && mine) ? EI::to_float(cd_ldcg(src + e)) : 0.f;
             }
+            float mg = m;
+#pragma unroll
+            for (int j = 0; j < CD_MERGE_GROUP; ++j) mg = fmaxf(mg, x[j]);
+            const float ref = (mg == CD_NEG_INF) ? 0.f : mg;  // all empty so far: weights stay 0
+            const float a = cd_exp2(m - ref);                  // m = −inf (nothing yet): 0
+            sum *= a;
+#pragma unroll
+            for (int e = 0; e < NV; ++e) acc[e] *= a;
+#pragma unroll
+            for (int j = 0; j < CD_MERGE_GROUP; ++j) {
+                const float w = cd_exp2(x[j] - ref);  // exp2(−inf) = 0 for empty and absent states
+                sum += w;
+#pragma unroll
+                for (int e = 0; e < NV; ++e) acc[e] = w != 0.f ? fmaf(w, v[j][e], acc[e]) : acc[e];  // never 0 · NaN
+            }
+            m = mg;
         }
+        const float inv = sum > 0.f ? 1.f / sum : 0.f;  // sum ≥ 1 whenever any state is live
         if (mine) {
 #pragma unroll
             for (int e = 0; e < NV; ++e) dst[d0 + e] = EO::from_float(acc[e] * inv);
         }
+        if (pass == 0 && lse_dst && lane == 0)
+            *lse_dst = sum > 0.f ? (m + log2f(sum)) * CD_LN2 : CD_NEG_INF;
     }
-    if (lse_dst && lane == 0) *lse_dst = sum > 0.f ? (m + log2f(sum)) * CD_LN2 : CD_NEG_INF;
 }

@@ -8,6 +8,7 @@ Usage: python scripts/variants.py
 """
 
 import sys
+from pathlib import Path
 
 sys.path.insert(0, ".")
 sys.path.insert(0, "scripts")
@@ -28,19 +29,28 @@ FENCE_NEW = """    __syncthreads();
         __threadfence();
 """
 
+READER_FENCE = """    if (!s_last) return;
+    __threadfence();
+"""
+
 VARIANTS = {
     "base": ({}, None),
-    "fence by thread 0": ({FENCE_OLD: FENCE_NEW}, None),
-    "4 warps x 5 stages": ({}, (4, 5)),
-    "4 warps x 6 stages": ({}, (4, 6)),
-    "8 warps x 3 stages": ({}, (8, 3)),
+    "no reader fence": ({READER_FENCE: "    if (!s_last) return;\n"}, None),
 }
+# A previous version of the shared header, if one was put in .prev/ (e.g. from git), for A/B.
+PREV = Path(".prev/common.cuh")
+if PREV.is_file():
+    VARIANTS["previous common.cuh"] = ({"@common": PREV.read_text()}, None)
 
 
 def use(subs, shape):
     def source(filename, defines):
         src = _orig_source(filename, defines)
         for old, new in subs.items():
+            if old == "@common":  # swap the inlined header for another version of it
+                a = src.index("// ---- begin common.cuh\n") + len("// ---- begin common.cuh\n")
+                src = src[:a] + new + src[src.index("// ---- end common.cuh"):]
+                continue
             assert old in src, old
             src = src.replace(old, new)
         return src
@@ -70,7 +80,7 @@ def main():
             cells.append(graph_time([lambda p=p, s=s: p.run(*s) for p, s in zip(plans, sets)]))
         print(f"{name:24s}" + "".join(f"  {c:7.2f}" for c in cells), flush=True)
     use({}, None)
-    for label, mode in (("partials only", "partials"), ("merge kernel", "kernel")):
+    for label, mode in (("partials only", "partials"),):
         cells = []
         for (b, L), (nbytes, sets) in data.items():
             plans = [cd.DecodePlan(b, H, Hkv, D, L, "float16", merge="kernel") for _ in sets]
@@ -79,7 +89,7 @@ def main():
                     p._merge_fn = None
             cells.append(graph_time([lambda p=p, s=s: p.run(*s) for p, s in zip(plans, sets)]))
         print(f"{label:24s}" + "".join(f"  {c:7.2f}" for c in cells), flush=True)
-    for splits in (8, 16, 32):
+    for splits in (4, 16):
         cells = []
         for (b, L), (nbytes, sets) in data.items():
             if L // splits < 64:
