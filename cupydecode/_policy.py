@@ -46,7 +46,7 @@ class SplitKernelConfig:
         es = ITEMSIZE[self.dtype]
         q = ROWS * self.head_dim * es
         pipe = self.num_warps * self.stages * 2 * TILE_N * self.head_dim * es
-        acc = self.num_warps * ROWS * self.head_dim * 4
+        acc = self.num_warps * ROWS * (self.head_dim + 8) * 4  # rows padded (ACC_STRIDE)
         ml = 2 * self.num_warps * ROWS * 4
         return q + max(pipe, acc) + ml
 

@@ -54,7 +54,10 @@ typedef E::storage elem_t;
 #define TILE_BYTES (TILE_N * HEAD_DIM * ES) // one K (or V) tile of one warp
 #define Q_BYTES (ROWS * HEAD_DIM * ES)
 #define PIPE_BYTES (NUM_WARPS * STAGES * 2 * TILE_BYTES)
-#define ACC_BYTES (NUM_WARPS * ROWS * HEAD_DIM * 4)
+// Per-warp accumulators in shared memory, rows padded by 8 floats: the mma-layout float2 stores
+// (lanes g = 0..7 write rows g) would otherwise hit the same banks 8 times.
+#define ACC_STRIDE (HEAD_DIM + 8)
+#define ACC_BYTES (NUM_WARPS * ROWS * ACC_STRIDE * 4)
 #define BODY_BYTES (PIPE_BYTES > ACC_BYTES ? PIPE_BYTES : ACC_BYTES)
 #define ML_BYTES (2 * NUM_WARPS * ROWS * 4)
 #define SMEM_BYTES (Q_BYTES + BODY_BYTES + ML_BYTES)
@@ -363,11 +366,11 @@ cd_decode_split(const cd_decode_params p) {
             sm_m[warp * ROWS + g] = m2[0];     sm_l[warp * ROWS + g] = l2[0];
             sm_m[warp * ROWS + g + 8] = m2[1]; sm_l[warp * ROWS + g + 8] = l2[1];
         }
-        float* wacc = sm_acc + warp * ROWS * HEAD_DIM;
+        float* wacc = sm_acc + warp * ROWS * ACC_STRIDE;
 #pragma unroll
         for (int n = 0; n < HEAD_DIM / 8; ++n) {
-            *reinterpret_cast<float2*>(wacc + g * HEAD_DIM + 8 * n + 2 * t) = make_float2(acc[n][0], acc[n][1]);
-            *reinterpret_cast<float2*>(wacc + (g + 8) * HEAD_DIM + 8 * n + 2 * t) = make_float2(acc[n][2], acc[n][3]);
+            *reinterpret_cast<float2*>(wacc + g * ACC_STRIDE + 8 * n + 2 * t) = make_float2(acc[n][0], acc[n][1]);
+            *reinterpret_cast<float2*>(wacc + (g + 8) * ACC_STRIDE + 8 * n + 2 * t) = make_float2(acc[n][2], acc[n][3]);
         }
 #else
         // ================================================================ float32 path
@@ -450,40 +453,53 @@ cd_decode_split(const cd_decode_params p) {
 #pragma unroll
             for (int r = 0; r < ROWS; ++r) { sm_m[warp * ROWS + r] = m2[r]; sm_l[warp * ROWS + r] = l2[r]; }
         }
-        float* wacc = sm_acc + warp * ROWS * HEAD_DIM;
+        float* wacc = sm_acc + warp * ROWS * ACC_STRIDE;
 #pragma unroll
         for (int r = 0; r < ROWS; ++r)
             if (r < rows)
 #pragma unroll
                 for (int d = 0; d < HEAD_DIM / 64; ++d)
-                    *reinterpret_cast<float2*>(wacc + r * HEAD_DIM + 2 * lane + 64 * d) =
+                    *reinterpret_cast<float2*>(wacc + r * ACC_STRIDE + 2 * lane + 64 * d) =
                         make_float2(acc[r][d][0], acc[r][d][1]);
 #endif
     } else {
         // Empty chunk (or empty sequence): every warp holds the empty state (−inf, 0, 0).
         for (int i = tid; i < NUM_WARPS * ROWS; i += NUM_THREADS) { sm_m[i] = CD_NEG_INF; sm_l[i] = 0.f; }
-        for (int i = tid; i < NUM_WARPS * ROWS * HEAD_DIM; i += NUM_THREADS) sm_acc[i] = 0.f;
+        for (int i = tid; i < NUM_WARPS * ROWS * ACC_STRIDE; i += NUM_THREADS) sm_acc[i] = 0.f;
     }
     __syncthreads();
 
     // ---------------------------------------------------------------- merge the warps, write
-    const long long bh0 = (long long)b * num_heads + h0;
-    for (int i = tid; i < rows * HEAD_DIM; i += NUM_THREADS) {
-        const int r = i / HEAD_DIM, d = i % HEAD_DIM;
+    // One thread per row turns the warps' (m, l) into final weights, in place: sm_l[w][r] becomes
+    // 2^(m_w − m) / l (0 for an empty row) and sm_m[0][r] the row's LSE (natural log).
+    if (tid < rows) {
+        const int r = tid;
         float mmax = CD_NEG_INF;
 #pragma unroll
         for (int w = 0; w < NUM_WARPS; ++w) mmax = fmaxf(mmax, sm_m[w * ROWS + r]);
         const float ref = (mmax == CD_NEG_INF) ? 0.f : mmax;
-        float l = 0.f, o = 0.f;
+        float sc[NUM_WARPS], l = 0.f;
 #pragma unroll
         for (int w = 0; w < NUM_WARPS; ++w) {
-            const float sc = cd_exp2(sm_m[w * ROWS + r] - ref);
-            l += sm_l[w * ROWS + r] * sc;
-            o += sm_acc[(w * ROWS + r) * HEAD_DIM + d] * sc;
+            sc[w] = cd_exp2(sm_m[w * ROWS + r] - ref);
+            l += sm_l[w * ROWS + r] * sc[w];
         }
-        const bool live = l > 0.f;
-        o = live ? o / l : 0.f;
-        const float lse = live ? (mmax + log2f(l)) * CD_LN2 : CD_NEG_INF;
+        const float inv = l > 0.f ? 1.f / l : 0.f;
+#pragma unroll
+        for (int w = 0; w < NUM_WARPS; ++w) sm_l[w * ROWS + r] = sc[w] * inv;
+        sm_m[r] = l > 0.f ? (mmax + log2f(l)) * CD_LN2 : CD_NEG_INF;
+    }
+    __syncthreads();
+    const long long bh0 = (long long)b * num_heads + h0;
+    for (int i = tid; i < rows * HEAD_DIM; i += NUM_THREADS) {
+        const int r = i / HEAD_DIM, d = i % HEAD_DIM;
+        float o = 0.f;
+#pragma unroll
+        for (int w = 0; w < NUM_WARPS; ++w) {
+            const float wt = sm_l[w * ROWS + r];
+            o = wt != 0.f ? fmaf(wt, sm_acc[(w * ROWS + r) * ACC_STRIDE + d], o) : o;
+        }
+        const float lse = sm_m[r];
         if (!o_part) {
             out[b * out_sb + (long long)(h0 + r) * out_sh + d] = E::from_float(o);
             if (lse_out && d == 0) lse_out[bh0 + r] = lse;

@@ -37,20 +37,20 @@ VARIANTS = {
     "base": ({}, None),
     "no reader fence": ({READER_FENCE: "    if (!s_last) return;\n"}, None),
 }
-# A previous version of the shared header, if one was put in .prev/ (e.g. from git), for A/B.
-PREV = Path(".prev/common.cuh")
-if PREV.is_file():
-    VARIANTS["previous common.cuh"] = ({"@common": PREV.read_text()}, None)
+# A previous version of the kernels, if one was put in .prev/ (e.g. from git), for A/B.
+PREV = Path(".prev")
+if (PREV / "decode_split.cu").is_file():
+    VARIANTS["kernels in .prev/"] = ({"@dir": str(PREV.resolve())}, None)
 
 
 def use(subs, shape):
     def source(filename, defines):
+        if "@dir" in subs:  # the whole program from another directory
+            path = Path(subs["@dir"]) / filename
+            head = "".join(f"#define {k} {int(v)}\n" for k, v in sorted(defines.items()))
+            return head + _kernels._inline(path, {path.resolve()})
         src = _orig_source(filename, defines)
         for old, new in subs.items():
-            if old == "@common":  # swap the inlined header for another version of it
-                a = src.index("// ---- begin common.cuh\n") + len("// ---- begin common.cuh\n")
-                src = src[:a] + new + src[src.index("// ---- end common.cuh"):]
-                continue
             assert old in src, old
             src = src.replace(old, new)
         return src
