@@ -90,8 +90,16 @@ def get_function(filename: str, name: str, defines: dict[str, int]):
 
 
 def compiled_specialisations() -> list[str]:
-    """Human-readable list of the specialisations compiled in this process."""
-    return [f"{f}:{n} " + " ".join(f"{k}={v}" for k, v in d) for (f, n, d) in _compiled]
+    """Human-readable list of the specialisations compiled in this process, with the registers
+    per thread and local (spill) bytes the compiler gave each kernel on the current GPU."""
+    rows = []
+    for (f, n, d), fn in _compiled.items():
+        try:
+            res = f"  [{fn.num_regs} registers, {fn.local_size_bytes} B local]"
+        except Exception:  # attributes need a loaded module (a GPU)
+            res = ""
+        rows.append(f"{f}:{n} " + " ".join(f"{k}={v}" for k, v in d) + res)
+    return rows
 
 
 def compile_for_arch(filename: str, defines: dict[str, int], arch: str) -> bytes:

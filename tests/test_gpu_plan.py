@@ -101,7 +101,7 @@ def test_plan_attributes(cupy):
     assert sized.num_splits == 5 and sized.chunk_tokens == 1024
     # A small batch at a long context must be split to fill the machine; a full one need not.
     assert cupydecode.DecodePlan(1, 32, 8, 128, 65536, "float16").num_splits > 1
-    assert cupydecode.DecodePlan(1, 32, 8, 128, 256, "float16").num_splits == 1
+    assert cupydecode.DecodePlan(64, 32, 8, 128, 8192, "float16").num_splits == 1
 
 
 def test_plan_run_rejects(cupy, rng):
