@@ -88,6 +88,14 @@ __device__ __forceinline__ u16 cd_ldcg(const u16* p) {
     return x;
 }
 
+// atomicInc (old >= limit ? 0 : old + 1, returns old) with acquire-release semantics at GPU
+// scope: a release for the caller's earlier stores, an acquire for its later loads.
+__device__ __forceinline__ unsigned cd_atomic_inc_acq_rel(unsigned* p, unsigned limit) {
+    unsigned old;
+    asm volatile("atom.acq_rel.gpu.global.inc.u32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(limit) : "memory");
+    return old;
+}
+
 // Kernel 2's math for ONE row, done by one warp (DESIGN.md, natural-log LSE in and out):
 //   LSE = max_i LSE_i + log Σ_i exp(LSE_i − max_i LSE_i),  w_i = exp(LSE_i − LSE),  O = Σ_i w_i Õ_i
 // State i of the row is at o[i·o_stride .. + head_dim) and lse[i·lse_stride]. Empty states

@@ -491,39 +491,54 @@ cd_decode_split(const cd_decode_params p) {
     }
     __syncthreads();
     const long long bh0 = (long long)b * num_heads + h0;
-    for (int i = tid; i < rows * HEAD_DIM; i += NUM_THREADS) {
-        const int r = i / HEAD_DIM, d = i % HEAD_DIM;
-        float o = 0.f;
+    if (!o_part) {  // single split: the final output, in the input dtype
+        for (int i = tid; i < rows * HEAD_DIM; i += NUM_THREADS) {
+            const int r = i / HEAD_DIM, d = i % HEAD_DIM;
+            float o = 0.f;
 #pragma unroll
-        for (int w = 0; w < NUM_WARPS; ++w) {
-            const float wt = sm_l[w * ROWS + r];
-            o = wt != 0.f ? fmaf(wt, sm_acc[(w * ROWS + r) * ACC_STRIDE + d], o) : o;
-        }
-        const float lse = sm_m[r];
-        if (!o_part) {
+            for (int w = 0; w < NUM_WARPS; ++w) {
+                const float wt = sm_l[w * ROWS + r];
+                o = wt != 0.f ? fmaf(wt, sm_acc[(w * ROWS + r) * ACC_STRIDE + d], o) : o;
+            }
             out[b * out_sb + (long long)(h0 + r) * out_sh + d] = E::from_float(o);
-            if (lse_out && d == 0) lse_out[bh0 + r] = lse;
-        } else {
+            if (lse_out && d == 0) lse_out[bh0 + r] = sm_m[r];
+        }
+    } else {  // partials (float32, 16-byte aligned workspace): four elements per thread
+        for (int i = tid; i < rows * (HEAD_DIM / 4); i += NUM_THREADS) {
+            const int r = i / (HEAD_DIM / 4), d = (i % (HEAD_DIM / 4)) * 4;
+            float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+            for (int w = 0; w < NUM_WARPS; ++w) {
+                const float wt = sm_l[w * ROWS + r];
+                if (wt != 0.f) {
+                    const float4 a = *reinterpret_cast<const float4*>(sm_acc + (w * ROWS + r) * ACC_STRIDE + d);
+                    o.x = fmaf(wt, a.x, o.x); o.y = fmaf(wt, a.y, o.y);
+                    o.z = fmaf(wt, a.z, o.z); o.w = fmaf(wt, a.w, o.w);
+                }
+            }
             const long long row = (long long)split * batch * num_heads + bh0 + r;
-            o_part[row * HEAD_DIM + d] = o;
-            if (d == 0) lse_part[row] = lse;
+            *reinterpret_cast<float4*>(o_part + row * HEAD_DIM + d) = o;
+            if (d == 0) lse_part[row] = sm_m[r];
         }
     }
     if (!o_part || !counters) return;
 
     // ---------------------------------------------------------------- fused merge (last block)
+    // Arrival count with acquire-release semantics at GPU scope (PTX memory model): the barrier
+    // orders every thread's partial stores before thread 0's release; the last block's acquire,
+    // spread to its threads by the next barrier, orders its loads of all partials after them.
+    // No sequentially consistent fences (__threadfence) are needed on either side.
     __shared__ int s_last;
-    __threadfence();  // this block's partials are visible device-wide before it counts itself in
     __syncthreads();
     if (tid == 0) {
-        int* ctr = counters + ((long long)b * num_kv_heads + kv_head) * head_tiles + head_tile;
-        // atomicInc wraps to 0 on the last arrival: the counter is clean for the next launch
-        // without a second access.
-        s_last = atomicInc(reinterpret_cast<unsigned*>(ctr), num_splits - 1) == num_splits - 1;
+        unsigned* ctr = reinterpret_cast<unsigned*>(counters) +
+                        ((long long)b * num_kv_heads + kv_head) * head_tiles + head_tile;
+        // inc wraps to 0 on the last arrival: the counter is clean for the next launch without a
+        // second access.
+        s_last = cd_atomic_inc_acq_rel(ctr, num_splits - 1) == (unsigned)(num_splits - 1);
     }
     __syncthreads();
     if (!s_last) return;
-    __threadfence();
     const int live_splits = min(num_splits, (seqlen + chunk_tokens - 1) / chunk_tokens);
     const long long state_rows = (long long)batch * num_heads;
     for (int r = warp; r < rows; r += NUM_WARPS)

@@ -4,7 +4,7 @@
 # Steps: versions → full pytest (GPU tests included) → compute-sanitizer memcheck on a
 # representative subset → `cupydecode check` → `cupydecode bench` sweeps with peers (torch SDPA;
 # FlashInfer when importable). Logs, CSV/JSON and the plot go to OUTDIR; a summary prints last.
-# STEPS="tests sanitizer check bench layouts" selects steps.
+# STEPS="tests sanitizer racecheck check bench layouts" selects steps.
 set -u
 OUT_DIR=${1:-${OUT:-./device_out}}
 mkdir -p "$OUT_DIR"
@@ -35,6 +35,14 @@ if has sanitizer; then
     or cache_seqlens or split_counts or many_forced or merge or graph" 2>&1 \
     | tail -n 40 > "$OUT_DIR/sanitizer.log"
   summary+=("memcheck: $(grep -E 'ERROR SUMMARY' "$OUT_DIR/sanitizer.log" | tail -n 1) | $(grep -E 'passed|failed' "$OUT_DIR/sanitizer.log" | tail -n 1)")
+fi
+
+if has racecheck; then
+  # shared-memory hazards of the split kernel (ring reuse, epilogue) on a few small cases
+  timeout 200 compute-sanitizer --tool racecheck --error-exitcode 3 \
+    $PY -m pytest -q -p no:cacheprovider tests/test_gpu_plan.py -k "merge_modes_agree or plan_matches" 2>&1 \
+    | tail -n 20 > "$OUT_DIR/racecheck.log"
+  summary+=("racecheck: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT_DIR/racecheck.log" | tail -n 1) | $(grep -E 'passed|failed' "$OUT_DIR/racecheck.log" | tail -n 1)")
 fi
 
 if has check; then

@@ -20,27 +20,11 @@ from tune import graph_time, make_sets  # noqa: E402
 _orig_source = _kernels.program_source
 _orig_config = _policy.split_kernel_config
 
-FENCE_OLD = """    __threadfence();  // this block's partials are visible device-wide before it counts itself in
-    __syncthreads();
-    if (tid == 0) {
-"""
-FENCE_NEW = """    __syncthreads();
-    if (tid == 0) {
-        __threadfence();
-"""
-
-READER_FENCE = """    if (!s_last) return;
-    __threadfence();
-"""
-
-VARIANTS = {
-    "base": ({}, None),
-    "no reader fence": ({READER_FENCE: "    if (!s_last) return;\n"}, None),
-}
-# A previous version of the kernels, if one was put in .prev/ (e.g. from git), for A/B.
-PREV = Path(".prev")
-if (PREV / "decode_split.cu").is_file():
-    VARIANTS["kernels in .prev/"] = ({"@dir": str(PREV.resolve())}, None)
+VARIANTS = {"base": ({}, None)}
+# Previous versions of the kernels put in .prev*/ (e.g. from git), for A/B in the same process.
+for PREV in sorted(Path(".").glob(".prev*")):
+    if (PREV / "decode_split.cu").is_file():
+        VARIANTS[f"kernels in {PREV}/"] = ({"@dir": str(PREV.resolve())}, None)
 
 
 def use(subs, shape):
@@ -66,12 +50,17 @@ def use(subs, shape):
 
 
 POINTS = [(1, 1024), (1, 4096), (1, 16384), (1, 65536), (4, 8192), (16, 8192)]
+if len(sys.argv) > 1:  # e.g. 16x1024,16x4096
+    POINTS = [tuple(int(x) for x in p.split("x")) for p in sys.argv[1].split(",")]
 
 
 def main():
     H, Hkv, D = 32, 8, 128
     data = {p: make_sets(*p, H, Hkv, D, "float16") for p in POINTS}
     print(f"{'variant':24s}" + "".join(f"  b{b}x{L // 1024}k" for b, L in POINTS), flush=True)
+    if "--kernels-only" in sys.argv:
+        for key in [k for k in VARIANTS if k not in ("base",) and not k.startswith("kernels in")]:
+            del VARIANTS[key]
     for name, (subs, shape) in VARIANTS.items():
         use(subs, shape)
         cells = []
@@ -80,6 +69,8 @@ def main():
             cells.append(graph_time([lambda p=p, s=s: p.run(*s) for p, s in zip(plans, sets)]))
         print(f"{name:24s}" + "".join(f"  {c:7.2f}" for c in cells), flush=True)
     use({}, None)
+    if "--kernels-only" in sys.argv:
+        return
     for label, mode in (("partials only", "partials"),):
         cells = []
         for (b, L), (nbytes, sets) in data.items():
