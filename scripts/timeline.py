@@ -22,25 +22,30 @@ from cupydecode import _kernels  # noqa: E402
 
 STAMP = ("{ unsigned long long gt_; asm volatile(\"mov.u64 %0, %%globaltimer;\" : \"=l\"(gt_)); "
          "cd_dbg[((blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x) * 8 + {K}] = gt_; }")
+
+
+def stamp(k: int, indent: str = "    ", guard: str = "tid == 0", sync: bool = False) -> str:
+    """Source line(s) that record %globaltimer in slot k of this block (after a barrier if sync)."""
+    pre = f"{indent}__syncthreads();\n" if sync else ""
+    return f"{pre}{indent}if ({guard}) " + STAMP.replace("{K}", str(k)) + "\n"
+
+
+MERGE_WARPS = "    __syncthreads();\n\n    // " + "-" * 64 + " merge the warps, write\n"
+# (anchor in decode_split.cu, text to insert, before/after the anchor)
 INJECT = [
     ("extern \"C\" __global__ void __launch_bounds__(NUM_THREADS)",
      "__device__ unsigned long long cd_dbg[1 << 18];\n", "before"),
-    ("    const int h0 = kv_head * group + row0;                 // first query head\n",
-     "    if (tid == 0) " + STAMP.replace("{K}", "0") + "\n", "after"),
+    ("    const int h0 = kv_head * group + row0;                 // first query head\n", stamp(0), "after"),
     ("            cp_async_wait<STAGES - 1>();\n            __syncwarp();\n",
-     "            if (i == 0 && tid == 0) " + STAMP.replace("{K}", "1") + "\n", "after"),
+     stamp(1, " " * 12, "i == 0 && tid == 0"), "after"),
     ("        __syncthreads();  // every warp is done with the ring before it becomes sm_acc\n",
-     "        if (tid == 0) " + STAMP.replace("{K}", "2") + "\n", "after"),
-    ("    __syncthreads();\n\n    // ---------------------------------------------------------------- merge the warps, write\n",
-     "    if (tid == 0) " + STAMP.replace("{K}", "6") + "\n", "before"),
-    ("    const long long bh0 = (long long)b * num_heads + h0;\n",
-     "    if (tid == 0) " + STAMP.replace("{K}", "7") + "\n", "before"),
-    ("    if (!o_part || !counters) return;\n",
-     "    __syncthreads();\n    if (tid == 0) " + STAMP.replace("{K}", "3") + "\n", "before"),
-    ("    if (!s_last) return;\n",
-     "    if (tid == 0) " + STAMP.replace("{K}", "5") + "\n", "before"),
+     stamp(2, " " * 8), "after"),
+    (MERGE_WARPS, stamp(6), "before"),
+    ("    const long long bh0 = (long long)b * num_heads + h0;\n", stamp(7), "before"),
+    ("    if (!o_part || !counters) return;\n", stamp(3, sync=True), "before"),
+    ("    if (!s_last) return;\n", stamp(5), "before"),
     ("                                      lse_out ? lse_out + bh0 + r : nullptr, lane);\n",
-     "    __syncthreads();\n    if (tid == 0) " + STAMP.replace("{K}", "4") + "\n", "after"),
+     stamp(4, sync=True), "after"),
 ]
 
 _orig_source = _kernels.program_source

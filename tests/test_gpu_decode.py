@@ -147,6 +147,21 @@ def test_split_counts_agree(cupy, rng, seed, dtype, batch, num_heads, num_kv_hea
         assert_lse_close(results[a][1], results[b][1], LSE_TOL[dtype], f"{what} {ctx}")
 
 
+def splits_match_reference(cupy, q, k, v, cache_seqlens, ref_out, ref_lse, dtype, ctx,
+                           splits=(1, 3, None)) -> list:
+    """flash_decode with each split count (into a NaN-poisoned ``out``) against the float64
+    reference; returns the (out, lse) of each, in the order of ``splits``."""
+    results = []
+    for s in splits:
+        out = cupy.full(q.shape, np.nan, dtype=q.dtype)
+        got, lse = cupydecode.flash_decode(to_device(q), to_device(k), to_device(v), cache_seqlens,
+                                           num_splits=s, out=out, return_lse=True)
+        assert_out_close(got, ref_out, OUT_TOL[dtype], f"splits={s} {ctx}")
+        assert_lse_close(lse, ref_lse, LSE_TOL[dtype], f"splits={s} {ctx}")
+        results.append((got, lse))
+    return results
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("form", ["device", "host_list", "host_ndarray", "int", "none"])
 def test_cache_seqlens_forms(cupy, rng, seed, dtype, form):
@@ -158,12 +173,7 @@ def test_cache_seqlens_forms(cupy, rng, seed, dtype, form):
     q, k, v = decode_inputs(rng, batch, num_heads, num_kv_heads, head_dim, max_seqlen, dtype)
     k, v = nan_tail(k, lens), nan_tail(v, lens)
     ref_out, ref_lse = R.decode_attention(q, k, v, lens)
-    for splits in (1, 3, None):
-        out = cupy.full(q.shape, np.nan, dtype=q.dtype)
-        got, lse = cupydecode.flash_decode(to_device(q), to_device(k), to_device(v), arg,
-                                           num_splits=splits, out=out, return_lse=True)
-        assert_out_close(got, ref_out, OUT_TOL[dtype], f"splits={splits} {ctx}")
-        assert_lse_close(lse, ref_lse, LSE_TOL[dtype], f"splits={splits} {ctx}")
+    for got, lse in splits_match_reference(cupy, q, k, v, arg, ref_out, ref_lse, dtype, ctx):
         for b, n in enumerate(lens):
             if n == 0:
                 assert not cupy.any(got[b]) and bool(cupy.all(cupy.isneginf(lse[b]))), ctx
@@ -316,12 +326,7 @@ def test_gqa_and_mqa_layouts(cupy, rng, seed, dtype, num_heads, num_kv_heads):
     k, v = nan_tail(k, lens), nan_tail(v, lens)
     ref_out, ref_lse = R.decode_attention(q, k, v, lens)
     seqlens = cupy.asarray(np.asarray(lens, np.int32))
-    for splits in (1, 3, None):
-        out = cupy.full(q.shape, np.nan, dtype=q.dtype)
-        got, lse = cupydecode.flash_decode(to_device(q), to_device(k), to_device(v), seqlens,
-                                           num_splits=splits, return_lse=True, out=out)
-        assert_out_close(got, ref_out, OUT_TOL[dtype], f"splits={splits} {ctx}")
-        assert_lse_close(lse, ref_lse, LSE_TOL[dtype], f"splits={splits} {ctx}")
+    splits_match_reference(cupy, q, k, v, seqlens, ref_out, ref_lse, dtype, ctx)
 
 
 def test_many_forced_splits(cupy, rng, seed):
