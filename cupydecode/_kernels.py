@@ -162,6 +162,7 @@ class StructLaunch:
     def __init__(self, fn, grid: tuple[int, int, int], block: tuple[int, int, int],
                  shared_mem: int, layout):
         allow_shared_memory(fn, shared_mem)
+        self._kernel = fn           # keeps the module (and so the CUfunction) alive
         self._func = fn.kernel.ptr  # the CUfunction on the current device
         self._dims = (*grid, *block, shared_mem)
         self._layout = layout       # a struct.Struct matching the kernel's parameter struct
@@ -170,6 +171,11 @@ class StructLaunch:
     def _slot(self):
         slot = getattr(self._local, "slot", None)
         if slot is None:
+            # A thread that has made no CUDA runtime call that needs a context has none current,
+            # and cuLaunchKernel would fail there; cudaFree(0) binds the device's context.
+            import cupy
+
+            cupy.cuda.runtime.free(0)
             buf = (ctypes.c_uint64 * (-(-self._layout.size // 8)))()   # 8-byte aligned
             argv = (ctypes.c_void_p * 1)(ctypes.addressof(buf))          # kernelParams[0] → buf
             slot = self._local.slot = (buf, argv, ctypes.addressof(argv))

@@ -25,6 +25,12 @@ MAX_TOKENS = 2**30   # token counts are int32 in the kernels, with headroom for 
 # A second kernel costs about 2 µs of GPU time in a graph (drain + launch), which at ~4.5 TB/s is
 # the time to stream ~8 MB: the split heuristic charges that much to any plan that needs a merge.
 MERGE_OVERHEAD_BYTES = 8 * 2**20
+# The fused merge is a chain of dependent L2 round trips in one block (~0.5 µs each, ~2 MB of
+# streaming at full speed): one trip per 16 partials for each row a warp merges. Charged per
+# trip, so that few rows per block with many splits never end in a long serial merge.
+MERGE_TRIP_BYTES = 2 * 2**20
+MERGE_STATES_PER_TRIP = 16   # CD_MERGE_GROUP in kernels/common.cuh
+MERGE_WARPS = 4
 
 
 @dataclass(frozen=True)
@@ -100,7 +106,8 @@ def choose_num_splits(work_blocks: int, max_seqlen: int, num_sms: int, blocks_pe
     least ``min_chunk`` long; ``num_splits`` is the number of chunks that cover ``max_seqlen``.
 
     Estimated cost of ``s`` splits, in bytes of HBM traffic at full speed:
-        (KV bytes + partial bytes(s)) / wave_efficiency(s) + (s > 1) · MERGE_OVERHEAD_BYTES
+        (KV bytes + partial bytes(s)) / wave_efficiency(s)
+        + (s > 1) · (MERGE_OVERHEAD_BYTES + MERGE_TRIP_BYTES · ⌈s / 16⌉ · ⌈rows / 4⌉)
     where wave_efficiency = blocks / (waves · slots), slots = num_sms · blocks_per_sm, and the
     partials are written and read once: work_blocks · s · rows · (head_dim + 1) · 4 · 2 bytes.
     The smallest s within 3% of the best estimate wins (fewer partials, shorter merge).
@@ -132,7 +139,10 @@ def choose_num_splits(work_blocks: int, max_seqlen: int, num_sms: int, blocks_pe
         blocks = work_blocks * s
         eff = blocks / (math.ceil(blocks / slots) * slots)
         partial = 0 if s == 1 else work_blocks * s * rows_per_block * (head_dim + 1) * 8
-        cost = (kv_bytes + partial) / eff + (MERGE_OVERHEAD_BYTES if s > 1 else 0)
+        merge = 0 if s == 1 else (MERGE_OVERHEAD_BYTES + MERGE_TRIP_BYTES
+                                  * -(-s // MERGE_STATES_PER_TRIP)
+                                  * -(-rows_per_block // MERGE_WARPS))
+        cost = (kv_bytes + partial) / eff + merge
         best.append((cost, s, chunk))
     if not best:
         return 1, max_seqlen

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import struct
+import threading
 from collections import OrderedDict
 
 import numpy as np
@@ -239,6 +240,8 @@ assert _PARAMS.size == 184
 
 _LOG2E = 1.4426950408889634
 _PLAN_CACHE: OrderedDict = OrderedDict()
+_PER_THREAD_STREAM = 2  # cudaStreamPerThread
+_PLAN_LOCK = threading.Lock()
 _PLAN_CACHE_SIZE = 16
 
 
@@ -247,18 +250,22 @@ def _cached_plan(shape: dict, dtype: str, num_splits, split_size) -> DecodePlan:
     import cupy
 
     stream = cupy.cuda.get_current_stream().ptr
+    # The per-thread default stream has the same handle in every thread but is a different
+    # stream in each: those plans (workspaces) must not be shared across threads.
+    owner = threading.get_ident() if stream == _PER_THREAD_STREAM else None
     key = (tuple(shape.values()), dtype, num_splits, split_size, cupy.cuda.runtime.getDevice(),
-           stream)
-    plan = _PLAN_CACHE.get(key)
-    if plan is None:
-        plan = DecodePlan(shape["batch"], shape["num_heads"], shape["num_kv_heads"],
-                          shape["head_dim"], shape["max_seqlen"], dtype,
-                          num_splits=num_splits, split_size=split_size)
-        _PLAN_CACHE[key] = plan
-        if len(_PLAN_CACHE) > _PLAN_CACHE_SIZE:
-            _PLAN_CACHE.popitem(last=False)
-    else:
-        _PLAN_CACHE.move_to_end(key)
+           stream, owner)
+    with _PLAN_LOCK:  # threads may share the cache (not a plan: see the key)
+        plan = _PLAN_CACHE.get(key)
+        if plan is None:
+            plan = DecodePlan(shape["batch"], shape["num_heads"], shape["num_kv_heads"],
+                              shape["head_dim"], shape["max_seqlen"], dtype,
+                              num_splits=num_splits, split_size=split_size)
+            _PLAN_CACHE[key] = plan
+            if len(_PLAN_CACHE) > _PLAN_CACHE_SIZE:
+                _PLAN_CACHE.popitem(last=False)
+        else:
+            _PLAN_CACHE.move_to_end(key)
     return plan
 
 

@@ -190,3 +190,56 @@ def test_plan_on_its_own_stream_many_replays(cupy, rng, seed):
     ref_out, ref_lse = R.decode_attention(hq, hk, hv)
     assert_out_close(plan.out, ref_out, OUT_TOL["float16"], ctx)
     assert_lse_close(plan.lse, ref_lse, LSE_TOL["float16"], ctx)
+
+
+def test_first_cuda_work_of_a_new_thread(cupy, rng, seed):
+    """A thread whose first CUDA work is a launch (no context bound to it yet) still computes."""
+    import threading
+
+    ctx = context(seed)
+    hq, hk, hv = decode_inputs(rng, 2, 8, 2, 128, 300, "float16")
+    q, k, v = to_device(hq), to_device(hk), to_device(hv)
+    plan = cupydecode.DecodePlan(2, 8, 2, 128, 300, "float16", num_splits=3)
+    cupy.cuda.Device().synchronize()
+    got = {}
+
+    def worker():
+        try:
+            out, _ = plan.run(q, k, v)  # the thread's first CUDA call
+            got["plan"] = cupy.asnumpy(out)
+            got["eager"] = cupy.asnumpy(cupydecode.flash_decode(q, k, v, num_splits=2))
+        except BaseException as exc:  # reported in the main thread
+            got["error"] = exc
+
+    t = threading.Thread(target=worker)
+    t.start()
+    t.join()
+    assert "error" not in got, got.get("error")
+    ref_out, _ = R.decode_attention(hq, hk, hv)
+    assert_out_close(got["plan"], ref_out, OUT_TOL["float16"], f"plan.run {ctx}")
+    assert_out_close(got["eager"], ref_out, OUT_TOL["float16"], f"flash_decode {ctx}")
+
+
+def test_eager_plans_are_not_shared_across_per_thread_default_streams(cupy):
+    """flash_decode's cached plans (workspaces) are per stream; the per-thread default stream is
+    a different stream in each thread although its handle is the same."""
+    import threading
+
+    from cupydecode import decode as D
+
+    shape = dict(batch=1, num_heads=8, num_kv_heads=2, head_dim=64, max_seqlen=128)
+    plans = []
+
+    def worker():
+        with cupy.cuda.Stream.ptds:
+            plans.append(D._cached_plan(shape, "float16", None, None))
+            plans.append(D._cached_plan(shape, "float16", None, None))
+
+    for _ in range(2):
+        t = threading.Thread(target=worker)
+        t.start()
+        t.join()
+    assert plans[0] is plans[1] and plans[2] is plans[3]   # reused within a thread
+    assert plans[0] is not plans[2]                        # not across threads
+    a = D._cached_plan(shape, "float16", None, None)       # the legacy default stream is one
+    assert a is D._cached_plan(shape, "float16", None, None)  # stream for all threads: shared
