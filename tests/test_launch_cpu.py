@@ -29,6 +29,10 @@ def captured(monkeypatch):
         calls.append(((func, gx, gy, gz, bx, by, bz, smem, stream, extra), raw))
 
     monkeypatch.setattr(driver, "launchKernel", fake_launch)
+    import cupy
+
+    # A thread's first launch binds the device context (cudaFree(0)): recorded, not run.
+    monkeypatch.setattr(cupy.cuda.runtime, "free", lambda ptr: calls.append(("free", ptr)))
     return calls
 
 
@@ -42,8 +46,10 @@ def test_struct_launch_passes_the_packed_block(captured):
     launch = _kernels.StructLaunch(_FakeKernel(), (8, 16, 2), (128, 1, 1), 4096, _PARAMS)
     for seed in (1, 2):
         launch(0x5151, *_values(seed))
-    assert [c[0] for c in captured] == [(0xABC0, 8, 16, 2, 128, 1, 1, 4096, 0x5151, 0)] * 2
-    assert [_PARAMS.unpack(c[1]) for c in captured] == [_values(1), _values(2)]
+    assert captured[0] == ("free", 0)  # the context is bound once, before the first launch
+    launches = captured[1:]
+    assert [c[0] for c in launches] == [(0xABC0, 8, 16, 2, 128, 1, 1, 4096, 0x5151, 0)] * 2
+    assert [_PARAMS.unpack(c[1]) for c in launches] == [_values(1), _values(2)]
 
 
 def test_struct_launch_buffers_are_per_thread(captured):
@@ -61,6 +67,7 @@ def test_struct_launch_buffers_are_per_thread(captured):
         t.join()
     worker()
     assert len({ctypes.addressof(s[0]) for s in slots}) == 4
+    assert captured == [("free", 0)] * 4  # each thread binds the context once
 
 
 def test_struct_launch_refuses_wrong_values(captured):
@@ -69,4 +76,4 @@ def test_struct_launch_refuses_wrong_values(captured):
 
     with pytest.raises(struct.error):
         launch(0, *_values(1)[:-1])  # one value short
-    assert captured == []
+    assert all(c == ("free", 0) for c in captured)  # nothing launched
