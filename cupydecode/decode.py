@@ -242,6 +242,16 @@ _LOG2E = 1.4426950408889634
 _PLAN_CACHE: OrderedDict = OrderedDict()
 _PER_THREAD_STREAM = 2  # cudaStreamPerThread
 _PLAN_LOCK = threading.Lock()
+_THREAD = threading.local()
+
+
+def _thread_token() -> object:
+    """An object unique to the calling thread; a cache key holding it keeps it alive, so unlike
+    a thread ident it is never handed to a later thread."""
+    token = getattr(_THREAD, "token", None)
+    if token is None:
+        token = _THREAD.token = object()
+    return token
 _PLAN_CACHE_SIZE = 16
 
 
@@ -252,7 +262,7 @@ def _cached_plan(shape: dict, dtype: str, num_splits, split_size) -> DecodePlan:
     stream = cupy.cuda.get_current_stream().ptr
     # The per-thread default stream has the same handle in every thread but is a different
     # stream in each: those plans (workspaces) must not be shared across threads.
-    owner = threading.get_ident() if stream == _PER_THREAD_STREAM else None
+    owner = _thread_token() if stream == _PER_THREAD_STREAM else None
     key = (tuple(shape.values()), dtype, num_splits, split_size, cupy.cuda.runtime.getDevice(),
            stream, owner)
     with _PLAN_LOCK:  # threads may share the cache (not a plan: see the key)
