@@ -579,7 +579,7 @@ def models():
                      "kv_kib": 2 * p.num_kv_heads * p.head_dim * 2 / 1024, "note": p.note})
     cols = [("model", "model", "s"), ("heads", "heads", "d"), ("kv heads", "kv_heads", "d"),
             ("head_dim", "head_dim", "d"), ("G", "group", "d"),
-            ("KV KiB/token/layer (fp16)", "kv_kib", ".1f"), ("", "note", "s")]
+            ("KV KiB/token/layer (fp16)", "kv_kib", ".1f"), ("attention", "note", "s")]
     for line in format_table(rows, cols):
         click.echo(line.rstrip())
 

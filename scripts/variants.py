@@ -1,10 +1,12 @@
 """Time source and block-shape variants of the split kernel side by side (development tool).
 
-Each variant is a text substitution on a copy of kernels/decode_split.cu and/or a block shape
-(warps, stages); the shipped source is untouched. GPU µs per call by graph replay over buffer
-sets larger than 4× L2, fp16 32/8/128, automatic splits unless a variant says otherwise.
+Each variant is a text substitution on a copy of kernels/decode_split.cu, a block shape
+(warps, stages), or a whole other version of kernels/ (any .prev*/ folder holding
+decode_split.cu, e.g. filled with `git show REV:kernels/FILE`); the shipped source is untouched.
+GPU µs per call by graph replay over buffer sets larger than 4× L2, fp16 32/8/128, automatic
+splits; then (unless --kernels-only) partials without the merge and fixed split counts.
 
-Usage: python scripts/variants.py
+Usage: python scripts/variants.py [BxL,BxL,...] [--kernels-only]
 """
 
 import sys
