@@ -138,3 +138,19 @@ def test_merge_vec():
         assert P.merge_vec(d) == 4
     for d in (1, 2, 3, 5, 6, 130):
         assert P.merge_vec(d) == 1
+
+
+def test_merge_trips_limit_splits_for_full_row_tiles():
+    # One KV head with 16 query rows (G = 16) at 8k tokens: 4 rows per merging warp, so every
+    # further 16 partials add 4 dependent L2 trips to the last block; the split count stays
+    # where those trips do not outweigh the filled machine (it would be 128 on bytes alone).
+    s, chunk = P.choose_num_splits(1, 8192, 132, 1, rows_per_block=16)
+    assert 16 <= s <= 32 and s * chunk >= 8192
+    # The llama-3-8b batch-1 choices (4 rows, 1 trip per 16 partials) are unchanged by the charge.
+    for max_seqlen in (1024, 4096, 16384, 65536):
+        assert P.choose_num_splits(8, max_seqlen, 132, 1, rows_per_block=4)[0] == 16
+
+
+def test_short_caches_split_to_64_token_chunks():
+    # batch 1 × 1024 tokens, 8 KV heads: 16 splits of 64 tokens (measured fastest on the H200).
+    assert P.choose_num_splits(8, 1024, 132, 1, rows_per_block=4) == (16, 64)
