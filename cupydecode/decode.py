@@ -87,7 +87,8 @@ class DecodePlan:
 
     A plan's workspace (partials and the fused merge's arrival counters) is shared by its runs:
     run one plan on one stream at a time, and make one plan per stream for concurrent decoding
-    (``flash_decode`` keeps its cached plans per stream for this reason).
+    (``flash_decode`` keeps its cached plans per stream for this reason, and per thread on the
+    per-thread default stream, whose one handle names a different stream in each thread).
     """
 
     def __init__(self, batch: int, num_heads: int, num_kv_heads: int, head_dim: int,
