@@ -22,15 +22,15 @@ MIN_CHUNK = 64       # one tile per warp: a split sweep on the H200 found 64-tok
                      # batch 1 × 1024 tokens (16 splits: 9.1 µs vs 10.2 µs with 256-token chunks)
 MAX_SPLITS = 4096
 MAX_TOKENS = 2**30   # token counts are int32 in the kernels, with headroom for chunk arithmetic
-# A second kernel costs about 2 µs of GPU time in a graph (drain + launch), which at ~4.5 TB/s is
-# the time to stream ~8 MB: the split heuristic charges that much to any plan that needs a merge.
+# Any split plan ends in a merge whose fixed tail (partials out, arrival count, merge) costs
+# ~2–3 µs on the H200, the time to stream ~8 MB at ~4.5 TB/s: charged to every plan with s > 1.
 MERGE_OVERHEAD_BYTES = 8 * 2**20
-# The fused merge is a chain of dependent L2 round trips in one block (~0.5 µs each, ~2 MB of
-# streaming at full speed): one trip per 16 partials for each row a warp merges. Charged per
-# trip, so that few rows per block with many splits never end in a long serial merge.
+# On top, the merge is a chain of dependent L2 round trips in one block (~0.5 µs each, ~2 MB of
+# streaming at full speed): one trip per 16 partials for each row a warp of the merging block
+# takes. Charged per trip, so that few rows per block with many splits never end in a long
+# serial merge.
 MERGE_TRIP_BYTES = 2 * 2**20
 MERGE_STATES_PER_TRIP = 16   # CD_MERGE_GROUP in kernels/common.cuh
-MERGE_WARPS = 4
 
 
 @dataclass(frozen=True)
@@ -99,7 +99,7 @@ def chunk_for_splits(max_seqlen: int, num_splits: int) -> int:
 
 def choose_num_splits(work_blocks: int, max_seqlen: int, num_sms: int, blocks_per_sm: int,
                       rows_per_block: int = ROWS, head_dim: int = 128, kv_itemsize: int = 2,
-                      min_chunk: int = MIN_CHUNK) -> tuple[int, int]:
+                      min_chunk: int = MIN_CHUNK, merge_warps: int = 4) -> tuple[int, int]:
     """Split count and chunk length for a grid of ``work_blocks`` (batch × kv_heads × head tiles).
 
     Returns ``(num_splits, chunk_tokens)``. Chunks are multiples of SPLIT_GRANULE tokens and at
@@ -107,7 +107,7 @@ def choose_num_splits(work_blocks: int, max_seqlen: int, num_sms: int, blocks_pe
 
     Estimated cost of ``s`` splits, in bytes of HBM traffic at full speed:
         (KV bytes + partial bytes(s)) / wave_efficiency(s)
-        + (s > 1) · (MERGE_OVERHEAD_BYTES + MERGE_TRIP_BYTES · ⌈s / 16⌉ · ⌈rows / 4⌉)
+        + (s > 1) · (MERGE_OVERHEAD_BYTES + MERGE_TRIP_BYTES · ⌈s / 16⌉ · ⌈rows / merge_warps⌉)
     where wave_efficiency = blocks / (waves · slots), slots = num_sms · blocks_per_sm, and the
     partials are written and read once: work_blocks · s · rows · (head_dim + 1) · 4 · 2 bytes.
     The smallest s within 3% of the best estimate wins (fewer partials, shorter merge).
@@ -141,7 +141,7 @@ def choose_num_splits(work_blocks: int, max_seqlen: int, num_sms: int, blocks_pe
         partial = 0 if s == 1 else work_blocks * s * rows_per_block * (head_dim + 1) * 8
         merge = 0 if s == 1 else (MERGE_OVERHEAD_BYTES + MERGE_TRIP_BYTES
                                   * -(-s // MERGE_STATES_PER_TRIP)
-                                  * -(-rows_per_block // MERGE_WARPS))
+                                  * -(-rows_per_block // merge_warps))
         cost = (kv_bytes + partial) / eff + merge
         best.append((cost, s, chunk))
     if not best:

@@ -213,6 +213,17 @@ def stream_time_cupy(call, n_calls: int, trials: int = GRAPH_TRIALS) -> tuple[fl
     return _stats(times)
 
 
+def _warmed_up(call):
+    """Run ``call(0..2)`` once (compile, allocate) and wait; returns the current stream."""
+    import cupy
+
+    stream = cupy.cuda.get_current_stream()
+    for i in range(3):
+        call(i)
+    stream.synchronize()
+    return stream
+
+
 def host_time_cupy(call, n: int = 40, batches: int = 7) -> float:
     """Host µs per ``call(i)`` alone: median over ``batches`` runs of ``n`` back-to-back calls.
 
@@ -221,12 +232,7 @@ def host_time_cupy(call, n: int = 40, batches: int = 7) -> float:
     and start on an idle stream, so the launch queue never fills and blocks the host; the median
     drops batches disturbed by other threads of the process.
     """
-    import cupy
-
-    stream = cupy.cuda.get_current_stream()
-    for i in range(3):
-        call(i)
-    stream.synchronize()
+    stream = _warmed_up(call)
     per_batch = []
     for _ in range(batches):
         t0 = time.perf_counter()
@@ -239,12 +245,7 @@ def host_time_cupy(call, n: int = 40, batches: int = 7) -> float:
 
 def eager_time_cupy(call, n: int) -> float:
     """Median host wall µs of ``call(i)`` followed by a stream synchronise."""
-    import cupy
-
-    stream = cupy.cuda.get_current_stream()
-    for i in range(3):
-        call(i)
-    stream.synchronize()
+    stream = _warmed_up(call)
     times = []
     for i in range(n):
         t0 = time.perf_counter()

@@ -145,7 +145,7 @@ class DecodePlan:
                 self.batch * self.num_kv_heads * self.head_tiles, self.max_seqlen,
                 _sm_count(self.device_id), _blocks_per_sm(self.config, self.device_id),
                 rows_per_block=min(self.group, _policy.ROWS), head_dim=self.head_dim,
-                kv_itemsize=_policy.ITEMSIZE[self.dtype])
+                kv_itemsize=_policy.ITEMSIZE[self.dtype], merge_warps=self.config.num_warps)
 
         self.merge = merge
         rows = self.batch * self.num_heads
@@ -158,7 +158,7 @@ class DecodePlan:
             if merge == "kernel":
                 self._merge_fn = _merge_function("float32", self.dtype, self.head_dim)
             else:
-                # Arrival counters of the fused merge; the last block resets its own to 0.
+                # Arrival counters of the fused merge; the last arrival wraps its own back to 0.
                 self._counters = cupy.zeros(self.batch * self.num_kv_heads * self.head_tiles,
                                             cupy.int32)
         self.out = cupy.empty((self.batch, self.num_heads, self.head_dim), self.dtype)
@@ -241,8 +241,9 @@ assert _PARAMS.size == 184
 
 _LOG2E = 1.4426950408889634
 _PLAN_CACHE: OrderedDict = OrderedDict()
-_PER_THREAD_STREAM = 2  # cudaStreamPerThread
+_PLAN_CACHE_SIZE = 16
 _PLAN_LOCK = threading.Lock()
+_PER_THREAD_STREAM = 2  # cudaStreamPerThread
 _THREAD = threading.local()
 
 
@@ -253,7 +254,6 @@ def _thread_token() -> object:
     if token is None:
         token = _THREAD.token = object()
     return token
-_PLAN_CACHE_SIZE = 16
 
 
 def _cached_plan(shape: dict, dtype: str, num_splits, split_size) -> DecodePlan:
