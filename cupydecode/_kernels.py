@@ -190,7 +190,9 @@ class StructLaunch:
         driver.launchKernel(self._func, *self._dims, stream_ptr, argv, 0)
 
 
-_smem_opted_in: set[tuple[int, int, int]] = set()
+# (id(fn), bytes, device) → fn: holding fn keeps its id from being reused by another function
+# object while its entry exists (a stale entry would skip a needed opt-in).
+_smem_opted_in: dict[tuple[int, int, int], object] = {}
 
 
 def allow_shared_memory(fn, shared_mem: int) -> None:
@@ -203,4 +205,4 @@ def allow_shared_memory(fn, shared_mem: int) -> None:
     key = (id(fn), shared_mem, cupy.cuda.runtime.getDevice())
     if key not in _smem_opted_in:
         fn.max_dynamic_shared_size_bytes = shared_mem
-        _smem_opted_in.add(key)
+        _smem_opted_in[key] = fn

@@ -67,7 +67,11 @@ class SplitKernelConfig:
         }
 
 
-def split_kernel_config(dtype: str, head_dim: int) -> SplitKernelConfig:
+# Blocks that stream at least this many tokens take the long-chunk shape (below).
+LONG_CHUNK = 2048
+
+
+def split_kernel_config(dtype: str, head_dim: int, chunk_tokens: int = 0) -> SplitKernelConfig:
     """Block shape for one specialisation: about 128 KB of K/V ring per block, one block per SM.
 
     Each warp keeps STAGES-1 tiles of K and V in flight; 4 warps × 3 tile pairs of 8 KB (16-bit
@@ -75,6 +79,12 @@ def split_kernel_config(dtype: str, head_dim: int) -> SplitKernelConfig:
     share of the bandwidth (4.5 TB/s / 132 SMs ≈ 34 GB/s × ~1.5 µs loaded latency ≈ 51 KB).
     Measured on the H200 (docs/PERFORMANCE.md), one such block per SM beat two blocks of half the
     depth: fewer, longer streams per SM and fewer blocks to start and merge.
+
+    Blocks that stream ``chunk_tokens`` ≥ LONG_CHUNK tokens (16-bit types, head_dim 64 and 128)
+    split the same ring over twice the warps at half the depth (8 warps × 2 stages at head_dim
+    128): fewer bytes in flight, but twice the warps doing the tile math, and measured 1–1.6%
+    faster on long streams (b16 × 8k, b16 × 64k, b1 × 64k) and slower on short ones, where the
+    deeper ring's head start matters more (docs/PERFORMANCE.md, v7).
     """
     if dtype not in DTYPE_IDS:
         raise ValueError(f"unsupported dtype {dtype!r}")
@@ -82,9 +92,20 @@ def split_kernel_config(dtype: str, head_dim: int) -> SplitKernelConfig:
         raise ValueError(f"unsupported head_dim {head_dim}")
     if dtype == "float32":
         warps, stages = {64: (4, 4), 128: (4, 2), 256: (2, 2)}[head_dim]
+    elif chunk_tokens >= LONG_CHUNK and head_dim in LONG_SHAPES:
+        warps, stages = LONG_SHAPES[head_dim]
     else:
         warps, stages = {64: (4, 8), 128: (4, 4), 256: (4, 2)}[head_dim]
     return SplitKernelConfig(dtype, head_dim, num_warps=warps, stages=stages)
+
+
+# (warps, stages) of the long-chunk shape: the same ring bytes as the default shape.
+LONG_SHAPES = {64: (8, 4), 128: (8, 2)}
+
+
+def split_kernel_configs(dtype: str, head_dim: int) -> list[SplitKernelConfig]:
+    """Every block shape a plan of this dtype and head_dim can use (for compile checks)."""
+    return list(dict.fromkeys(split_kernel_config(dtype, head_dim, c) for c in (0, LONG_CHUNK)))
 
 
 def head_tiles(group: int) -> int:

@@ -147,6 +147,9 @@ class DecodePlan:
                 rows_per_block=min(self.group, _policy.ROWS), head_dim=self.head_dim,
                 kv_itemsize=_policy.ITEMSIZE[self.dtype], merge_warps=self.config.num_warps)
 
+        # The block shape also depends on how long each block streams (the split count above
+        # was costed with the default shape; both shapes hold one block per SM).
+        self.config = _policy.split_kernel_config(self.dtype, self.head_dim, self.chunk_tokens)
         self.merge = merge
         rows = self.batch * self.num_heads
         self._split_fn = _split_function(self.config)

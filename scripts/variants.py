@@ -6,7 +6,8 @@ decode_split.cu, e.g. filled with `git show REV:kernels/FILE`); the shipped sour
 GPU µs per call by graph replay over buffer sets larger than 4× L2, fp16 32/8/128, automatic
 splits; then (unless --kernels-only) partials without the merge and fixed split counts.
 
-Usage: python scripts/variants.py [BxL,BxL,...] [--kernels-only]
+Usage: python scripts/variants.py [BxL,BxL,...] [--shapes WxS,...] [--head-dim D] [--kernels-only]
+  --shapes 8x3,4x6   also time those block shapes (warps x stages) in place of the policy's
 """
 
 import sys
@@ -41,8 +42,8 @@ def use(subs, shape):
             src = src.replace(old, new)
         return src
 
-    def config(dt, hd):
-        cfg = _orig_config(dt, hd)
+    def config(dt, hd, chunk=0):
+        cfg = _orig_config(dt, hd, chunk)
         return cfg if shape is None else _policy.SplitKernelConfig(dt, hd, *shape)
 
     _kernels.program_source = source
@@ -52,17 +53,20 @@ def use(subs, shape):
 
 
 POINTS = [(1, 1024), (1, 4096), (1, 16384), (1, 65536), (4, 8192), (16, 8192)]
-if len(sys.argv) > 1:  # e.g. 16x1024,16x4096
+if len(sys.argv) > 1 and not sys.argv[1].startswith("--"):  # e.g. 16x1024,16x4096
     POINTS = [tuple(int(x) for x in p.split("x")) for p in sys.argv[1].split(",")]
+if "--shapes" in sys.argv:  # e.g. 8x3,4x6
+    for ws in sys.argv[sys.argv.index("--shapes") + 1].split(","):
+        w, st = (int(x) for x in ws.split("x"))
+        VARIANTS[f"{w} warps x {st} stages"] = ({}, (w, st))
 
 
 def main():
     H, Hkv, D = 32, 8, 128
+    if "--head-dim" in sys.argv:  # e.g. 64
+        D = int(sys.argv[sys.argv.index("--head-dim") + 1])
     data = {p: make_sets(*p, H, Hkv, D, "float16") for p in POINTS}
     print(f"{'variant':24s}" + "".join(f"  b{b}x{L // 1024}k" for b, L in POINTS), flush=True)
-    if "--kernels-only" in sys.argv:
-        for key in [k for k in VARIANTS if k not in ("base",) and not k.startswith("kernels in")]:
-            del VARIANTS[key]
     for name, (subs, shape) in VARIANTS.items():
         use(subs, shape)
         cells = []

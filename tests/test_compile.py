@@ -32,7 +32,8 @@ def nvrtc():
         pytest.skip(reason)
 
 
-SPLIT_CASES = [(dt, d) for dt in _policy.DTYPE_IDS for d in _policy.SUPPORTED_HEAD_DIMS]
+SPLIT_CASES = [cfg for dt in _policy.DTYPE_IDS for d in _policy.SUPPORTED_HEAD_DIMS
+               for cfg in _policy.split_kernel_configs(dt, d)]
 MERGE_CASES = list(itertools.product(range(3), range(3), (1, 4)))
 
 
@@ -41,9 +42,9 @@ def _check_cubin(cubin: bytes):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("dtype,head_dim", SPLIT_CASES)
-def test_split_kernel_compiles(nvrtc, dtype, head_dim, arch):
-    cfg = _policy.split_kernel_config(dtype, head_dim)
+@pytest.mark.parametrize("cfg", SPLIT_CASES,
+                         ids=lambda c: f"{c.dtype}-D{c.head_dim}-{c.num_warps}w{c.stages}s")
+def test_split_kernel_compiles(nvrtc, cfg, arch):
     _check_cubin(_kernels.compile_for_arch("decode_split.cu", cfg.defines(), arch))
 
 

@@ -162,6 +162,32 @@ def splits_match_reference(cupy, q, k, v, cache_seqlens, ref_out, ref_lse, dtype
     return results
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("head_dim,group", [(128, 4), (128, 16), (64, 5)])
+def test_long_chunk_shape(cupy, rng, seed, dtype, head_dim, group):
+    """Blocks that stream ≥ LONG_CHUNK tokens run another block shape (more warps, fewer
+    stages): direct output and fused merge, ragged ends and an empty sequence."""
+    from cupydecode import _policy
+
+    batch, num_kv_heads, max_seqlen = 4, 2, 5000
+    lens = [max_seqlen, 0, 2049, 4113]
+    ctx = context(seed, dtype=dtype, head_dim=head_dim, group=group, lens=lens)
+    q, k, v = decode_inputs(rng, batch, group * num_kv_heads, num_kv_heads, head_dim, max_seqlen,
+                            dtype)
+    k, v = nan_tail(k, lens), nan_tail(v, lens)
+    for splits in (1, 2):
+        plan = cupydecode.DecodePlan(batch, group * num_kv_heads, num_kv_heads, head_dim,
+                                     max_seqlen, dtype, num_splits=splits)
+        assert plan.chunk_tokens >= _policy.LONG_CHUNK, ctx
+        assert plan.config == _policy.split_kernel_config(dtype, head_dim, _policy.LONG_CHUNK)
+        assert plan.config != _policy.split_kernel_config(dtype, head_dim), ctx
+    ref_out, ref_lse = R.decode_attention(q, k, v, lens)
+    seqlens = cupy.asarray(np.asarray(lens, np.int32))
+    for got, lse in splits_match_reference(cupy, q, k, v, seqlens, ref_out, ref_lse, dtype, ctx,
+                                           splits=(1, 2)):
+        assert not cupy.any(got[1]) and bool(cupy.all(cupy.isneginf(lse[1]))), ctx
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("form", ["device", "host_list", "host_ndarray", "int", "none"])
 def test_cache_seqlens_forms(cupy, rng, seed, dtype, form):

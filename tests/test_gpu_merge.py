@@ -100,6 +100,23 @@ def test_non_contiguous_inputs(cupy, rng, seed):
     assert_lse_close(got_lse, ref_lse, LSE_ATOL, ctx, rtol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("offset", [0, 1, 2, 3])
+def test_contiguous_views_at_any_alignment(cupy, rng, seed, dtype, offset):
+    """A contiguous o_parts may start at any element (no alignment is assumed)."""
+    shape = (5, 3, 64)
+    ctx = context(seed, dtype=dtype, offset=offset)
+    o, lse = _states(rng, shape, dtype)
+    ref_o, ref_lse = R.merge_states(o, lse)
+    flat = cupy.full(o.size + offset, np.nan, to_device(o).dtype)
+    flat[offset:] = to_device(o).ravel()
+    view = flat[offset:].reshape(shape)
+    assert view.flags.c_contiguous and (view.data.ptr % 16 == 0) == (offset == 0)
+    got_o, got_lse = cupydecode.merge_states(view, to_device(lse))
+    assert_out_close(got_o, ref_o, OUT_TOL[dtype], ctx)
+    assert_lse_close(got_lse, ref_lse, LSE_ATOL, ctx, rtol=1e-6)
+
+
 def test_merge_of_decode_halves_equals_whole(cupy, rng, seed):
     """Cascade use: attention over two halves of a cache, merged, equals attention over all."""
     batch, num_heads, num_kv_heads, head_dim, length = 2, 16, 4, 128, 1500

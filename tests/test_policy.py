@@ -126,6 +126,23 @@ def test_split_kernel_config(dtype, head_dim):
     assert hash(P.split_kernel_config(dtype, head_dim)) == hash(cfg)
 
 
+@pytest.mark.parametrize("dtype", list(P.DTYPE_IDS))
+@pytest.mark.parametrize("head_dim", P.SUPPORTED_HEAD_DIMS)
+def test_long_chunk_config(dtype, head_dim):
+    """Long streams may take another shape with the same K/V ring (so the same occupancy the
+    split count was costed with), never one of a single stage."""
+    short = P.split_kernel_config(dtype, head_dim)
+    assert P.split_kernel_config(dtype, head_dim, P.LONG_CHUNK - 1) == short
+    long = P.split_kernel_config(dtype, head_dim, P.LONG_CHUNK)
+    assert P.split_kernel_config(dtype, head_dim, 1 << 20) == long
+    ring = lambda c: c.num_warps * c.stages  # noqa: E731  (tiles of K and V per block)
+    assert ring(long) == ring(short) and long.stages >= 2
+    assert long.smem_bytes <= SMEM_PER_BLOCK_MAX
+    assert set(P.split_kernel_configs(dtype, head_dim)) == {short, long}
+    if dtype != "float32" and head_dim == 128:
+        assert (long.num_warps, long.stages) == (8, 2)
+
+
 @pytest.mark.parametrize("dtype,head_dim", [("float64", 128), ("int32", 128), ("bf16", 128),
                                             ("float16", 96), ("float16", 0), ("float32", 512)])
 def test_split_kernel_config_rejects(dtype, head_dim):
