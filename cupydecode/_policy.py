@@ -80,11 +80,13 @@ def split_kernel_config(dtype: str, head_dim: int, chunk_tokens: int = 0) -> Spl
     Measured on the H200 (docs/PERFORMANCE.md), one such block per SM beat two blocks of half the
     depth: fewer, longer streams per SM and fewer blocks to start and merge.
 
-    Blocks that stream ``chunk_tokens`` ≥ LONG_CHUNK tokens (16-bit types, head_dim 64 and 128)
-    split the same ring over twice the warps at half the depth (8 warps × 2 stages at head_dim
-    128): fewer bytes in flight, but twice the warps doing the tile math, and measured 1–1.6%
-    faster on long streams (b16 × 8k, b16 × 64k, b1 × 64k) and slower on short ones, where the
-    deeper ring's head start matters more (docs/PERFORMANCE.md, v7).
+    16-bit types spread that ring over 8 warps where the measurements say so (docs/PERFORMANCE.md,
+    v7): fewer bytes in flight per warp, but twice the warps doing the tile math.
+      head_dim 64: always (8 warps × 4 stages): 5–10% faster than 4 × 8 from 4k tokens up.
+      head_dim 128: for blocks that stream ``chunk_tokens`` ≥ LONG_CHUNK tokens (8 × 2 instead of
+        4 × 4): 1–1.5% faster on long streams (b16 × 8k, b16 × 64k, b1 × 64k), slower on short
+        ones (b1 × 16k, b16 × 1k), where the deeper ring's head start matters more.
+      head_dim 256: 4 × 2 (8 warps would need a single stage).
     """
     if dtype not in DTYPE_IDS:
         raise ValueError(f"unsupported dtype {dtype!r}")
@@ -95,12 +97,12 @@ def split_kernel_config(dtype: str, head_dim: int, chunk_tokens: int = 0) -> Spl
     elif chunk_tokens >= LONG_CHUNK and head_dim in LONG_SHAPES:
         warps, stages = LONG_SHAPES[head_dim]
     else:
-        warps, stages = {64: (4, 8), 128: (4, 4), 256: (4, 2)}[head_dim]
+        warps, stages = {64: (8, 4), 128: (4, 4), 256: (4, 2)}[head_dim]
     return SplitKernelConfig(dtype, head_dim, num_warps=warps, stages=stages)
 
 
 # (warps, stages) of the long-chunk shape: the same ring bytes as the default shape.
-LONG_SHAPES = {64: (8, 4), 128: (8, 2)}
+LONG_SHAPES = {128: (8, 2)}
 
 
 def split_kernel_configs(dtype: str, head_dim: int) -> list[SplitKernelConfig]:
