@@ -552,13 +552,16 @@ def info(ctx, compile_all):
 
 
 def _compile_all() -> None:
-    """Build the split and merge kernels for every dtype × head_dim through public plans."""
+    """Build the split kernels (every block shape: short and long chunks) and the merge kernel
+    for every dtype × head_dim, through public plans."""
+    from . import _policy
     from .decode import DecodePlan
 
     for dt in DTYPES:
-        for d in (64, 128, 256):
+        for d in _policy.SUPPORTED_HEAD_DIMS:
             t0 = time.perf_counter()
-            DecodePlan(1, 1, 1, d, 1024, dt, num_splits=2)
+            for chunk in (_policy.SPLIT_GRANULE, _policy.LONG_CHUNK):
+                DecodePlan(1, 1, 1, d, 2 * chunk, dt, split_size=chunk, merge="kernel")
             click.echo(f"  built {dt} head_dim {d} in {time.perf_counter() - t0:.2f} s")
 
 

@@ -164,7 +164,10 @@ struct cd_decode_params {
 // (Fields are in falling alignment order, so there is no interior padding to drift.)
 static_assert(sizeof(cd_decode_params) == 184, "cd_decode_params: 184 bytes expected");
 
-extern "C" __global__ void __launch_bounds__(NUM_THREADS)
+// One block per SM by design (its shared memory alone fills most of an SM), so the register
+// budget is the whole SM's: stated as minBlocks = 1, ptxas no longer caps 256-thread shapes at
+// 128 registers (head_dim 64 spilled 24 bytes there) or spills the float32 path.
+extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
 cd_decode_split(const cd_decode_params p) {
     const elem_t* __restrict__ q = p.q;
     const elem_t* __restrict__ k = p.k;

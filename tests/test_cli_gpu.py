@@ -102,3 +102,17 @@ def test_info_names_the_gpu(runner, cupy):
     result = runner.invoke(cli.main, ["info"])
     assert result.exit_code == 0, result.output
     assert name in result.output
+
+
+def test_info_compile_builds_every_specialisation(runner, cupy):
+    """`info --compile` lists every split-kernel block shape a plan can pick, and the merge."""
+    from cupydecode import _policy
+
+    result = runner.invoke(cli.main, ["info", "--compile"])
+    assert result.exit_code == 0, result.output
+    for dt in _policy.DTYPE_IDS:
+        for d in _policy.SUPPORTED_HEAD_DIMS:
+            for cfg in _policy.split_kernel_configs(dt, d):
+                shape = " ".join(f"{k}={v}" for k, v in sorted(cfg.defines().items()))
+                assert shape in result.output, (shape, result.output)
+    assert "merge_states.cu:cd_merge_states" in result.output, result.output
