@@ -17,7 +17,7 @@ SUPPORTED_HEAD_DIMS = (64, 128, 256)
 
 ROWS = 16     # query rows per block: a tile of the G query heads that share one KV head
 TILE_N = 16   # tokens per warp tile
-SPLIT_GRANULE = 64   # chunk lengths are multiples of this (one tile for each of 4 warps)
+SPLIT_GRANULE = 64   # chunk lengths are multiples of this (one 16-token tile per warp of a 4-warp block)
 MIN_CHUNK = 64       # one tile per warp: a split sweep on the H200 found 64-token chunks fastest at
                      # batch 1 × 1024 tokens (16 splits: 9.1 µs vs 10.2 µs with 256-token chunks)
 MAX_SPLITS = 4096
@@ -82,7 +82,9 @@ def split_kernel_config(dtype: str, head_dim: int, chunk_tokens: int = 0) -> Spl
 
     16-bit types spread that ring over 8 warps where the measurements say so (docs/PERFORMANCE.md,
     v7): fewer bytes in flight per warp, but twice the warps doing the tile math.
-      head_dim 64: always (8 warps × 4 stages): 5–10% faster than 4 × 8 from 4k tokens up.
+      head_dim 64: always (8 warps × 4 stages): 5–10% faster than 4 × 8 from 4k tokens up
+        (same process; 1% slower at b1 × 1k), measured before a register spill of this shape was
+        removed, which made batch 1 another 3–13% faster (v7, step 5).
       head_dim 128: for blocks that stream ``chunk_tokens`` ≥ LONG_CHUNK tokens (8 × 2 instead of
         4 × 4): 1–1.5% faster on long streams (b16 × 8k, b16 × 64k, b1 × 64k), slower on short
         ones (b1 × 16k, b16 × 1k), where the deeper ring's head start matters more.
