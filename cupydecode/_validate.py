@@ -11,7 +11,7 @@ import numbers
 
 import numpy as np
 
-from ._policy import DTYPE_IDS, MAX_TOKENS, SUPPORTED_HEAD_DIMS
+from ._policy import DTYPE_IDS, MAX_BATCH, MAX_TOKENS, SUPPORTED_HEAD_DIMS
 
 
 _DTYPE_NAMES: dict = {}
@@ -32,7 +32,13 @@ def fail(kind: type[Exception], name: str, expected: str, got) -> None:
 
 def as_device_array(x, name: str):
     """A ``cupy.ndarray`` view of ``x`` (zero-copy for CuPy, DLPack and CUDA-array-interface
-    objects such as torch or JAX GPU tensors). Host arrays are refused with a hint."""
+    objects such as torch or JAX GPU tensors). Host arrays are refused with a hint.
+
+    DLPack is tried first: it names bfloat16, which ``__cuda_array_interface__`` cannot (its
+    typestr has no code for it: torch 2.5 exports bfloat16 as '<f2', i.e. float16, other versions
+    raise or use a void type), so a bfloat16 tensor that does not come through DLPack is refused
+    rather than read as another type.
+    """
     import cupy
 
     if isinstance(x, cupy.ndarray):
@@ -41,14 +47,30 @@ def as_device_array(x, name: str):
         raise TypeError(
             f"{name}: expected a GPU array (cupy.ndarray, or a torch/JAX GPU tensor), got a host "
             f"{type(x).__name__}; move it to the GPU first, e.g. cupy.asarray({name})")
-    if hasattr(x, "__cuda_array_interface__"):
-        return cupy.asarray(x)
+    dlpack_error = None
     if hasattr(x, "__dlpack__"):
         try:
             return cupy.from_dlpack(x)
         except Exception as exc:  # a CPU tensor offers DLPack too
-            raise TypeError(f"{name}: expected a GPU array, got {type(x).__name__} that CuPy "
-                            f"cannot view on the GPU ({exc}); move it to the GPU first") from exc
+            dlpack_error = exc
+    try:
+        x.__cuda_array_interface__
+    except AttributeError:
+        has_cai = False
+    except Exception as exc:  # e.g. a dtype the interface cannot describe
+        raise TypeError(f"{name}: expected a GPU array, got {type(x).__name__} whose "
+                        f"__cuda_array_interface__ failed ({type(exc).__name__}: {exc})") from exc
+    else:
+        has_cai = True
+    if has_cai and "bfloat16" in str(getattr(x, "dtype", "")):
+        raise TypeError(f"{name}: expected a bfloat16 GPU array that CuPy can import through "
+                        f"DLPack, got {type(x).__name__} whose DLPack export failed "
+                        f"({dlpack_error}); __cuda_array_interface__ cannot describe bfloat16")
+    if has_cai:
+        return cupy.asarray(x)
+    if dlpack_error is not None:
+        raise TypeError(f"{name}: expected a GPU array, got {type(x).__name__} that CuPy cannot "
+                        f"view on the GPU ({dlpack_error}); move it to the GPU first") from dlpack_error
     raise TypeError(f"{name}: expected a GPU array (cupy.ndarray or an object with "
                     f"__cuda_array_interface__ / __dlpack__), got {type(x).__name__}")
 
@@ -117,7 +139,14 @@ def check_scale(softmax_scale, head_dim: int) -> float:
     s = float(softmax_scale)
     if not math.isfinite(s):
         fail(ValueError, "softmax_scale", "a finite real number or None", s)
+    if abs(s) * _LOG2E > _FLOAT32_MAX:  # the kernels take scale · log2(e) as a float32
+        fail(ValueError, "softmax_scale", f"|softmax_scale| <= {_FLOAT32_MAX / _LOG2E:.3g} "
+             "(it is used in float32)", s)
     return s
+
+
+_LOG2E = 1.4426950408889634
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 _VALIDATED: dict = {}
@@ -170,8 +199,8 @@ def _check_decode_inputs(q, k_cache, v_cache):
         fail(ValueError, "v_cache", f"the shape of k_cache {tuple(k.shape)}", tuple(v.shape))
     if num_heads < 1:
         fail(ValueError, "q", "num_heads >= 1", num_heads)
-    if batch > 65535:
-        fail(ValueError, "q", "batch <= 65535 (one grid row per sequence)", batch)
+    if batch > MAX_BATCH:
+        fail(ValueError, "q", f"batch <= {MAX_BATCH} (one grid row per sequence)", batch)
     if num_kv_heads < 1 or num_heads % num_kv_heads:
         fail(ValueError, "k_cache", f"num_kv_heads dividing num_heads={num_heads}", num_kv_heads)
     check_vector_layout(q, "q", (0, 1))

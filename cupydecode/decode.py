@@ -59,6 +59,13 @@ def _merge_function(in_dtype: str, out_dtype: str, head_dim: int):
     })
 
 
+def _is_capturing(stream) -> bool:
+    try:
+        return bool(stream.is_capturing())
+    except Exception:  # the query itself is illegal during some captures
+        return True
+
+
 def _launch_merge(o_parts, lse_parts, out, lse_out, num_states: int, rows: int, head_dim: int,
                   fn) -> None:
     rows_per_block = _MERGE_THREADS // 32  # one warp per row
@@ -96,7 +103,7 @@ class DecodePlan:
                  split_size: int | None = None, merge: str = "fused"):
         import cupy
 
-        self.batch = V.check_int(batch, "batch", 0)
+        self.batch = V.check_int(batch, "batch", 0, _policy.MAX_BATCH)
         self.num_heads = V.check_int(num_heads, "num_heads", 1)
         self.num_kv_heads = V.check_int(num_kv_heads, "num_kv_heads", 1)
         self.head_dim = V.check_int(head_dim, "head_dim", 1)
@@ -125,9 +132,10 @@ class DecodePlan:
         self.config = _policy.split_kernel_config(self.dtype, self.head_dim)
         self.device_id = cupy.cuda.Device().id
         smem_optin = _smem_per_block(self.device_id)
-        if 0 < smem_optin < self.config.smem_bytes:
+        smem_need = max(c.smem_bytes for c in _policy.split_kernel_configs(self.dtype, self.head_dim))
+        if 0 < smem_optin < smem_need:
             raise RuntimeError(
-                f"cupydecode needs {self.config.smem_bytes} bytes of shared memory per block for "
+                f"cupydecode needs {smem_need} bytes of shared memory per block for "
                 f"{self.dtype} head_dim {self.head_dim}, but GPU {self.device_id} allows "
                 f"{smem_optin}: supported are GPUs with >= 160 KB per block (A100, H100, H200, B200)")
 
@@ -155,15 +163,25 @@ class DecodePlan:
         self._split_fn = _split_function(self.config)
         self._merge_fn = None
         self.o_part = self.lse_part = self._counters = None
+        self._counters_pending = False
         if self.num_splits > 1:
             self.o_part = cupy.empty((self.num_splits, rows, self.head_dim), cupy.float32)
             self.lse_part = cupy.empty((self.num_splits, rows), cupy.float32)
             if merge == "kernel":
                 self._merge_fn = _merge_function("float32", self.dtype, self.head_dim)
             else:
-                # Arrival counters of the fused merge; the last arrival wraps its own back to 0.
+                # Arrival counters of the fused merge; the last arrival wraps its own back to 0,
+                # so they must start at 0. cupy.zeros fills on the current stream only, and a
+                # counter that starts non-zero stays wrong for every later launch: wait for the
+                # fill once, so that a run on any stream sees it. While this stream is captured,
+                # the fill is a graph node ahead of the plan's kernel there, and the first eager
+                # run fills again first (_launch).
                 self._counters = cupy.zeros(self.batch * self.num_kv_heads * self.head_tiles,
                                             cupy.int32)
+                stream = cupy.cuda.get_current_stream()
+                self._counters_pending = _is_capturing(stream)
+                if not self._counters_pending:
+                    stream.synchronize()
         self.out = cupy.empty((self.batch, self.num_heads, self.head_dim), self.dtype)
         self.lse = cupy.empty((self.batch, self.num_heads), cupy.float32)
         self._grid = (self.num_kv_heads * self.head_tiles, self.num_splits, self.batch)
@@ -223,10 +241,14 @@ class DecodePlan:
                                               *v.strides[:3], out.strides[0], out.strides[1]))
             if len(self._strides) < 64:
                 self._strides[layout] = strides
+        stream = cupy.cuda.get_current_stream()
+        if self._counters_pending and not _is_capturing(stream):
+            self._counters.fill(0)  # built during a capture: zero before the first eager launch
+            self._counters_pending = False
         # Raw pointers in the struct are as safe as array arguments: the arrays are alive during
         # this call, and CuPy's pool hands freed memory out again only in stream order.
         self._split_launch(
-            cupy.cuda.get_current_stream().ptr,
+            stream.ptr,
             q.data.ptr, k.data.ptr, v.data.ptr, 0 if seqlens is None else seqlens.data.ptr,
             *self._part_ptrs, out.data.ptr, 0 if lse is None else lse.data.ptr, self._counter_ptr,
             *strides, seqlen_all, *self._static, scale * _LOG2E)

@@ -9,7 +9,7 @@ import cupydecode
 from cupydecode import _policy
 from cupydecode import reference as R
 from helpers import (DTYPES, LSE_TOL, OUT_TOL, assert_lse_close, assert_out_close, context,
-                     decode_inputs, np_dtype, to_device)
+                     decode_inputs, np_dtype, poison_pool, to_device)
 
 pytestmark = pytest.mark.gpu
 
@@ -243,3 +243,59 @@ def test_eager_plans_are_not_shared_across_per_thread_default_streams(cupy):
     assert plans[0] is not plans[2]                        # not across threads
     a = D._cached_plan(shape, "float16", None, None)       # the legacy default stream is one
     assert a is D._cached_plan(shape, "float16", None, None)  # stream for all threads: shared
+
+
+def _counter_case(cupy, rng):
+    """A fused-merge shape (several splits), its device inputs and float64 reference."""
+    args = (2, 16, 4, 128, 3000, "float16")
+    hq, hk, hv = decode_inputs(rng, 2, 16, 4, 128, 3000, "float16")
+    ref_out, ref_lse = R.decode_attention(hq, hk, hv)
+    return args, (to_device(hq), to_device(hk), to_device(hv)), ref_out, ref_lse
+
+
+def test_plan_built_on_one_stream_runs_on_another(cupy, rng, seed):
+    """The fused merge's counters are zeroed on the stream that builds the plan; a run on another
+    (non-blocking) stream right after must still see zeros, even over a pool full of NaN."""
+    ctx = context(seed)
+    args, (q, k, v), ref_out, ref_lse = _counter_case(cupy, rng)
+    cupydecode.DecodePlan(*args).run(q, k, v)  # compile first: the build below is then quick
+    cupy.cuda.Device().synchronize()
+    poison_pool(cupy, 1 << 16)
+    plan = cupydecode.DecodePlan(*args)
+    assert plan.num_splits > 1 and plan.merge == "fused", repr(plan)
+    other = cupy.cuda.Stream(non_blocking=True)
+    with other:
+        out, lse = plan.run(q, k, v)
+        again = plan.run(q, k, v, out=cupy.empty_like(out))[0]
+    other.synchronize()
+    assert_out_close(out, ref_out, OUT_TOL["float16"], ctx)
+    assert_lse_close(lse, ref_lse, LSE_TOL["float16"], ctx)
+    assert cupy.array_equal(again, out), ctx
+
+
+def test_plan_built_during_capture_runs_eagerly_before_replay(cupy, rng, seed):
+    """A plan built while its stream is captured gets its counter fill as a graph node; an eager
+    run before the graph's first replay zeroes them itself, and the replay is right too."""
+    ctx = context(seed)
+    args, (q, k, v), ref_out, ref_lse = _counter_case(cupy, rng)
+    cupydecode.DecodePlan(*args).run(q, k, v)  # compile outside the capture
+    cupy.cuda.Device().synchronize()
+    poison_pool(cupy, 1 << 16)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        plan = cupydecode.DecodePlan(*args)
+        plan.run(q, k, v)
+        graph = stream.end_capture()
+        assert plan.num_splits > 1 and plan.merge == "fused", repr(plan)
+        plan.out.fill(np.nan)
+        plan.run(q, k, v)  # eager, before any replay
+    stream.synchronize()
+    assert_out_close(plan.out, ref_out, OUT_TOL["float16"], f"eager {ctx}")
+    with stream:
+        plan.out.fill(np.nan)
+        graph.launch(stream)
+        graph.launch(stream)
+    stream.synchronize()
+    assert_out_close(plan.out, ref_out, OUT_TOL["float16"], f"replay {ctx}")
+    assert_lse_close(plan.lse, ref_lse, LSE_TOL["float16"], f"replay {ctx}")

@@ -71,6 +71,7 @@ def test_import_does_not_import_cupy():
     (dict(split_size=2**31), "split_size"),
     (dict(num_splits=0), "num_splits"),
     (dict(batch=True), "batch"),
+    (dict(batch=65536), "batch"),
 ])
 def test_plan_arguments_checked_before_any_gpu_use(cupy_importable, kwargs, name):
     """Token counts are int32 in the kernels: out-of-range plan arguments fail by name, early."""
@@ -79,3 +80,75 @@ def test_plan_arguments_checked_before_any_gpu_use(cupy_importable, kwargs, name
     args.update(kwargs)
     with pytest.raises((TypeError, ValueError), match=rf"^{name}: expected"):
         cupydecode.DecodePlan(**args)
+
+
+class _Fake:
+    """A GPU-array look-alike whose DLPack and array-interface exports can be made to fail."""
+
+    def __init__(self, dtype="float16", dlpack_error=None, cai=None, cai_error=None):
+        self.dtype = dtype
+        self._dlpack_error, self._cai, self._cai_error = dlpack_error, cai, cai_error
+
+    def __dlpack__(self, *args, **kwargs):
+        raise self._dlpack_error or BufferError("no DLPack here")
+
+    def __dlpack_device__(self):
+        return (2, 0)  # kDLCUDA
+
+    @property
+    def __cuda_array_interface__(self):
+        if self._cai_error is not None:
+            raise self._cai_error
+        if self._cai is None:
+            raise AttributeError("__cuda_array_interface__")
+        return self._cai
+
+
+def test_bfloat16_without_dlpack_is_refused_not_misread(cupy_importable):
+    """The array interface has no typestr for bfloat16 (torch 2.5 says '<f2', i.e. float16):
+    a bfloat16 tensor that DLPack cannot bring in is refused by name."""
+    fake = _Fake("torch.bfloat16", cai={"shape": (2, 8, 128), "typestr": "<f2", "data": (0, False),
+                                         "version": 3})
+    with pytest.raises(TypeError, match=r"^q: expected a bfloat16 GPU array .*DLPack"):
+        cupydecode.flash_decode(fake, fake, fake)
+
+
+def test_array_interface_that_raises_names_the_argument(cupy_importable):
+    """torch < 2.5 raises KeyError from __cuda_array_interface__ for bfloat16."""
+    fake = _Fake("torch.bfloat16", cai_error=KeyError("torch.bfloat16"))
+    with pytest.raises(TypeError, match=r"^q: expected a GPU array, got _Fake whose "
+                                        r"__cuda_array_interface__ failed \(KeyError"):
+        cupydecode.flash_decode(fake, fake, fake)
+
+
+def test_dlpack_only_object_that_fails_names_the_argument(cupy_importable):
+    fake = _Fake(dlpack_error=BufferError("a CPU tensor"))
+    with pytest.raises(TypeError, match=r"^q: expected a GPU array, got _Fake that CuPy cannot "
+                                        r"view on the GPU"):
+        cupydecode.flash_decode(fake, fake, fake)
+
+
+@pytest.mark.parametrize("scale", [1e39, -1e39, 3e38])
+def test_softmax_scale_beyond_float32_is_refused(scale):
+    from cupydecode import _validate as V
+
+    with pytest.raises(ValueError, match=r"^softmax_scale: expected \|softmax_scale\| <= "):
+        V.check_scale(scale, 128)
+    assert V.check_scale(1e30, 128) == 1e30
+
+
+def test_is_capturing_treats_a_refused_query_as_capturing():
+    from cupydecode import decode
+
+    class S:
+        def __init__(self, result):
+            self.result = result
+
+        def is_capturing(self):
+            if isinstance(self.result, Exception):
+                raise self.result
+            return self.result
+
+    assert decode._is_capturing(S(False)) is False
+    assert decode._is_capturing(S(True)) is True
+    assert decode._is_capturing(S(RuntimeError("cudaErrorStreamCaptureImplicit"))) is True
