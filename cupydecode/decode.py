@@ -163,7 +163,8 @@ class DecodePlan:
         self._split_fn = _split_function(self.config)
         self._merge_fn = None
         self.o_part = self.lse_part = self._counters = None
-        self._counters_pending = False
+        self._counters_wait = None      # event of the counters' zero fill, until the first run
+        self._counters_refill = False   # built during a capture: fill again before the first run
         if self.num_splits > 1:
             self.o_part = cupy.empty((self.num_splits, rows, self.head_dim), cupy.float32)
             self.lse_part = cupy.empty((self.num_splits, rows), cupy.float32)
@@ -171,17 +172,19 @@ class DecodePlan:
                 self._merge_fn = _merge_function("float32", self.dtype, self.head_dim)
             else:
                 # Arrival counters of the fused merge; the last arrival wraps its own back to 0,
-                # so they must start at 0. cupy.zeros fills on the current stream only, and a
-                # counter that starts non-zero stays wrong for every later launch: wait for the
-                # fill once, so that a run on any stream sees it. While this stream is captured,
-                # the fill is a graph node ahead of the plan's kernel there, and the first eager
-                # run fills again first (_launch).
+                # so they must start at 0, and one that starts non-zero stays wrong for every
+                # later launch. cupy.zeros fills on this stream: the first eager run (on any
+                # stream) waits for that fill through an event — no host synchronisation. While
+                # this stream is captured, the fill is a graph node instead (ahead of the plan's
+                # kernel in the graph), so the first eager run fills again (_launch).
                 self._counters = cupy.zeros(self.batch * self.num_kv_heads * self.head_tiles,
                                             cupy.int32)
                 stream = cupy.cuda.get_current_stream()
-                self._counters_pending = _is_capturing(stream)
-                if not self._counters_pending:
-                    stream.synchronize()
+                if _is_capturing(stream):
+                    self._counters_refill = True
+                else:
+                    self._counters_wait = cupy.cuda.Event(disable_timing=True)
+                    self._counters_wait.record(stream)
         self.out = cupy.empty((self.batch, self.num_heads, self.head_dim), self.dtype)
         self.lse = cupy.empty((self.batch, self.num_heads), cupy.float32)
         self._grid = (self.num_kv_heads * self.head_tiles, self.num_splits, self.batch)
@@ -242,9 +245,12 @@ class DecodePlan:
             if len(self._strides) < 64:
                 self._strides[layout] = strides
         stream = cupy.cuda.get_current_stream()
-        if self._counters_pending and not _is_capturing(stream):
-            self._counters.fill(0)  # built during a capture: zero before the first eager launch
-            self._counters_pending = False
+        if (self._counters_wait is not None or self._counters_refill) and not _is_capturing(stream):
+            if self._counters_refill:
+                self._counters.fill(0)
+            else:
+                stream.wait_event(self._counters_wait)
+            self._counters_wait, self._counters_refill = None, False
         # Raw pointers in the struct are as safe as array arguments: the arrays are alive during
         # this call, and CuPy's pool hands freed memory out again only in stream order.
         self._split_launch(
