@@ -260,7 +260,7 @@ def test_plan_built_on_one_stream_runs_on_another(cupy, rng, seed):
     args, (q, k, v), ref_out, ref_lse = _counter_case(cupy, rng)
     cupydecode.DecodePlan(*args).run(q, k, v)  # compile first: the build below is then quick
     cupy.cuda.Device().synchronize()
-    poison_pool(cupy, 1 << 16)
+    poison_pool(cupy, 1 << 20)  # the plan's buffers then come from NaN-filled pool blocks
     plan = cupydecode.DecodePlan(*args)
     assert plan.num_splits > 1 and plan.merge == "fused", repr(plan)
     other = cupy.cuda.Stream(non_blocking=True)
@@ -280,7 +280,7 @@ def test_plan_built_during_capture_runs_eagerly_before_replay(cupy, rng, seed):
     args, (q, k, v), ref_out, ref_lse = _counter_case(cupy, rng)
     cupydecode.DecodePlan(*args).run(q, k, v)  # compile outside the capture
     cupy.cuda.Device().synchronize()
-    poison_pool(cupy, 1 << 16)
+    poison_pool(cupy, 1 << 20)  # the plan's buffers then come from NaN-filled pool blocks
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream:
         stream.begin_capture()
