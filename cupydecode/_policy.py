@@ -23,6 +23,7 @@ MIN_CHUNK = 64       # one tile per warp: a split sweep on the H200 found 64-tok
 MAX_SPLITS = 4096
 MAX_TOKENS = 2**30   # token counts are int32 in the kernels, with headroom for chunk arithmetic
 MAX_BATCH = 65535    # sequences are the grid's z dimension
+LOG2E = 1.4426950408889634  # the kernels take softmax_scale · log2(e) (scores in log2 units)
 # Any split plan ends in a merge whose fixed tail (partials out, arrival count, merge) costs
 # ~2–3 µs on the H200, the time to stream ~8 MB at ~4.5 TB/s: charged to every plan with s > 1.
 MERGE_OVERHEAD_BYTES = 8 * 2**20

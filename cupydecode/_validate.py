@@ -11,7 +11,7 @@ import numbers
 
 import numpy as np
 
-from ._policy import DTYPE_IDS, MAX_BATCH, MAX_TOKENS, SUPPORTED_HEAD_DIMS
+from ._policy import DTYPE_IDS, LOG2E, MAX_BATCH, MAX_TOKENS, SUPPORTED_HEAD_DIMS
 
 
 _DTYPE_NAMES: dict = {}
@@ -139,13 +139,12 @@ def check_scale(softmax_scale, head_dim: int) -> float:
     s = float(softmax_scale)
     if not math.isfinite(s):
         fail(ValueError, "softmax_scale", "a finite real number or None", s)
-    if abs(s) * _LOG2E > _FLOAT32_MAX:  # the kernels take scale · log2(e) as a float32
-        fail(ValueError, "softmax_scale", f"|softmax_scale| <= {_FLOAT32_MAX / _LOG2E:.3g} "
+    if abs(s) * LOG2E > _FLOAT32_MAX:  # the kernels take scale · log2(e) as a float32
+        fail(ValueError, "softmax_scale", f"|softmax_scale| <= {_FLOAT32_MAX / LOG2E:.3g} "
              "(it is used in float32)", s)
     return s
 
 
-_LOG2E = 1.4426950408889634
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 

@@ -382,22 +382,21 @@ def torch_sdpa_times(sets, w: Workload, scale: float, n_calls: int, check) -> di
     cupy.cuda.Device().synchronize()
     views = _torch_views(torch, sets)
     gqa = w.group > 1
-    results = {}
-    for col, backend in (("torch_cudnn_us", SDPBackend.CUDNN_ATTENTION),
-                         ("torch_flash_us", SDPBackend.FLASH_ATTENTION)):
-        def call(i, _views=views):
-            tq, tk, tv = _views[i % len(_views)]
-            return F.scaled_dot_product_attention(tq, tk, tv, scale=scale, enable_gqa=gqa)
-        try:
-            # a backend that cannot take these inputs warns before raising: keep stderr clean,
-            # the reason lands in the row's notes
-            with warnings.catch_warnings(), sdpa_kernel([backend]):
-                warnings.simplefilter("ignore")
-                results[col] = _timed_peer(torch, call, n_calls, check, w.dtype, col,
-                                           lambda t: t.squeeze(2))
-        except Exception as exc:
-            results[col] = _peer_failure(col, exc)
-        torch.cuda.synchronize()
+
+    def call(i):
+        tq, tk, tv = views[i % len(views)]
+        return F.scaled_dot_product_attention(tq, tk, tv, scale=scale, enable_gqa=gqa)
+
+    def timed(col, backend):
+        # a backend that cannot take these inputs warns before raising: keep stderr clean,
+        # the reason lands in the row's notes
+        with warnings.catch_warnings(), sdpa_kernel([backend]):
+            warnings.simplefilter("ignore")
+            return _timed_peer(torch, call, n_calls, check, w.dtype, col, lambda t: t.squeeze(2))
+
+    results = {col: _peer_column(torch, col, lambda col=col, b=b: timed(col, b))
+               for col, b in (("torch_cudnn_us", SDPBackend.CUDNN_ATTENTION),
+                              ("torch_flash_us", SDPBackend.FLASH_ATTENTION))}
     del views
     torch.cuda.empty_cache()
     return results
@@ -412,9 +411,16 @@ def _timed_peer(torch, call, n_calls: int, check, dtype: str, col: str, view=lam
     return med, "" if err <= REL_TOL[dtype] else f"{col}: rel err {err:.1e}"
 
 
-def _peer_failure(col: str, exc: Exception) -> tuple[None, str]:
-    text = str(exc).splitlines()[0][:120] if str(exc) else ""
-    return None, f"{col}: {type(exc).__name__}: {text}"
+def _peer_column(torch, col: str, timed) -> tuple:
+    """``timed()`` → (µs, note); a peer that fails gives (None, the reason) instead. The peer's
+    work is finished before the next column starts."""
+    try:
+        result = timed()
+    except Exception as exc:
+        text = str(exc).splitlines()[0][:120] if str(exc) else ""
+        result = None, f"{col}: {type(exc).__name__}: {text}"
+    torch.cuda.synchronize()
+    return result
 
 
 def flashinfer_times(sets, w: Workload, scale: float, n_calls: int, check) -> dict:
@@ -439,31 +445,30 @@ def flashinfer_times(sets, w: Workload, scale: float, n_calls: int, check) -> di
     def paged(x):
         return torch.from_dlpack(x).reshape(B * pages_per_seq, page, w.num_kv_heads, w.head_dim)
     tsets = [(torch.from_dlpack(q), paged(k), paged(v)) for q, k, v, _ in sets]
-    results = {}
-    for col, tensor_cores in (("flashinfer_us", False), ("flashinfer_tc_us", True)):
-        try:
-            workspace = torch.empty(128 << 20, dtype=torch.uint8, device=dev)
-            indptr = torch.arange(B + 1, dtype=torch.int32, device=dev) * pages_per_seq
-            indices = torch.arange(B * pages_per_seq, dtype=torch.int32, device=dev)
-            last = torch.full((B,), page, dtype=torch.int32, device=dev)
-            wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-                workspace, "NHD", use_cuda_graph=True, use_tensor_cores=tensor_cores,
-                paged_kv_indptr_buffer=indptr, paged_kv_indices_buffer=indices,
-                paged_kv_last_page_len_buffer=last)
-            try:
-                wrapper.plan(indptr, indices, last, w.num_heads, w.num_kv_heads, w.head_dim, page,
-                             data_type=dt, q_data_type=dt, sm_scale=scale)
-            except TypeError:  # older signature
-                wrapper.plan(indptr, indices, last, w.num_heads, w.num_kv_heads, w.head_dim, page,
-                             data_type=dt, sm_scale=scale)
 
-            def call(i, _w=wrapper):
-                tq, tk, tv = tsets[i % len(tsets)]
-                return _w.run(tq, (tk, tv))
-            results[col] = _timed_peer(torch, call, n_calls, check, w.dtype, col)
-        except Exception as exc:
-            results[col] = _peer_failure(col, exc)
-        torch.cuda.synchronize()
+    def timed(col, tensor_cores):
+        workspace = torch.empty(128 << 20, dtype=torch.uint8, device=dev)
+        indptr = torch.arange(B + 1, dtype=torch.int32, device=dev) * pages_per_seq
+        indices = torch.arange(B * pages_per_seq, dtype=torch.int32, device=dev)
+        last = torch.full((B,), page, dtype=torch.int32, device=dev)
+        wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            workspace, "NHD", use_cuda_graph=True, use_tensor_cores=tensor_cores,
+            paged_kv_indptr_buffer=indptr, paged_kv_indices_buffer=indices,
+            paged_kv_last_page_len_buffer=last)
+        try:
+            wrapper.plan(indptr, indices, last, w.num_heads, w.num_kv_heads, w.head_dim, page,
+                         data_type=dt, q_data_type=dt, sm_scale=scale)
+        except TypeError:  # older signature
+            wrapper.plan(indptr, indices, last, w.num_heads, w.num_kv_heads, w.head_dim, page,
+                         data_type=dt, sm_scale=scale)
+
+        def call(i, _w=wrapper):
+            tq, tk, tv = tsets[i % len(tsets)]
+            return _w.run(tq, (tk, tv))
+        return _timed_peer(torch, call, n_calls, check, w.dtype, col)
+
+    results = {col: _peer_column(torch, col, lambda col=col, tc=tc: timed(col, tc))
+               for col, tc in (("flashinfer_us", False), ("flashinfer_tc_us", True))}
     del tsets
     torch.cuda.empty_cache()
     return results

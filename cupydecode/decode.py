@@ -129,7 +129,6 @@ class DecodePlan:
             V.fail(ValueError, "merge", "'fused' or 'kernel'", repr(merge))
         self.group = self.num_heads // self.num_kv_heads
         self.head_tiles = _policy.head_tiles(self.group)
-        self.config = _policy.split_kernel_config(self.dtype, self.head_dim)
         self.device_id = cupy.cuda.Device().id
         smem_optin = _smem_per_block(self.device_id)
         smem_need = max(c.smem_bytes for c in _policy.split_kernel_configs(self.dtype, self.head_dim))
@@ -148,15 +147,15 @@ class DecodePlan:
                 V.fail(ValueError, "split_size",
                        f"at least max_seqlen / {_policy.MAX_SPLITS} = "
                        f"{-(-self.max_seqlen // _policy.MAX_SPLITS)}", split_size)
-        else:
+        else:  # costed with the default block shape (every shape holds one block per SM)
+            default = _policy.split_kernel_config(self.dtype, self.head_dim)
             self.num_splits, self.chunk_tokens = _policy.choose_num_splits(
                 self.batch * self.num_kv_heads * self.head_tiles, self.max_seqlen,
-                _sm_count(self.device_id), _blocks_per_sm(self.config, self.device_id),
+                _sm_count(self.device_id), _blocks_per_sm(default, self.device_id),
                 rows_per_block=min(self.group, _policy.ROWS), head_dim=self.head_dim,
-                kv_itemsize=_policy.ITEMSIZE[self.dtype], merge_warps=self.config.num_warps)
+                kv_itemsize=_policy.ITEMSIZE[self.dtype], merge_warps=default.num_warps)
 
-        # The block shape also depends on how long each block streams (the split count above
-        # was costed with the default shape; both shapes hold one block per SM).
+        # The block shape depends on how long each block streams.
         self.config = _policy.split_kernel_config(self.dtype, self.head_dim, self.chunk_tokens)
         self.merge = merge
         rows = self.batch * self.num_heads
@@ -257,7 +256,7 @@ class DecodePlan:
             stream.ptr,
             q.data.ptr, k.data.ptr, v.data.ptr, 0 if seqlens is None else seqlens.data.ptr,
             *self._part_ptrs, out.data.ptr, 0 if lse is None else lse.data.ptr, self._counter_ptr,
-            *strides, seqlen_all, *self._static, scale * _LOG2E)
+            *strides, seqlen_all, *self._static, scale * _policy.LOG2E)
         if self._merge_fn is not None:
             _launch_merge(self.o_part, self.lse_part, out, lse, self.num_splits,
                           self.batch * self.num_heads, self.head_dim, self._merge_fn)
@@ -270,7 +269,6 @@ _PARAMS = struct.Struct("<9Q10q6if4x")
 assert _PARAMS.size == 184
 
 
-_LOG2E = 1.4426950408889634
 _PLAN_CACHE: OrderedDict = OrderedDict()
 _PLAN_CACHE_SIZE = 16
 _PLAN_LOCK = threading.Lock()
