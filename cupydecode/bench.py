@@ -9,7 +9,8 @@ Protocol (see BENCH.md):
   * Calls rotate among enough independent KV buffer sets that together they exceed 4× L2, so
     no call finds its cache in L2.
   * Data is fresh random data (seed recorded in the row); the timed configuration's output is
-    checked once against float64 (a few heads, on the GPU).
+    checked once against float64 (a few heads, on the GPU). The GPU idles for SETTLE_S after
+    the data is made and before anything is timed (see :func:`settle`).
   * Baselines: the same kernels forced to num_splits=1; a naive CuPy version (cuBLAS matmul,
     softmax in float32; timed by events over back-to-back calls, because CuPy refuses cuBLAS
     calls inside a graph capture); optionally torch SDPA (cuDNN, FlashAttention-2) and FlashInfer, each
@@ -37,6 +38,7 @@ MIN_GRAPH_CALLS = 10       # calls captured per graph (more if there are more bu
 MAX_BUFFER_SETS = 256
 L2_FACTOR = 4              # rotate over more than this many L2's worth of KV
 MARGIN_BYTES = 512 << 20   # kept free for workspaces, cuBLAS, the reference
+SETTLE_S = 1.0             # idle time before a point is timed (settle)
 
 
 # ---------------------------------------------------------------------------- device facts
@@ -142,6 +144,20 @@ def measure_read_ceiling(nbytes: int = 2 << 30, trials: int = 10) -> dict:
 
 
 # ---------------------------------------------------------------------------- timing
+
+def settle(seconds: float = SETTLE_S) -> None:
+    """Wait for the GPU to finish, then let it idle for ``seconds``.
+
+    Measured on the H200 (docs/PERFORMANCE.md, v8): for up to about a second after heavy work
+    (generating GBs of random data, or a multi-GB point), a memory-bound kernel runs up to 18%
+    slower (batch 16 × 1k: 23.4 µs, then 20.3 µs, then 19.7 µs 0.5 s later). Whatever is timed
+    first at a point would pay for it, so every point starts from an idle GPU.
+    """
+    import cupy
+
+    cupy.cuda.Device().synchronize()
+    time.sleep(seconds)
+
 
 def _stats(times_us) -> tuple[float, float, float]:
     """(median, p20, p80)."""
@@ -542,6 +558,7 @@ def bench_point(w: Workload, ceiling_gbps: float, l2_bytes: int, model: str = ""
         return row
     notes = []
     sets = [make_inputs(dataclasses.replace(w, seed=(w.seed + i) % 2**32)) for i in range(nsets)]
+    settle()
     try:
         n_calls = max(MIN_GRAPH_CALLS, nsets)
         scale = 1.0 / math.sqrt(w.head_dim)
@@ -578,6 +595,8 @@ def bench_point(w: Workload, ceiling_gbps: float, l2_bytes: int, model: str = ""
         row["speedup_vs_split1"] = row["split1_us"] / med
 
         _naive(row, w, sets, n_calls, scale, check, notes)
+        if peers:
+            settle()  # the peers start from an idle GPU too, not right after the naive baseline
         for name in peers:
             _, fn, cols = PEERS[name]
             if cupy.cuda.runtime.memGetInfo()[0] < MARGIN_BYTES:

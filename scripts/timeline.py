@@ -21,7 +21,7 @@ import cupydecode as cd  # noqa: E402
 from cupydecode import _kernels  # noqa: E402
 
 STAMP = ("{ unsigned long long gt_; asm volatile(\"mov.u64 %0, %%globaltimer;\" : \"=l\"(gt_)); "
-         "cd_dbg[((blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x) * 8 + {K}] = gt_; }")
+         "cd_dbg[((blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x) * 16 + {K}] = gt_; }")
 
 
 def stamp(k: int, indent: str = "    ", guard: str = "tid == 0", sync: bool = False) -> str:
@@ -33,9 +33,12 @@ def stamp(k: int, indent: str = "    ", guard: str = "tid == 0", sync: bool = Fa
 MERGE_WARPS = "    __syncthreads();\n\n    // " + "-" * 64 + " merge the warps, write\n"
 # (anchor in decode_split.cu, text to insert, before/after the anchor)
 INJECT = [
-    ("extern \"C\" __global__ void __launch_bounds__(NUM_THREADS)",
+    ("extern \"C\" __global__ void __launch_bounds__(NUM_THREADS, 1)",
      "__device__ unsigned long long cd_dbg[1 << 18];\n", "before"),
-    ("    const int h0 = kv_head * group + row0;                 // first query head\n", stamp(0), "after"),
+    ("    const int h0 = kv_head * group + row0;                 // first query head\n", stamp(0)
+     + "    if (tid == 0) { unsigned smid_; asm volatile(\"mov.u32 %0, %%smid;\" : \"=r\"(smid_)); "
+       "cd_dbg[((blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x) * 16 + 8] = smid_; }\n",
+     "after"),
     ("            cp_async_wait<STAGES - 1>();\n            __syncwarp();\n",
      stamp(1, " " * 12, "i == 0 && tid == 0"), "after"),
     ("        __syncthreads();  // every warp is done with the ring before it becomes sm_acc\n",
@@ -99,7 +102,7 @@ def timeline(b, L, H=32, Hkv=8, D=128, splits=None, rotate=True):
         graph.launch(stream)
         stream.synchronize()
         nblk = plan._grid[0] * plan._grid[1] * plan._grid[2]
-        t = buf[: nblk * 8].get().reshape(nblk, 8).astype(np.int64)
+        t = buf[: nblk * 16].get().reshape(nblk, 16).astype(np.int64)
         rows.append(t)
     t = rows[-1]
     base = t[:, 0].min()
@@ -113,6 +116,26 @@ def timeline(b, L, H=32, Hkv=8, D=128, splits=None, rotate=True):
             out.append(f"  {name:12s} min {x.min():6.2f}  p10 {np.percentile(x, 10):6.2f}  "
                        f"med {np.median(x):6.2f}  p90 {np.percentile(x, 90):6.2f}  max {x.max():6.2f} us"
                        f"  (n={x.size})")
+    # Stream end per block: spread within each (batch, KV head) vs between them, and per SM.
+    end = (t[:, 2] - base) / 1e3
+    gx = plan._grid[0]
+    heads = np.arange(t.shape[0]) % gx + gx * (np.arange(t.shape[0]) // (gx * plan._grid[1]))
+    within = [np.ptp(end[heads == h]) for h in np.unique(heads)]
+    means = [end[heads == h].mean() for h in np.unique(heads)]
+    out.append(f"  stream end spread within a KV head: median {np.median(within):.2f} max {max(within):.2f} us;"
+               f" between head means {np.ptp(means):.2f} us")
+    smid = t[:, 8]
+    order = np.argsort(end)
+    out.append(f"  slowest 8 blocks' SMs: {smid[order[-8:]].tolist()}; fastest 8: {smid[order[:8]].tolist()}")
+    if len(rows) > 1:  # is slowness a property of the SM? correlate per-SM stream time over two runs
+        def per_sm(tt):
+            st = (tt[:, 2] - tt[:, 1]).astype(float)
+            return {int(sm): st[tt[:, 8] == sm].mean() for sm in np.unique(tt[:, 8])}
+        a, c = per_sm(rows[-1]), per_sm(rows[-2])
+        common = sorted(set(a) & set(c))
+        if len(common) > 3:
+            r = np.corrcoef([a[x] for x in common], [c[x] for x in common])[0, 1]
+            out.append(f"  per-SM stream time, correlation between two runs: {r:.2f} (n={len(common)})")
     # over the 5 repetitions: total = last merge end (or counted-in) - first entry
     tot = []
     for t in rows:
