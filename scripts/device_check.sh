@@ -9,7 +9,7 @@ set -u
 OUT_DIR=${1:-${OUT:-./device_out}}
 mkdir -p "$OUT_DIR"
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$(pwd) PYTHONUNBUFFERED=1
-STEPS=${STEPS:-"tests sanitizer check bench layouts"}
+STEPS=${STEPS-"tests sanitizer check bench layouts"}  # STEPS="" runs none (setup only)
 PY=${PY:-python3}
 summary=()
 has() { [[ " $STEPS " == *" $1 "* ]]; }

@@ -8,7 +8,7 @@ Prints, per shape, when blocks start and stop streaming relative to the first bl
 Also: (t6) warp states in shared memory, (t7) before the combine loop, (t5) after the arrival count.
 The timed call is the last of 10 graph-replayed calls (rotating K/V sets), as the benchmark runs it.
 
-Usage: python scripts/timeline.py
+Usage: python scripts/timeline.py [merge]      (merge: also stamps inside the merging block)
 """
 
 import sys
@@ -33,8 +33,7 @@ def stamp(k: int, indent: str = "    ", guard: str = "tid == 0", sync: bool = Fa
 MERGE_WARPS = "    __syncthreads();\n\n    // " + "-" * 64 + " merge the warps, write\n"
 # (anchor in decode_split.cu, text to insert, before/after the anchor)
 INJECT = [
-    ("extern \"C\" __global__ void __launch_bounds__(NUM_THREADS, 1)",
-     "__device__ unsigned long long cd_dbg[1 << 18];\n", "before"),
+    ("#define CD_MERGE_GROUP 16\n", "__device__ unsigned long long cd_dbg[1 << 18];\n", "before"),
     ("    const int h0 = kv_head * group + row0;                 // first query head\n", stamp(0)
      + "    if (tid == 0) { unsigned smid_; asm volatile(\"mov.u32 %0, %%smid;\" : \"=r\"(smid_)); "
        "cd_dbg[((blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x) * 16 + 8] = smid_; }\n",
@@ -50,6 +49,21 @@ INJECT = [
     ("                                      lse_out ? lse_out + bh0 + r : nullptr, lane);\n",
      stamp(4, sync=True), "after"),
 ]
+
+# `timeline.py merge`: stamps inside the merging block too — (13) the arrival atomic returned
+# (thread 0), and in cd_merge_row, thread 0 of the block: (9) loads issued, (10) the LSE loads
+# used (max taken), (11) the Õ loads used (weighted sum done). Guards that read the loaded values
+# keep the compiler from moving a stamp before the value is there.
+MERGE_INJECT = [
+    ("        s_last = cd_atomic_inc_acq_rel(ctr, num_splits - 1) == (unsigned)(num_splits - 1);\n",
+     stamp(13, " " * 8, "true"), "after"),
+    ("            float mg = m;\n", stamp(9, " " * 12, "threadIdx.x == 0"), "before"),
+    ("            const float ref = (mg == CD_NEG_INF) ? 0.f : mg;  // all empty so far: weights stay 0\n",
+     stamp(10, " " * 12, "threadIdx.x == 0 && mg != 12345.f"), "after"),
+    ("            m = mg;\n", stamp(11, " " * 12, "threadIdx.x == 0 && acc[0] != 12345.f"), "before"),
+]
+if sys.argv[1:2] == ["merge"]:
+    INJECT += MERGE_INJECT
 
 _orig_source = _kernels.program_source
 
@@ -136,6 +150,13 @@ def timeline(b, L, H=32, Hkv=8, D=128, splits=None, rotate=True):
         if len(common) > 3:
             r = np.corrcoef([a[x] for x in common], [c[x] for x in common])[0, 1]
             out.append(f"  per-SM stream time, correlation between two runs: {r:.2f} (n={len(common)})")
+    if sys.argv[1:2] == ["merge"]:  # the merging blocks of the last call, relative to their arrival
+        last = t[:, 4] > base
+        for name, c in (("atomic back", 13), ("counted in", 5), ("loads issued", 9),
+                        ("LSEs used", 10), ("Õ used", 11), ("merge end", 4)):
+            x = (t[last, c] - t[last, 3]) / 1e3
+            out.append(f"  merging blocks, {name:12s} after partials out: med {np.median(x):5.2f}  "
+                       f"max {x.max():5.2f} us (n={x.size})")
     # over the 5 repetitions: total = last merge end (or counted-in) - first entry
     tot = []
     for t in rows:
@@ -153,5 +174,5 @@ if __name__ == "__main__":
             timeline(1, 65536, rotate=rotate)
         sys.exit(0)
     for b, L, s in ((1, 16384, None), (1, 1024, None), (1, 1024, 16), (4, 8192, None),
-                    (1, 65536, None)):
+                    (1, 65536, None))[:(3 if sys.argv[1:2] == ["merge"] else 5)]:
         timeline(b, L, splits=s)
