@@ -12,6 +12,10 @@ export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$(pwd) PYTHONUNBUFFERED=1
 STEPS=${STEPS-"tests sanitizer check bench layouts"}  # STEPS="" runs none (setup only)
 PY=${PY:-python3}
 summary=()
+# Each step's one-line result is also appended to 0_summary.txt as soon as the step ends, so it
+# survives a run cut short (or a copy-back that keeps only the first few files, by name).
+: > "$OUT_DIR/0_summary.txt"
+add_summary() { summary+=("$1"); echo "$1" >> "$OUT_DIR/0_summary.txt"; }
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 
 # Peers that are not installed on the machine can travel as wheels in .whl/ (never dependencies).
@@ -25,7 +29,7 @@ $PY -c "import cupy, numpy; print('cupy', cupy.__version__, 'numpy', numpy.__ver
 
 if has tests; then
   $PY -m pytest -q -ra -p no:cacheprovider 2>&1 | tee "$OUT_DIR/pytest.log"
-  summary+=("pytest: $(tail -n 1 "$OUT_DIR/pytest.log")")
+  add_summary "pytest: $(tail -n 1 "$OUT_DIR/pytest.log")"
 fi
 
 if has sanitizer; then
@@ -34,7 +38,7 @@ if has sanitizer; then
     tests/test_gpu_plan.py -k "clamped or transposed or slice or large_logits or gqa or empty \
     or cache_seqlens or split_counts or many_forced or merge or graph or long_chunk" 2>&1 \
     | tail -n 40 > "$OUT_DIR/sanitizer.log"
-  summary+=("memcheck: $(grep -E 'ERROR SUMMARY' "$OUT_DIR/sanitizer.log" | tail -n 1) | $(grep -E 'passed|failed' "$OUT_DIR/sanitizer.log" | tail -n 1)")
+  add_summary "memcheck: $(grep -E 'ERROR SUMMARY' "$OUT_DIR/sanitizer.log" | tail -n 1) | $(grep -E 'passed|failed' "$OUT_DIR/sanitizer.log" | tail -n 1)"
 fi
 
 if has racecheck; then
@@ -42,12 +46,12 @@ if has racecheck; then
   timeout 120 compute-sanitizer --tool racecheck --error-exitcode 3 \
     $PY -m pytest -q -p no:cacheprovider tests/test_gpu_plan.py -k "merge_modes_agree" 2>&1 \
     | tail -n 20 > "$OUT_DIR/racecheck.log"
-  summary+=("racecheck: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT_DIR/racecheck.log" | tail -n 1) | $(grep -E 'passed|failed' "$OUT_DIR/racecheck.log" | tail -n 1)")
+  add_summary "racecheck: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT_DIR/racecheck.log" | tail -n 1) | $(grep -E 'passed|failed' "$OUT_DIR/racecheck.log" | tail -n 1)"
 fi
 
 if has check; then
   $PY -m cupydecode.cli check --json "$OUT_DIR/check.json" 2>&1 | tee "$OUT_DIR/check.log"
-  summary+=("check: exit ${PIPESTATUS[0]}, $(grep -c PASS "$OUT_DIR/check.log") PASS, $(grep -c FAIL "$OUT_DIR/check.log") FAIL")
+  add_summary "check: exit ${PIPESTATUS[0]}, $(grep -c PASS "$OUT_DIR/check.log") PASS, $(grep -c FAIL "$OUT_DIR/check.log") FAIL"
 fi
 
 BASELINES="--baseline torch"
@@ -59,7 +63,7 @@ if has bench; then
     --csv "$OUT_DIR/bench_b8k.csv" 2>>"$OUT_DIR/bench.err" | tee -a "$OUT_DIR/bench.txt"
   $PY -m cupydecode.cli bench $BASELINES --seqlens 32768 --batch 16 \
     --csv "$OUT_DIR/bench_b32k.csv" 2>>"$OUT_DIR/bench.err" | tee -a "$OUT_DIR/bench.txt"
-  summary+=("bench: $(wc -l < "$OUT_DIR/bench.csv") rows in bench.csv")
+  add_summary "bench: $(wc -l < "$OUT_DIR/bench.csv") rows in bench.csv"
 fi
 
 if has layouts; then
