@@ -149,7 +149,7 @@ def settle(seconds: float = SETTLE_S) -> None:
     """Wait for the GPU to finish, then let it idle for ``seconds``.
 
     Measured on the H200 (docs/PERFORMANCE.md, v8): for up to about a second after heavy work
-    (generating GBs of random data, or a multi-GB point), a memory-bound kernel runs up to 18%
+    (generating GBs of random data, or a multi-GB point), a memory-bound kernel runs up to 19%
     slower (batch 16 × 1k: 23.4 µs, then 20.3 µs, then 19.7 µs 0.5 s later). Whatever is timed
     first at a point would pay for it, so every point starts from an idle GPU.
     """

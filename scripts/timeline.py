@@ -51,9 +51,10 @@ INJECT = [
 ]
 
 # `timeline.py merge`: stamps inside the merging block too — (13) the arrival atomic returned
-# (thread 0), and in cd_merge_row, thread 0 of the block: (9) loads issued, (10) the LSE loads
-# used (max taken), (11) the Õ loads used (weighted sum done). Guards that read the loaded values
-# keep the compiler from moving a stamp before the value is there.
+# (thread 0), and in cd_merge_row, thread 0 of the block: (9) after the loads in source order
+# (the compiler may sink it past their first use), (10) the LSE loads used (max taken), (11) the
+# Õ loads used (weighted sum done). Guards that read the loaded values keep the compiler from
+# moving stamps 10 and 11 before the values are there.
 MERGE_INJECT = [
     ("        s_last = cd_atomic_inc_acq_rel(ctr, num_splits - 1) == (unsigned)(num_splits - 1);\n",
      stamp(13, " " * 8, "true"), "after"),
