@@ -161,7 +161,10 @@ class StructLaunch:
 
     def __init__(self, fn, grid: tuple[int, int, int], block: tuple[int, int, int],
                  shared_mem: int, layout):
+        from cupy_backends.cuda.api import driver
+
         allow_shared_memory(fn, shared_mem)
+        self._driver = driver       # imported once, not on every launch
         self._kernel = fn           # keeps the module (and so the CUfunction) alive
         self._func = fn.kernel.ptr  # the CUfunction on the current device
         self._dims = (*grid, *block, shared_mem)
@@ -183,11 +186,9 @@ class StructLaunch:
 
     def __call__(self, stream_ptr: int, *values) -> None:
         """Pack ``values`` with the layout and launch on the stream ``stream_ptr``."""
-        from cupy_backends.cuda.api import driver
-
         buf, _, argv = self._slot()
         self._layout.pack_into(buf, 0, *values)
-        driver.launchKernel(self._func, *self._dims, stream_ptr, argv, 0)
+        self._driver.launchKernel(self._func, *self._dims, stream_ptr, argv, 0)
 
 
 # (id(fn), bytes, device) → fn: holding fn keeps its id from being reused by another function

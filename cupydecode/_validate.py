@@ -11,7 +11,7 @@ import numbers
 
 import numpy as np
 
-from ._policy import DTYPE_IDS, LOG2E, MAX_BATCH, MAX_TOKENS, SUPPORTED_HEAD_DIMS
+from ._policy import DTYPE_IDS, LOG2E, MAX_BATCH, MAX_SPLITS, MAX_TOKENS, SUPPORTED_HEAD_DIMS
 
 
 _DTYPE_NAMES: dict = {}
@@ -128,6 +128,17 @@ def check_int(value, name: str, lo: int | None = None, hi: int | None = None) ->
         rng = f"an int in [{lo}, {hi}]" if hi is not None else f"an int >= {lo}"
         fail(ValueError, name, rng, value)
     return value
+
+
+def check_splits(num_splits, split_size) -> tuple[int | None, int | None]:
+    """``num_splits`` / ``split_size``: each None or an int in range, not both given."""
+    if num_splits is not None and split_size is not None:
+        raise ValueError("num_splits and split_size: expected at most one of them, got both")
+    if num_splits is not None:
+        num_splits = check_int(num_splits, "num_splits", 1, MAX_SPLITS)
+    if split_size is not None:
+        split_size = check_int(split_size, "split_size", 1, MAX_TOKENS)
+    return num_splits, split_size
 
 
 def check_scale(softmax_scale, head_dim: int) -> float:

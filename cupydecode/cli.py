@@ -20,11 +20,11 @@ import time
 import click
 
 from . import __version__
+from ._policy import MAX_SPLITS, SUPPORTED_HEAD_DIMS
 from .workloads import DTYPES, MODELS, Workload, fresh_seed, random_lengths
 
 EXIT_FAILED = 1
 EXIT_USAGE = 2
-MAX_SPLITS = 4096  # mirrors cupydecode._policy.MAX_SPLITS (checked again by the library)
 DTYPE_ALIASES = {"fp16": "float16", "half": "float16", "bf16": "bfloat16", "fp32": "float32",
                  "float": "float32"}
 
@@ -113,7 +113,7 @@ def _dtype_callback(ctx, param, value):
 
 DTYPE_CHOICE = click.Choice([*DTYPES, *DTYPE_ALIASES], case_sensitive=False)
 MODEL_CHOICE = click.Choice(list(MODELS), case_sensitive=False)
-HEAD_DIM_CHOICE = click.Choice(["64", "128", "256"])
+HEAD_DIM_CHOICE = click.Choice([str(d) for d in SUPPORTED_HEAD_DIMS])
 
 
 # ---------------------------------------------------------------------------- output helpers
@@ -552,16 +552,17 @@ def info(ctx, compile_all):
 
 
 def _compile_all() -> None:
-    """Build the split kernels (every block shape: short and long chunks) and the merge kernel
-    for every dtype × head_dim, through public plans."""
+    """Build the split kernels (every block shape a plan can pick) and the merge kernel that
+    a split plan uses, for every dtype × head_dim."""
     from . import _policy
-    from .decode import DecodePlan
+    from .decode import _merge_function, _split_function
 
     for dt in DTYPES:
-        for d in _policy.SUPPORTED_HEAD_DIMS:
+        for d in SUPPORTED_HEAD_DIMS:
             t0 = time.perf_counter()
-            for chunk in (_policy.SPLIT_GRANULE, _policy.LONG_CHUNK):
-                DecodePlan(1, 1, 1, d, 2 * chunk, dt, split_size=chunk, merge="kernel")
+            for cfg in _policy.split_kernel_configs(dt, d):
+                _split_function(cfg)
+            _merge_function("float32", dt, d)
             click.echo(f"  built {dt} head_dim {d} in {time.perf_counter() - t0:.2f} s")
 
 

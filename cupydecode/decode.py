@@ -119,12 +119,7 @@ class DecodePlan:
         if self.num_heads % self.num_kv_heads:
             V.fail(ValueError, "num_kv_heads", f"a divisor of num_heads={self.num_heads}",
                    self.num_kv_heads)
-        if num_splits is not None and split_size is not None:
-            raise ValueError("num_splits and split_size: expected at most one of them, got both")
-        if num_splits is not None:
-            num_splits = V.check_int(num_splits, "num_splits", 1, _policy.MAX_SPLITS)
-        if split_size is not None:
-            split_size = V.check_int(split_size, "split_size", 1, _policy.MAX_TOKENS)
+        num_splits, split_size = V.check_splits(num_splits, split_size)
         if merge not in ("fused", "kernel"):
             V.fail(ValueError, "merge", "'fused' or 'kernel'", repr(merge))
         self.group = self.num_heads // self.num_kv_heads
@@ -159,7 +154,6 @@ class DecodePlan:
         self.config = _policy.split_kernel_config(self.dtype, self.head_dim, self.chunk_tokens)
         self.merge = merge
         rows = self.batch * self.num_heads
-        self._split_fn = _split_function(self.config)
         self._merge_fn = None
         self.o_part = self.lse_part = self._counters = None
         self._counters_wait = None      # event of the counters' zero fill, until the first run
@@ -188,7 +182,6 @@ class DecodePlan:
         self.lse = cupy.empty((self.batch, self.num_heads), cupy.float32)
         self._grid = (self.num_kv_heads * self.head_tiles, self.num_splits, self.batch)
         # Kernel scalars that never change for this plan, packed once.
-        self._block = (self.config.threads, 1, 1)
         self._static = (self.max_seqlen, self.num_heads, self.group, self.head_tiles,
                         self.chunk_tokens)
         self._part_ptrs = ((0, 0) if self.o_part is None
@@ -196,7 +189,11 @@ class DecodePlan:
         self._counter_ptr = 0 if self._counters is None else self._counters.data.ptr
         self._strides: dict = {}
         self._split_launch = (None if self.batch == 0 else _kernels.StructLaunch(
-            self._split_fn, self._grid, self._block, self.config.smem_bytes, _PARAMS))
+            _split_function(self.config), self._grid, (self.config.threads, 1, 1),
+            self.config.smem_bytes, _PARAMS))
+        self._shape = dict(batch=self.batch, num_heads=self.num_heads,
+                           num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+                           max_seqlen=self.max_seqlen)
 
     def __repr__(self) -> str:
         return (f"DecodePlan(batch={self.batch}, num_heads={self.num_heads}, "
@@ -216,10 +213,8 @@ class DecodePlan:
         if q.data.device_id != self.device_id:
             V.fail(ValueError, "q/k_cache/v_cache", f"arrays on the plan's GPU {self.device_id}",
                    f"GPU {q.data.device_id}")
-        expected = dict(batch=self.batch, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
-                        head_dim=self.head_dim, max_seqlen=self.max_seqlen)
-        if shape != expected or dt != self.dtype:
-            V.fail(ValueError, "q/k_cache/v_cache", f"the plan's shape {expected} and dtype {self.dtype}",
+        if shape != self._shape or dt != self.dtype:
+            V.fail(ValueError, "q/k_cache/v_cache", f"the plan's shape {self._shape} and dtype {self.dtype}",
                    f"{shape} and dtype {dt}")
         seqlens, seqlen_all = V.check_seqlens(cache_seqlens, self.batch, self.max_seqlen,
                                               allow_host_array=False)
@@ -334,10 +329,7 @@ def flash_decode(q, k_cache, v_cache, cache_seqlens=None, *, softmax_scale=None,
     q, k, v, dt, shape = V.check_decode_inputs(q, k_cache, v_cache)
     seqlens, seqlen_all = V.check_seqlens(cache_seqlens, shape["batch"], shape["max_seqlen"])
     scale = V.check_scale(softmax_scale, shape["head_dim"])
-    if num_splits is not None:
-        V.check_int(num_splits, "num_splits", 1, _policy.MAX_SPLITS)
-    if split_size is not None:
-        V.check_int(split_size, "split_size", 1, _policy.MAX_TOKENS)
+    num_splits, split_size = V.check_splits(num_splits, split_size)
     out_shape = (shape["batch"], shape["num_heads"], shape["head_dim"])
     out = cupy.empty(out_shape, dt) if out is None else V.check_out(out, "out", out_shape, dt)
     lse = cupy.empty(out_shape[:2], cupy.float32) if return_lse else None

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from . import _policy
 from . import reference as R
 
 FP16_MAX = 65504.0
@@ -59,7 +60,7 @@ class Walk:
 
 def chunk_edges(tokens: int, splits: int) -> list[int]:
     """Chunk boundaries as the kernels cut them: chunk = ceil(tokens / splits) tokens."""
-    chunk = max(1, -(-tokens // max(1, splits)))
+    chunk = _policy.chunk_for_splits(tokens, splits)
     return [min(i * chunk, tokens) for i in range(splits + 1)]
 
 
@@ -262,12 +263,9 @@ def gpu_partials(wk: Walk) -> dict:
 
 def gpu_differences(wk: Walk, g: dict) -> dict:
     """Max abs differences GPU − CPU for Õ_i, LSE_i (live splits; empty must be −inf), O, LSE."""
-    dead = np.isneginf(wk.lse_part)
-    lse_part = (math.inf if np.any(np.isneginf(g["lse_part"]) != dead)
-                else float(np.max(np.abs(g["lse_part"][~dead] - wk.lse_part[~dead]), initial=0.0)))
     return {
         "O_part": float(np.max(np.abs(g["O_part"] - wk.O_part))),
-        "lse_part": lse_part,
+        "lse_part": R.lse_error(g["lse_part"], wk.lse_part),
         "O": float(np.max(np.abs(g["O"] - wk.O))),
         "lse": abs(g["lse"] - wk.lse),
     }

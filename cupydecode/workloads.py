@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import numpy as np
 
-DTYPES = ("float16", "bfloat16", "float32")
-ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
-HEAD_DIMS = (64, 128, 256)
+from ._policy import DTYPE_IDS, ITEMSIZE
+
+DTYPES = tuple(DTYPE_IDS)
 
 
 @dataclass(frozen=True)
@@ -111,11 +111,6 @@ class Workload:
     def shape_label(self) -> str:
         return (f"B={self.batch} L={self.seqlen} H={self.num_heads}/{self.num_kv_heads} "
                 f"D={self.head_dim}")
-
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        d["lengths"] = None if self.lengths is None else list(self.lengths)
-        return d
 
 
 def workload_for_model(model: str, batch: int, seqlen: int, dtype: str = "float16",

@@ -4,7 +4,7 @@
 # Steps: versions → full pytest (GPU tests included) → compute-sanitizer memcheck on a
 # representative subset → `cupydecode check` → `cupydecode bench` sweeps with peers (torch SDPA;
 # FlashInfer when importable). Logs, CSV/JSON and the plot go to OUTDIR; a summary prints last.
-# STEPS="tests sanitizer racecheck check bench layouts" selects steps.
+# STEPS selects steps (default "tests sanitizer check bench layouts"; also "racecheck").
 set -u
 OUT_DIR=${1:-${OUT:-./device_out}}
 mkdir -p "$OUT_DIR"

@@ -1,6 +1,5 @@
 """Where the host time of one eager call goes: µs per call of each layer, no synchronisation."""
 import sys
-import time
 
 import cupy as cp
 import numpy as np
@@ -8,21 +7,12 @@ import numpy as np
 sys.path.insert(0, ".")
 import cupydecode as cd  # noqa: E402
 from cupydecode import _validate as V  # noqa: E402
+from cupydecode.bench import host_time_cupy  # noqa: E402
 
 
 def per_call(fn, n=40, batches=25):
     """Median over batches of n back-to-back calls, each batch on an idle GPU (no queue stalls)."""
-    for _ in range(20):
-        fn()
-    cp.cuda.Device().synchronize()
-    ts = []
-    for _ in range(batches):
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        ts.append((time.perf_counter() - t0) * 1e6 / n)
-        cp.cuda.Device().synchronize()
-    return float(np.median(ts))
+    return host_time_cupy(lambda i: fn(), n=n, batches=batches)
 
 
 b, H, Hkv, D, L = 1, 32, 8, 128, 1024

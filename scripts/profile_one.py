@@ -1,12 +1,15 @@
-"""Launch one decode shape a few times (for ncu), and time split-only vs split+merge."""
+"""Launch one decode shape a few times (for ncu), or time the fused merge against the separate
+merge kernel, with a forced block shape.
+
+Usage: python scripts/profile_one.py BATCH SEQLEN WARPS STAGES [ncu]
+"""
 import sys
 
 import cupy as cp
-import numpy as np
 
 sys.path.insert(0, ".")
 import cupydecode as cd  # noqa: E402
-from cupydecode import _kernels, _policy  # noqa: E402
+from cupydecode import _policy  # noqa: E402
 sys.path.insert(0, "scripts")
 from tune import graph_time, make_sets  # noqa: E402
 
@@ -16,9 +19,8 @@ mode = sys.argv[5] if len(sys.argv) > 5 else "time"
 _policy.split_kernel_config = lambda dt, hd, chunk=0: _policy.SplitKernelConfig(dt, hd, nw, st)
 H, Hkv, D = 32, 8, 128
 nbytes, sets = make_sets(b, L, H, Hkv, D, "float16")
-plans = [cd.DecodePlan(b, H, Hkv, D, L, "float16") for _ in sets]
 if mode == "ncu":
-    for p, s in zip(plans, sets):
+    for p, s in zip([cd.DecodePlan(b, H, Hkv, D, L, "float16") for _ in sets], sets):
         p.run(*s)
     cp.cuda.Device().synchronize()
     sys.exit(0)

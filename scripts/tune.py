@@ -4,6 +4,7 @@ with torch's cuDNN and FlashAttention-2 SDPA. Development tool; results go to do
 Usage: python scripts/tune.py [--quick]
 """
 
+import dataclasses
 import sys
 
 import cupy as cp
@@ -12,23 +13,21 @@ import numpy as np
 sys.path.insert(0, ".")
 import cupydecode as cd  # noqa: E402
 from cupydecode import _policy  # noqa: E402
-from cupydecode.bench import graph_time_cupy, measure_read_ceiling, settle  # noqa: E402
+from cupydecode.bench import (buffer_sets_needed, graph_time_cupy, measure_read_ceiling,  # noqa: E402
+                              settle)
+from cupydecode.workloads import Workload, make_inputs  # noqa: E402
 
 L2 = cp.cuda.runtime.getDeviceProperties(0)["l2CacheSize"]
 
 
-def rnd(shape, dtype):
-    return cp.random.standard_normal(shape, dtype=cp.float32).astype(dtype)
-
-
 def make_sets(b, L, H, Hkv, D, dtype):
-    """KV bytes per call, and enough fresh (q, k, v) sets to exceed 4× L2 together."""
-    nbytes = 2 * b * L * Hkv * D * np.dtype(dtype).itemsize
-    nsets = max(2, -(-4 * L2 // nbytes))
-    sets = [(rnd((b, H, D), dtype), rnd((b, L, Hkv, D), dtype), rnd((b, L, Hkv, D), dtype))
-            for _ in range(nsets)]
+    """KV bytes per call, and enough fresh (q, k, v) sets to exceed 4× L2 together (≥ 2), made
+    as the benchmark makes them."""
+    w = Workload(batch=b, seqlen=L, num_heads=H, num_kv_heads=Hkv, head_dim=D, dtype=dtype)
+    nsets = max(2, buffer_sets_needed(w, L2))
+    sets = [make_inputs(dataclasses.replace(w, seed=None))[:3] for _ in range(nsets)]
     settle()  # the first variant timed would otherwise pay for the data generation
-    return nbytes, sets
+    return w.kv_bytes(), sets
 
 
 def graph_time(fn_list, reps=10, trials=15):

@@ -66,35 +66,34 @@ def main():
     if "--head-dim" in sys.argv:  # e.g. 64
         D = int(sys.argv[sys.argv.index("--head-dim") + 1])
     data = {p: make_sets(*p, H, Hkv, D, "float16") for p in POINTS}
+
+    def row(label, make_plan, skip=lambda L: False):
+        """One line: GPU µs per call at every point, plans from make_plan(b, L)."""
+        cells = []
+        for (b, L), (nbytes, sets) in data.items():
+            if skip(L):
+                cells.append(float("nan"))
+                continue
+            plans = [make_plan(b, L) for _ in sets]
+            cells.append(graph_time([lambda p=p, s=s: p.run(*s) for p, s in zip(plans, sets)]))
+        print(f"{label:24s}" + "".join(f"  {c:7.2f}" for c in cells), flush=True)
+
+    def partials_only(b, L):  # the split kernel writing partials, no merge at all
+        p = cd.DecodePlan(b, H, Hkv, D, L, "float16", merge="kernel")
+        p._merge_fn = None
+        return p
+
     print(f"{'variant':24s}" + "".join(f"  b{b}x{L // 1024}k" for b, L in POINTS), flush=True)
     for name, (subs, shape) in VARIANTS.items():
         use(subs, shape)
-        cells = []
-        for (b, L), (nbytes, sets) in data.items():
-            plans = [cd.DecodePlan(b, H, Hkv, D, L, "float16") for _ in sets]
-            cells.append(graph_time([lambda p=p, s=s: p.run(*s) for p, s in zip(plans, sets)]))
-        print(f"{name:24s}" + "".join(f"  {c:7.2f}" for c in cells), flush=True)
+        row(name, lambda b, L: cd.DecodePlan(b, H, Hkv, D, L, "float16"))
     use({}, None)
     if "--kernels-only" in sys.argv:
         return
-    for label, mode in (("partials only", "partials"),):
-        cells = []
-        for (b, L), (nbytes, sets) in data.items():
-            plans = [cd.DecodePlan(b, H, Hkv, D, L, "float16", merge="kernel") for _ in sets]
-            if mode == "partials":
-                for p in plans:
-                    p._merge_fn = None
-            cells.append(graph_time([lambda p=p, s=s: p.run(*s) for p, s in zip(plans, sets)]))
-        print(f"{label:24s}" + "".join(f"  {c:7.2f}" for c in cells), flush=True)
+    row("partials only", partials_only)
     for splits in (4, 16):
-        cells = []
-        for (b, L), (nbytes, sets) in data.items():
-            if L // splits < 64:
-                cells.append(float("nan"))
-                continue
-            plans = [cd.DecodePlan(b, H, Hkv, D, L, "float16", num_splits=splits) for _ in sets]
-            cells.append(graph_time([lambda p=p, s=s: p.run(*s) for p, s in zip(plans, sets)]))
-        print(f"{'splits ' + str(splits):24s}" + "".join(f"  {c:7.2f}" for c in cells), flush=True)
+        row(f"splits {splits}", lambda b, L, s=splits: cd.DecodePlan(b, H, Hkv, D, L, "float16", num_splits=s),
+            skip=lambda L, s=splits: L // s < 64)
 
 
 if __name__ == "__main__":

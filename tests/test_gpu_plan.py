@@ -16,13 +16,6 @@ pytestmark = pytest.mark.gpu
 MERGES = ("fused", "kernel")
 
 
-def _plan(*args, merge=None, **kw):
-    """A DecodePlan; ``merge`` is passed only when asked for (older plans have no such option)."""
-    if merge is not None:
-        kw["merge"] = merge
-    return cupydecode.DecodePlan(*args, **kw)
-
-
 @pytest.mark.parametrize("splits", [1, 3, None])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_plan_matches_flash_decode(cupy, rng, seed, dtype, splits):
@@ -32,7 +25,8 @@ def test_plan_matches_flash_decode(cupy, rng, seed, dtype, splits):
     q, k, v = decode_inputs(rng, batch, num_heads, num_kv_heads, head_dim, max_seqlen, dtype)
     dq, dk, dv = to_device(q), to_device(k), to_device(v)
     seqlens = cupy.asarray(np.asarray(lens, np.int32))
-    plan = _plan(batch, num_heads, num_kv_heads, head_dim, max_seqlen, dtype, num_splits=splits)
+    plan = cupydecode.DecodePlan(batch, num_heads, num_kv_heads, head_dim, max_seqlen, dtype,
+                                 num_splits=splits)
     out, lse = plan.run(dq, dk, dv, seqlens)
     assert out is plan.out and lse is plan.lse, ctx
     # Same split choice (forced or automatic) as the plan, hence the same chunks and bits.
@@ -53,14 +47,12 @@ def test_plan_matches_flash_decode(cupy, rng, seed, dtype, splits):
 
 def test_merge_modes_agree(cupy, rng, seed):
     """The fused last-block merge and the separate merge kernel give the same result."""
-    if "merge" not in cupydecode.DecodePlan.__init__.__code__.co_varnames:
-        pytest.skip("DecodePlan has no merge option")
     batch, num_heads, num_kv_heads, head_dim, max_seqlen = 2, 32, 8, 128, 5000
     ctx = context(seed)
     q, k, v = decode_inputs(rng, batch, num_heads, num_kv_heads, head_dim, max_seqlen, "bfloat16")
     dq, dk, dv = to_device(q), to_device(k), to_device(v)
-    plans = {m: _plan(batch, num_heads, num_kv_heads, head_dim, max_seqlen, "bfloat16",
-                      num_splits=7, merge=m) for m in MERGES}
+    plans = {m: cupydecode.DecodePlan(batch, num_heads, num_kv_heads, head_dim, max_seqlen,
+                                      "bfloat16", num_splits=7, merge=m) for m in MERGES}
     for length in (5000, 4321, 1, 0, 5000):  # repeated runs: the fused counters reset themselves
         ref_out, ref_lse = R.decode_attention(q, k, v, length)
         results = {}
@@ -126,17 +118,15 @@ def test_plan_run_rejects(cupy, rng):
     plan.run(q, k, v, 17)
 
 
-@pytest.mark.parametrize("merge", [None, "kernel"])
+@pytest.mark.parametrize("merge", MERGES)
 @pytest.mark.parametrize("dtype,splits", [("float16", None), ("bfloat16", 3), ("float32", 1),
                                           ("float16", 5)])
 def test_graph_capture_and_replay(cupy, rng, seed, dtype, splits, merge):
     """Capture plan.run once; change q, K, V and the device lengths in place; replay."""
-    if merge is not None and "merge" not in cupydecode.DecodePlan.__init__.__code__.co_varnames:
-        pytest.skip("DecodePlan has no merge option")
     batch, num_heads, num_kv_heads, head_dim, max_seqlen = 3, 32, 8, 128, 3000
     ctx = context(seed, dtype=dtype, splits=splits, merge=merge)
-    plan = _plan(batch, num_heads, num_kv_heads, head_dim, max_seqlen, dtype, num_splits=splits,
-                 merge=merge)
+    plan = cupydecode.DecodePlan(batch, num_heads, num_kv_heads, head_dim, max_seqlen, dtype,
+                                 num_splits=splits, merge=merge)
     q = cupy.zeros((batch, num_heads, head_dim), np_dtype(dtype))
     k = cupy.zeros((batch, max_seqlen, num_kv_heads, head_dim), q.dtype)
     v = cupy.zeros_like(k)

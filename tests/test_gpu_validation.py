@@ -221,9 +221,8 @@ def test_plan_constructor_errors(cupy):
         P(1, 8, 2, 128, 64, "float16", num_splits=0)
     with raises(ValueError, "split_size:"):
         P(1, 8, 2, 128, 64, "float16", split_size=0)
-    if "merge" in P.__init__.__code__.co_varnames:
-        with raises(ValueError, "merge:"):
-            P(1, 8, 2, 128, 64, "float16", num_splits=2, merge="twice")
+    with raises(ValueError, "merge:"):
+        P(1, 8, 2, 128, 64, "float16", num_splits=2, merge="twice")
 
 
 def test_valid_call_after_errors(cupy, good):
