@@ -41,9 +41,11 @@ MODELS: dict[str, ModelPreset] = {
     "llama-3-8b": ModelPreset(32, 8, 128, "GQA 4"),
     "llama-3-70b": ModelPreset(64, 8, 128, "GQA 8"),
     "llama-3-405b": ModelPreset(128, 8, 128, "GQA 16"),
+    "llama-2-7b": ModelPreset(32, 32, 128, "MHA"),
     "qwen2.5-7b": ModelPreset(28, 4, 128, "GQA 7"),
     "mistral-7b": ModelPreset(32, 8, 128, "GQA 4"),
     "gemma-2-9b": ModelPreset(16, 8, 256, "GQA 2, head_dim 256"),
+    "gemma-2b": ModelPreset(8, 1, 256, "MQA, head_dim 256"),
     "gpt-2": ModelPreset(12, 12, 64, "MHA"),
     "falcon-7b": ModelPreset(71, 1, 64, "MQA"),
 }

@@ -67,12 +67,14 @@ if has bench; then
 fi
 
 if has layouts; then
-  for spec in "llama-3-70b float16" "qwen2.5-7b bfloat16" "gemma-2-9b float16" "gpt-2 bfloat16" \
-              "falcon-7b float16"; do
+  # the layouts of the issue's targets (64/8, 28/4, 32/32, 8/1; head_dim 64, 128, 256), peers too
+  for spec in "llama-3-70b float16" "qwen2.5-7b bfloat16" "llama-2-7b float16" "gemma-2b bfloat16" \
+              "gemma-2-9b float16" "gpt-2 bfloat16" "falcon-7b float16"; do
     set -- $spec
-    $PY -m cupydecode.cli bench --model "$1" --dtype "$2" --seqlens 16384,65536 --batch 1,16 \
-      2>>"$OUT_DIR/bench.err" | tee -a "$OUT_DIR/layouts.txt"
+    $PY -m cupydecode.cli bench $BASELINES --model "$1" --dtype "$2" --seqlens 16384,65536 \
+      --batch 1,16 --csv "$OUT_DIR/layouts_$1.csv" 2>>"$OUT_DIR/bench.err" | tee -a "$OUT_DIR/layouts.txt"
   done
+  add_summary "layouts: $(cat "$OUT_DIR"/layouts_*.csv | grep -vc '^batch')"
 fi
 
 echo "================ summary"
