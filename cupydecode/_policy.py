@@ -27,12 +27,18 @@ LOG2E = 1.4426950408889634  # the kernels take softmax_scale · log2(e) (scores 
 # Any split plan ends in a merge whose fixed tail (partials out, arrival count, merge) costs
 # ~2–3 µs on the H200, the time to stream ~8 MB at ~4.5 TB/s: charged to every plan with s > 1.
 MERGE_OVERHEAD_BYTES = 8 * 2**20
-# On top, the merge is a chain of dependent L2 round trips in one block (~0.5 µs each, ~2 MB of
-# streaming at full speed): one trip per 16 partials for each row a warp of the merging block
-# takes. Charged per trip, so that few rows per block with many splits never end in a long
-# serial merge.
-MERGE_TRIP_BYTES = 2 * 2**20
+# On top, a merge is a chain of dependent L2 round trips (~1–1.3 µs each on the H200, ~5 MB of
+# streaming at full speed): a warp takes 16 partials of one pass of a row per trip. The fused
+# merge (the last block of a KV head) has only that block's warps, so it is used only where it
+# takes one trip per warp (merge_mode); otherwise merge_states.cu runs as a second kernel, which
+# spreads rows, passes and groups of 16 partials over many warps (one trip each up to
+# 16 · MERGE_WARPS splits) at the cost of a second launch (~1 µs in a graph).
+MERGE_TRIP_BYTES = 5 * 2**20
+MERGE_KERNEL_BYTES = 4 * 2**20
 MERGE_STATES_PER_TRIP = 16   # CD_MERGE_GROUP in kernels/common.cuh
+MERGE_WARPS = 8              # CD_MERGE_MAX_WARPS in kernels/merge_states.cu: warps per merge block
+FUSED_PASS = 128             # elements of head_dim per warp pass in the fused merge (4 per lane)
+MERGE_MODES = ("auto", "fused", "kernel")
 
 
 @dataclass(frozen=True)
@@ -124,19 +130,68 @@ def chunk_for_splits(max_seqlen: int, num_splits: int) -> int:
     return max(1, -(-max_seqlen // max(1, num_splits)))
 
 
+def fused_merge_trips(num_splits: int, rows_per_block: int, head_dim: int, num_warps: int) -> int:
+    """Serial L2 trips of one warp in the fused merge: the merging block's ``num_warps`` warps
+    take the (row, pass) items of its ``rows_per_block`` rows, 16 splits per trip."""
+    items = rows_per_block * -(-head_dim // FUSED_PASS)
+    return -(-num_splits // MERGE_STATES_PER_TRIP) * -(-items // num_warps)
+
+
+def merge_mode(num_splits: int, rows_per_block: int, head_dim: int, num_warps: int,
+               merge: str = "auto") -> str:
+    """How a plan merges its splits: ``"none"`` (one split), or ``merge`` when forced, else
+    ``"fused"`` where the fused merge takes one trip per warp and ``"kernel"`` where it would take
+    more (measured on the H200: 7 rows × 16 splits on 4 warps, 18.6 µs with the kernel vs 20.0
+    fused at qwen2.5-7b b1 × 16k; 8 rows of head_dim 256 × 64 splits, 26.6 vs 39.3 µs at
+    gemma-2b b1 × 16k, even with the kernel's former one warp per row; docs/PERFORMANCE.md v9)."""
+    if num_splits <= 1:
+        return "none"
+    if merge != "auto":
+        return merge
+    return "fused" if fused_merge_trips(num_splits, rows_per_block, head_dim, num_warps) <= 1 else "kernel"
+
+
+def merge_launch(rows: int, head_dim: int, num_states: int) -> tuple[int, int, int]:
+    """``(blocks, threads, warps_per_item)`` of kernels/merge_states.cu: an item is one pass (32 ·
+    merge_vec elements) of one row; its groups of 16 states go to up to MERGE_WARPS warps (a
+    power of two, so that items tile a block), MERGE_WARPS warps per block."""
+    groups = -(-num_states // MERGE_STATES_PER_TRIP)
+    warps_per_item = 1
+    while warps_per_item < min(groups, MERGE_WARPS):
+        warps_per_item *= 2
+    items = rows * -(-head_dim // (32 * merge_vec(head_dim)))
+    items_per_block = MERGE_WARPS // warps_per_item
+    return max(1, -(-items // items_per_block)), 32 * MERGE_WARPS, warps_per_item
+
+
+def merge_cost_bytes(num_splits: int, rows_per_block: int, head_dim: int, num_warps: int,
+                     merge: str = "auto") -> int:
+    """The merge's estimated tail in bytes of streaming at full speed (0 for one split)."""
+    mode = merge_mode(num_splits, rows_per_block, head_dim, num_warps, merge)
+    if mode == "none":
+        return 0
+    if mode == "fused":
+        return MERGE_OVERHEAD_BYTES + MERGE_TRIP_BYTES * (
+            fused_merge_trips(num_splits, rows_per_block, head_dim, num_warps) - 1)
+    groups = -(-num_splits // MERGE_STATES_PER_TRIP)
+    return MERGE_OVERHEAD_BYTES + MERGE_KERNEL_BYTES + MERGE_TRIP_BYTES * (-(-groups // MERGE_WARPS) - 1)
+
+
 def choose_num_splits(work_blocks: int, max_seqlen: int, num_sms: int, blocks_per_sm: int,
                       rows_per_block: int = ROWS, head_dim: int = 128, kv_itemsize: int = 2,
-                      min_chunk: int = MIN_CHUNK, merge_warps: int = 4) -> tuple[int, int]:
+                      min_chunk: int = MIN_CHUNK, merge_warps: int = 4,
+                      merge: str = "auto") -> tuple[int, int]:
     """Split count and chunk length for a grid of ``work_blocks`` (batch × kv_heads × head tiles).
 
     Returns ``(num_splits, chunk_tokens)``. Chunks are multiples of SPLIT_GRANULE tokens and at
     least ``min_chunk`` long; ``num_splits`` is the number of chunks that cover ``max_seqlen``.
 
     Estimated cost of ``s`` splits, in bytes of HBM traffic at full speed:
-        (KV bytes + partial bytes(s)) / wave_efficiency(s)
-        + (s > 1) · (MERGE_OVERHEAD_BYTES + MERGE_TRIP_BYTES · ⌈s / 16⌉ · ⌈rows / merge_warps⌉)
-    where wave_efficiency = blocks / (waves · slots), slots = num_sms · blocks_per_sm, and the
-    partials are written and read once: work_blocks · s · rows · (head_dim + 1) · 4 · 2 bytes.
+        (KV bytes + partial bytes(s)) / wave_efficiency(s) + merge_cost_bytes(s)
+    where wave_efficiency = blocks / (waves · slots), slots = num_sms · blocks_per_sm, the
+    partials are written and read once: work_blocks · s · rows · (head_dim + 1) · 4 · 2 bytes,
+    and the merge (fused or a second kernel, as merge_mode picks it for ``merge``) costs a fixed
+    tail plus its serial L2 trips beyond the first.
     The smallest s within 3% of the best estimate wins (fewer partials, shorter merge).
 
     Worked example (H200: 132 SMs, 1 block/SM → 132 slots; llama-3-8b: 8 KV heads, G = 4):
@@ -166,10 +221,8 @@ def choose_num_splits(work_blocks: int, max_seqlen: int, num_sms: int, blocks_pe
         blocks = work_blocks * s
         eff = blocks / (math.ceil(blocks / slots) * slots)
         partial = 0 if s == 1 else work_blocks * s * rows_per_block * (head_dim + 1) * 8
-        merge = 0 if s == 1 else (MERGE_OVERHEAD_BYTES + MERGE_TRIP_BYTES
-                                  * -(-s // MERGE_STATES_PER_TRIP)
-                                  * -(-rows_per_block // merge_warps))
-        cost = (kv_bytes + partial) / eff + merge
+        cost = (kv_bytes + partial) / eff + merge_cost_bytes(s, rows_per_block, head_dim,
+                                                             merge_warps, merge)
         best.append((cost, s, chunk))
     if not best:
         return 1, max_seqlen

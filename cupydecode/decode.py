@@ -18,7 +18,6 @@ from . import _validate as V
 _SPLIT_FILE, _SPLIT_KERNEL = "decode_split.cu", "cd_decode_split"
 _MERGE_FILE, _MERGE_KERNEL = "merge_states.cu", "cd_merge_states"
 _NULL = np.uint64(0)
-_MERGE_THREADS = 128
 
 
 @functools.lru_cache(maxsize=None)
@@ -67,11 +66,13 @@ def _is_capturing(stream) -> bool:
 
 
 def _launch_merge(o_parts, lse_parts, out, lse_out, num_states: int, rows: int, head_dim: int,
-                  fn) -> None:
-    rows_per_block = _MERGE_THREADS // 32  # one warp per row
-    _kernels.launch(fn, (-(-rows // rows_per_block), 1, 1), (_MERGE_THREADS, 1, 1),
+                  fn, launch: tuple[int, int, int]) -> None:
+    """merge_states.cu over ``rows`` rows; ``launch`` is _policy.merge_launch's answer."""
+    blocks, threads, warps_per_item = launch
+    _kernels.launch(fn, (blocks, 1, 1), (threads, 1, 1),
                     (o_parts, lse_parts, out, _NULL if lse_out is None else lse_out,
-                     np.int32(num_states), np.int64(rows), np.int32(head_dim)))
+                     np.int32(num_states), np.int64(rows), np.int32(head_dim),
+                     np.int32(warps_per_item)))
 
 
 class DecodePlan:
@@ -88,9 +89,11 @@ class DecodePlan:
     ``split_size`` fixes the tokens per split instead, so that a sequence's result does not
     depend on the rest of the batch; by default both are chosen from the shape and SM count.
 
-    ``merge`` says how split partials are combined: ``"fused"`` (default) lets the last split
-    block of each KV head merge them inside the one launch; ``"kernel"`` runs merge_states.cu as a
-    second kernel (same math, one more launch).
+    ``merge`` says how split partials are combined: ``"fused"`` lets the last split block of
+    each KV head merge them inside the one launch; ``"kernel"`` runs merge_states.cu as a second
+    kernel (same math, one more launch, spread over many warps); ``"auto"`` (default) takes the
+    fused merge where it costs each of the block's warps one trip to L2 and the kernel elsewhere
+    (``plan.merge`` tells which: ``"fused"``, ``"kernel"``, or ``"none"`` for one split).
 
     A plan's workspace (partials and the fused merge's arrival counters) is shared by its runs:
     run one plan on one stream at a time, and make one plan per stream for concurrent decoding
@@ -100,7 +103,7 @@ class DecodePlan:
 
     def __init__(self, batch: int, num_heads: int, num_kv_heads: int, head_dim: int,
                  max_seqlen: int, dtype, num_splits: int | None = None,
-                 split_size: int | None = None, merge: str = "fused"):
+                 split_size: int | None = None, merge: str = "auto"):
         import cupy
 
         self.batch = V.check_int(batch, "batch", 0, _policy.MAX_BATCH)
@@ -120,8 +123,8 @@ class DecodePlan:
             V.fail(ValueError, "num_kv_heads", f"a divisor of num_heads={self.num_heads}",
                    self.num_kv_heads)
         num_splits, split_size = V.check_splits(num_splits, split_size)
-        if merge not in ("fused", "kernel"):
-            V.fail(ValueError, "merge", "'fused' or 'kernel'", repr(merge))
+        if merge not in _policy.MERGE_MODES:
+            V.fail(ValueError, "merge", " or ".join(map(repr, _policy.MERGE_MODES)), repr(merge))
         self.group = self.num_heads // self.num_kv_heads
         self.head_tiles = _policy.head_tiles(self.group)
         self.device_id = cupy.cuda.Device().id
@@ -148,11 +151,13 @@ class DecodePlan:
                 self.batch * self.num_kv_heads * self.head_tiles, self.max_seqlen,
                 _sm_count(self.device_id), _blocks_per_sm(default, self.device_id),
                 rows_per_block=min(self.group, _policy.ROWS), head_dim=self.head_dim,
-                kv_itemsize=_policy.ITEMSIZE[self.dtype], merge_warps=default.num_warps)
+                kv_itemsize=_policy.ITEMSIZE[self.dtype], merge_warps=default.num_warps,
+                merge=merge)
 
         # The block shape depends on how long each block streams.
         self.config = _policy.split_kernel_config(self.dtype, self.head_dim, self.chunk_tokens)
-        self.merge = merge
+        self.merge = _policy.merge_mode(self.num_splits, min(self.group, _policy.ROWS),
+                                        self.head_dim, self.config.num_warps, merge)
         rows = self.batch * self.num_heads
         self._merge_fn = None
         self.o_part = self.lse_part = self._counters = None
@@ -161,8 +166,9 @@ class DecodePlan:
         if self.num_splits > 1:
             self.o_part = cupy.empty((self.num_splits, rows, self.head_dim), cupy.float32)
             self.lse_part = cupy.empty((self.num_splits, rows), cupy.float32)
-            if merge == "kernel":
+            if self.merge == "kernel":
                 self._merge_fn = _merge_function("float32", self.dtype, self.head_dim)
+                self._merge_launch = _policy.merge_launch(rows, self.head_dim, self.num_splits)
             else:
                 # Arrival counters of the fused merge; the last arrival wraps its own back to 0,
                 # so they must start at 0, and one that starts non-zero stays wrong for every
@@ -254,7 +260,8 @@ class DecodePlan:
             *strides, seqlen_all, *self._static, scale * _policy.LOG2E)
         if self._merge_fn is not None:
             _launch_merge(self.o_part, self.lse_part, out, lse, self.num_splits,
-                          self.batch * self.num_heads, self.head_dim, self._merge_fn)
+                          self.batch * self.num_heads, self.head_dim, self._merge_fn,
+                          self._merge_launch)
 
 
 # Byte layout of struct cd_decode_params in kernels/decode_split.cu: 9 pointers, 10 int64 strides,
@@ -361,5 +368,6 @@ def merge_states(o_parts, lse_parts):
     lse = cupy.empty(rows_shape, cupy.float32)
     if rows:
         _launch_merge(o, lse_in, out, lse, num_states, rows, head_dim,
-                      _merge_function(dt, dt, head_dim))
+                      _merge_function(dt, dt, head_dim),
+                      _policy.merge_launch(rows, head_dim, num_states))
     return out, lse

@@ -96,65 +96,105 @@ __device__ __forceinline__ unsigned cd_atomic_inc_acq_rel(unsigned* p, unsigned 
     return old;
 }
 
-// Kernel 2's math for ONE row, done by one warp (DESIGN.md, natural-log LSE in and out):
+// Kernel 2's math (DESIGN.md, natural-log LSE in and out):
 //   LSE = max_i LSE_i + log Σ_i exp(LSE_i − max_i LSE_i),  w_i = exp(LSE_i − LSE),  O = Σ_i w_i Õ_i
-// State i of the row is at o[i·o_stride .. + head_dim) and lse[i·lse_stride]. Empty states
-// (LSE_i = −inf) get weight exactly 0 and their Õ_i is never multiplied in (it may hold NaN);
-// all empty gives O = 0, LSE = −inf.
+// done by warps, each on one PASS of a row: the 32·NV elements [pass·32·NV, +32·NV) of head_dim,
+// NV per lane. State i of the row is at o[i·o_stride .. + head_dim) and lse[i·lse_stride]. Empty
+// states (LSE_i = −inf) get weight exactly 0 and their Õ_i is never multiplied in (it may hold
+// NaN); all empty gives O = 0, LSE = −inf.
 // Latency, not bytes, is what this costs (it ends every split decode). States are taken in groups
 // of CD_MERGE_GROUP: every lane loads the group's LSEs (one broadcast load each) together with its
-// NV elements of each Õ_i, so a group is ONE trip to L2, and the group is folded into a running
-// (max, sum, acc) in the log2 domain. Up to 16 splits therefore cost a single dependent load
-// round trip. Used by merge_states.cu and by the fused merge at the end of decode_split.cu.
+// NV elements of each Õ_i, so a group is ONE trip to L2, folded into a running (max, sum, acc) in
+// the log2 domain. A warp's trips are serial; more groups than one are spread over several warps
+// (merge_states.cu), whose running states are then combined with cd_merge_combine.
+// Used by merge_states.cu and by the fused merge at the end of decode_split.cu.
 #define CD_MERGE_GROUP 16
-template <typename EI, typename EO, int NV>  // NV elements per lane per pass
-__device__ __forceinline__ void cd_merge_row(const typename EI::storage* __restrict__ o,
-                                             long long o_stride,
-                                             const float* __restrict__ lse, long long lse_stride,
-                                             int num_states, int head_dim,
-                                             typename EO::storage* __restrict__ dst,
-                                             float* __restrict__ lse_dst, int lane) {
-    // Every lane runs every pass (uniform control flow); lanes past the end of the row only
-    // skip their Õ loads and stores.
-    for (int pass = 0; pass < head_dim; pass += 32 * NV) {
-        const int d0 = pass + lane * NV;
-        const bool mine = d0 < head_dim;
-        float m = CD_NEG_INF, sum = 0.f, acc[NV];
+template <int NV>
+struct cd_merge_state {  // running state of one lane: m in log2 units, sum = Σ 2^(x_i − m)
+    float m, sum, acc[NV];
+    __device__ __forceinline__ void clear() {
+        m = CD_NEG_INF; sum = 0.f;
 #pragma unroll
         for (int e = 0; e < NV; ++e) acc[e] = 0.f;
-        for (int base = 0; base < num_states; base += CD_MERGE_GROUP) {
-            float x[CD_MERGE_GROUP], v[CD_MERGE_GROUP][NV];
-#pragma unroll
-            for (int j = 0; j < CD_MERGE_GROUP; ++j) {
-                const bool live = base + j < num_states;
-                x[j] = live ? cd_ldcg(lse + (long long)(base + j) * lse_stride) * CD_LOG2E : CD_NEG_INF;
-                const typename EI::storage* src = o + (long long)(base + j) * o_stride + d0;
-#pragma unroll
-                for (int e = 0; e < NV; ++e) v[j][e] = (live && mine) ? EI::to_float(cd_ldcg(src + e)) : 0.f;
-            }
-            float mg = m;
-#pragma unroll
-            for (int j = 0; j < CD_MERGE_GROUP; ++j) mg = fmaxf(mg, x[j]);
-            const float ref = (mg == CD_NEG_INF) ? 0.f : mg;  // all empty so far: weights stay 0
-            const float a = cd_exp2(m - ref);                  // m = −inf (nothing yet): 0
-            sum *= a;
-#pragma unroll
-            for (int e = 0; e < NV; ++e) acc[e] *= a;
-#pragma unroll
-            for (int j = 0; j < CD_MERGE_GROUP; ++j) {
-                const float w = cd_exp2(x[j] - ref);  // exp2(−inf) = 0 for empty and absent states
-                sum += w;
-#pragma unroll
-                for (int e = 0; e < NV; ++e) acc[e] = w != 0.f ? fmaf(w, v[j][e], acc[e]) : acc[e];  // never 0 · NaN
-            }
-            m = mg;
-        }
-        const float inv = sum > 0.f ? 1.f / sum : 0.f;  // sum ≥ 1 whenever any state is live
-        if (mine) {
-#pragma unroll
-            for (int e = 0; e < NV; ++e) dst[d0 + e] = EO::from_float(acc[e] * inv);
-        }
-        if (pass == 0 && lse_dst && lane == 0)
-            *lse_dst = sum > 0.f ? (m + log2f(sum)) * CD_LN2 : CD_NEG_INF;
     }
+};
+
+// Fold groups first_group, first_group + group_step, … of the row's num_states states into st.
+template <typename EI, int NV>
+__device__ __forceinline__ void cd_merge_fold(const typename EI::storage* __restrict__ o,
+                                              long long o_stride,
+                                              const float* __restrict__ lse, long long lse_stride,
+                                              int num_states, int first_group, int group_step,
+                                              int d0, bool mine, cd_merge_state<NV>& st) {
+    for (int base = first_group * CD_MERGE_GROUP; base < num_states;
+         base += group_step * CD_MERGE_GROUP) {
+        float x[CD_MERGE_GROUP], v[CD_MERGE_GROUP][NV];
+#pragma unroll
+        for (int j = 0; j < CD_MERGE_GROUP; ++j) {
+            const bool live = base + j < num_states;
+            x[j] = live ? cd_ldcg(lse + (long long)(base + j) * lse_stride) * CD_LOG2E : CD_NEG_INF;
+            const typename EI::storage* src = o + (long long)(base + j) * o_stride + d0;
+#pragma unroll
+            for (int e = 0; e < NV; ++e) v[j][e] = (live && mine) ? EI::to_float(cd_ldcg(src + e)) : 0.f;
+        }
+        float mg = st.m;
+#pragma unroll
+        for (int j = 0; j < CD_MERGE_GROUP; ++j) mg = fmaxf(mg, x[j]);
+        const float ref = (mg == CD_NEG_INF) ? 0.f : mg;  // all empty so far: weights stay 0
+        const float a = cd_exp2(st.m - ref);               // m = −inf (nothing yet): 0
+        st.sum *= a;
+#pragma unroll
+        for (int e = 0; e < NV; ++e) st.acc[e] *= a;
+#pragma unroll
+        for (int j = 0; j < CD_MERGE_GROUP; ++j) {
+            const float w = cd_exp2(x[j] - ref);  // exp2(−inf) = 0 for empty and absent states
+            st.sum += w;
+#pragma unroll
+            for (int e = 0; e < NV; ++e) st.acc[e] = w != 0.f ? fmaf(w, v[j][e], st.acc[e]) : st.acc[e];  // never 0 · NaN
+        }
+        st.m = mg;
+    }
+}
+
+// st ← st ⊕ (m, sum, acc) of another warp's fold of other states of the same elements.
+template <int NV>
+__device__ __forceinline__ void cd_merge_combine(cd_merge_state<NV>& st, float m, float sum,
+                                                 const float* acc) {
+    const cd_rescale r = cd_merge_scales(st.m, m);  // both sides' acc are finite sums
+    st.m = r.m;
+    st.sum = st.sum * r.a + sum * r.b;
+#pragma unroll
+    for (int e = 0; e < NV; ++e) st.acc[e] = st.acc[e] * r.a + acc[e] * r.b;
+}
+
+// Write a pass's O elements (and, if lse_dst, the row's LSE from lane 0).
+template <typename EO, int NV>
+__device__ __forceinline__ void cd_merge_store(const cd_merge_state<NV>& st,
+                                               typename EO::storage* __restrict__ dst, int d0,
+                                               bool mine, float* __restrict__ lse_dst, int lane) {
+    const float inv = st.sum > 0.f ? 1.f / st.sum : 0.f;  // sum ≥ 1 whenever any state is live
+    if (mine) {
+#pragma unroll
+        for (int e = 0; e < NV; ++e) dst[d0 + e] = EO::from_float(st.acc[e] * inv);
+    }
+    if (lse_dst && lane == 0)
+        *lse_dst = st.sum > 0.f ? (st.m + log2f(st.sum)) * CD_LN2 : CD_NEG_INF;
+}
+
+// One pass of one row by one warp over all its states (every lane runs it: uniform control
+// flow; lanes past the end of the row only skip their Õ loads and stores). The row's LSE is
+// written by pass 0.
+template <typename EI, typename EO, int NV>
+__device__ __forceinline__ void cd_merge_row_pass(const typename EI::storage* __restrict__ o,
+                                                  long long o_stride,
+                                                  const float* __restrict__ lse, long long lse_stride,
+                                                  int num_states, int head_dim, int pass,
+                                                  typename EO::storage* __restrict__ dst,
+                                                  float* __restrict__ lse_dst, int lane) {
+    const int d0 = pass * 32 * NV + lane * NV;
+    const bool mine = d0 < head_dim;
+    cd_merge_state<NV> st;
+    st.clear();
+    cd_merge_fold<EI, NV>(o, o_stride, lse, lse_stride, num_states, 0, 1, d0, mine, st);
+    cd_merge_store<EO, NV>(st, dst, d0, mine, pass == 0 ? lse_dst : nullptr, lane);
 }

@@ -28,14 +28,14 @@
 //     accumulator registers. Few instructions per byte is what lets one SM keep up with HBM.
 //   float32: CUDA cores, fp32 throughout (tensor-core tf32 would miss fp32 accuracy).
 //
-// Partial-state contract (consumed by cd_merge_row, common.cuh):
+// Partial-state contract (consumed by cd_merge_fold, common.cuh):
 //   o_part  (num_splits, batch·num_heads, HEAD_DIM) float32, Õ_i
 //   lse_part(num_splits, batch·num_heads)           float32, LSE_i (natural log)
 // Three ways to finish, chosen by the host:
 //   single split (`o_part` null): the block writes the final output (input dtype) and LSE.
 //   fused merge (`counters` non-null): every block writes its partials, then counts itself in
 //     on its (batch, kv_head, head_tile) counter; the last block of the group to arrive merges
-//     the live splits with cd_merge_row and writes the final output — one launch in all, which
+//     the live splits with cd_merge_row_pass and writes the final output — one launch in all, which
 //     saves the ~5 µs a second dependent kernel costs (docs/PERFORMANCE.md). The counter wraps
 //     back to 0 on the last arrival (atomicInc), so the next launch (or graph replay) starts clean.
 //   partials only (`counters` null): merge_states.cu runs next as a second kernel.
@@ -554,9 +554,14 @@ cd_decode_split(const cd_decode_params p) {
     if (!s_last) return;
     const int live_splits = min(num_splits, (seqlen + chunk_tokens - 1) / chunk_tokens);
     const long long state_rows = (long long)batch * num_heads;
-    for (int r = warp; r < rows; r += NUM_WARPS)
-        cd_merge_row<cd_elem<2>, E, 4>(o_part + (bh0 + r) * HEAD_DIM, state_rows * HEAD_DIM,
-                                      lse_part + bh0 + r, state_rows, live_splits, HEAD_DIM,
-                                      out + b * out_sb + (long long)(h0 + r) * out_sh,
-                                      lse_out ? lse_out + bh0 + r : nullptr, lane);
+    // One warp per pass of a row (128 elements; the host picks this merge only where every warp
+    // has at most one pass and ≤ 16 splits: one trip to L2, see _policy.merge_mode).
+    constexpr int PASSES = (HEAD_DIM + 127) / 128;
+    for (int item = warp; item < rows * PASSES; item += NUM_WARPS) {
+        const int r = item / PASSES, pass = item % PASSES;
+        cd_merge_row_pass<cd_elem<2>, E, 4>(o_part + (bh0 + r) * HEAD_DIM, state_rows * HEAD_DIM,
+                                           lse_part + bh0 + r, state_rows, live_splits, HEAD_DIM,
+                                           pass, out + b * out_sb + (long long)(h0 + r) * out_sh,
+                                           lse_out ? lse_out + bh0 + r : nullptr, lane);
+    }
 }

@@ -27,7 +27,7 @@ def _states(rng, shape, dtype, lse_range=20.0, empty_fraction=0.0):
 
 
 SHAPES = [(1, 4, 128), (2, 7, 64), (3, 5, 256), (7, 3, 5, 128), (33, 6, 64), (100, 2, 128),
-          (4, 9, 5), (5, 3, 200), (2, 1, 1)]
+          (4, 9, 5), (5, 3, 200), (2, 1, 1), (40, 3, 256), (300, 2, 128), (130, 3, 5)]
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
@@ -44,10 +44,11 @@ def test_merge_matches_reference(cupy, rng, seed, dtype, shape):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_empty_states_never_leak(cupy, rng, seed, dtype):
-    """States with lse = -inf carry NaN outputs; rows with every state empty give 0 and -inf."""
-    shape = (6, 4, 8, 128)
-    ctx = context(seed, dtype=dtype)
+@pytest.mark.parametrize("shape", [(6, 4, 8, 128), (70, 4, 8, 256)], ids=lambda s: "x".join(map(str, s)))
+def test_empty_states_never_leak(cupy, rng, seed, dtype, shape):
+    """States with lse = -inf carry NaN outputs; rows with every state empty give 0 and -inf
+    (70 states: five groups on eight warps per row, some warps with no state at all)."""
+    ctx = context(seed, dtype=dtype, shape=shape)
     o, lse = _states(rng, shape, dtype, empty_fraction=0.5)
     lse[:, 0, 0] = -np.inf  # a row with every state empty
     o[:, 0, 0] = np.nan

@@ -45,14 +45,19 @@ def test_plan_matches_flash_decode(cupy, rng, seed, dtype, splits):
     assert cupy.array_equal(my_out.view(cupy.uint8), want.view(cupy.uint8)), ctx
 
 
-def test_merge_modes_agree(cupy, rng, seed):
-    """The fused last-block merge and the separate merge kernel give the same result."""
-    batch, num_heads, num_kv_heads, head_dim, max_seqlen = 2, 32, 8, 128, 5000
-    ctx = context(seed)
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,splits",
+                         [(32, 8, 128, 7), (8, 1, 256, 40), (16, 2, 64, 20), (28, 4, 128, 33)])
+def test_merge_modes_agree(cupy, rng, seed, num_heads, num_kv_heads, head_dim, splits):
+    """The fused last-block merge and the separate merge kernel give the same result: one and
+    two passes of head_dim per row, one and several groups of 16 splits (several warps per row
+    in the kernel, several trips per warp in the fused merge)."""
+    batch, max_seqlen = 2, 5000
+    ctx = context(seed, layout=(num_heads, num_kv_heads, head_dim), splits=splits)
     q, k, v = decode_inputs(rng, batch, num_heads, num_kv_heads, head_dim, max_seqlen, "bfloat16")
     dq, dk, dv = to_device(q), to_device(k), to_device(v)
     plans = {m: cupydecode.DecodePlan(batch, num_heads, num_kv_heads, head_dim, max_seqlen,
-                                      "bfloat16", num_splits=7, merge=m) for m in MERGES}
+                                      "bfloat16", num_splits=splits, merge=m) for m in MERGES}
+    assert [plans[m].merge for m in MERGES] == list(MERGES), ctx
     for length in (5000, 4321, 1, 0, 5000):  # repeated runs: the fused counters reset themselves
         ref_out, ref_lse = R.decode_attention(q, k, v, length)
         results = {}
@@ -65,6 +70,26 @@ def test_merge_modes_agree(cupy, rng, seed):
         assert_out_close(results["fused"][0], results["kernel"][0], OUT_TOL["bfloat16"], ctx,
                          "fused vs kernel")
         assert_lse_close(results["fused"][1], results["kernel"][1], LSE_TOL["bfloat16"], ctx)
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,splits,mode",
+                         [(32, 8, 128, 16, "fused"), (28, 4, 128, 16, "kernel"),
+                          (8, 1, 256, 128, "kernel"), (8, 1, 256, 3, "kernel"),
+                          (2, 1, 256, 16, "fused"), (32, 8, 128, 1, "none")])
+def test_auto_merge_mode(cupy, rng, seed, num_heads, num_kv_heads, head_dim, splits, mode):
+    """merge="auto" takes the fused merge only where each warp of the merging block has one
+    trip (≤ 16 splits, rows × passes ≤ warps), and is right either way."""
+    batch, max_seqlen = 1, 4100
+    ctx = context(seed, layout=(num_heads, num_kv_heads, head_dim), splits=splits)
+    plan = cupydecode.DecodePlan(batch, num_heads, num_kv_heads, head_dim, max_seqlen,
+                                 "float16", num_splits=splits)
+    assert plan.merge == mode, ctx
+    q, k, v = decode_inputs(rng, batch, num_heads, num_kv_heads, head_dim, max_seqlen, "float16")
+    for length in (4100, 777):
+        ref_out, ref_lse = R.decode_attention(q, k, v, length)
+        out, lse = plan.run(to_device(q), to_device(k), to_device(v), length)
+        assert_out_close(out, ref_out, OUT_TOL["float16"], f"length={length} {ctx}")
+        assert_lse_close(lse, ref_lse, LSE_TOL["float16"], f"length={length} {ctx}")
 
 
 def test_plan_attributes(cupy):
