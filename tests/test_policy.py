@@ -157,15 +157,54 @@ def test_merge_vec():
         assert P.merge_vec(d) == 1
 
 
-def test_merge_trips_limit_splits_for_full_row_tiles():
-    # One KV head with 16 query rows (G = 16) at 8k tokens: 4 rows per merging warp, so every
-    # further 16 partials add 4 dependent L2 trips to the last block; the split count stays
-    # where those trips do not outweigh the filled machine (it would be 128 on bytes alone).
-    s, chunk = P.choose_num_splits(1, 8192, 132, 1, rows_per_block=16)
-    assert 16 <= s <= 32 and s * chunk >= 8192
-    # The llama-3-8b batch-1 choices (4 rows, 1 trip per 16 partials) are unchanged by the charge.
+def test_fused_merge_only_with_one_trip_per_warp():
+    # llama-3-8b (4 rows, head_dim 128, 4 warps): 16 splits are one trip per warp → fused.
+    assert P.fused_merge_trips(16, 4, 128, 4) == 1 and P.merge_mode(16, 4, 128, 4) == "fused"
+    # 17 splits: two groups of 16 → two trips → the merge kernel.
+    assert P.fused_merge_trips(17, 4, 128, 4) == 2 and P.merge_mode(17, 4, 128, 4) == "kernel"
+    # qwen2.5-7b (7 rows on 4 warps) and gemma-2b (8 rows × 2 passes of head_dim 256).
+    assert P.fused_merge_trips(16, 7, 128, 4) == 2 and P.merge_mode(16, 7, 128, 4) == "kernel"
+    assert P.fused_merge_trips(2, 8, 256, 4) == 4 and P.merge_mode(2, 8, 256, 4) == "kernel"
+    assert P.fused_merge_trips(16, 2, 256, 4) == 1 and P.merge_mode(16, 2, 256, 4) == "fused"
+    # One split needs no merge; a forced mode is kept.
+    assert P.merge_mode(1, 4, 128, 4) == "none" and P.merge_mode(1, 4, 128, 4, "kernel") == "none"
+    assert P.merge_mode(128, 8, 256, 4, "fused") == "fused"
+    assert P.merge_mode(2, 4, 128, 4, "kernel") == "kernel"
+
+
+@pytest.mark.parametrize("rows,head_dim,states", [(1, 128, 1), (8, 256, 128), (7, 128, 32),
+                                                   (4096, 64, 2), (3, 5, 300), (2, 128, 17)])
+def test_merge_launch_covers_every_item(rows, head_dim, states):
+    blocks, threads, wpi = P.merge_launch(rows, head_dim, states)
+    groups = -(-states // P.MERGE_STATES_PER_TRIP)
+    assert threads == 32 * P.MERGE_WARPS and P.MERGE_WARPS % wpi == 0
+    assert wpi == min(P.MERGE_WARPS, 1 << (groups - 1).bit_length())   # power of two ≥ groups, capped
+    passes = -(-head_dim // (32 * P.merge_vec(head_dim)))
+    items_per_block = P.MERGE_WARPS // wpi
+    assert (blocks - 1) * items_per_block < rows * passes <= blocks * items_per_block
+
+
+def test_merge_cost_grows_with_trips():
+    one = P.merge_cost_bytes(16, 4, 128, 4)
+    assert one == P.MERGE_OVERHEAD_BYTES and P.merge_cost_bytes(1, 4, 128, 4) == 0
+    # A forced fused merge pays for its extra trips; the kernel for its launch.
+    assert P.merge_cost_bytes(64, 8, 256, 4, "fused") == one + 15 * P.MERGE_TRIP_BYTES  # 4 groups × 4 items per warp
+    assert P.merge_cost_bytes(64, 8, 256, 4) == one + P.MERGE_KERNEL_BYTES
+    assert P.merge_cost_bytes(129, 8, 256, 4) == one + P.MERGE_KERNEL_BYTES + P.MERGE_TRIP_BYTES
+
+
+def test_llama_batch1_choice_is_sixteen_fused_splits():
+    # llama-3-8b at batch 1 (8 KV heads, 4 rows): 16 splits fill 128 of 132 SMs and merge fused.
     for max_seqlen in (1024, 4096, 16384, 65536):
-        assert P.choose_num_splits(8, max_seqlen, 132, 1, rows_per_block=4)[0] == 16
+        s = P.choose_num_splits(8, max_seqlen, 132, 1, rows_per_block=4)[0]
+        assert s == 16 and P.merge_mode(s, 4, 128, 4) == "fused"
+
+
+def test_one_kv_head_fills_the_machine():
+    # gemma-2b at batch 1 (one KV head, 8 rows of head_dim 256): the merge kernel's cost does
+    # not grow with the split count up to 128, so the splits fill every SM.
+    s, chunk = P.choose_num_splits(1, 65536, 132, 1, rows_per_block=8, head_dim=256)
+    assert s == 128 and s * chunk >= 65536
 
 
 def test_short_caches_split_to_64_token_chunks():
