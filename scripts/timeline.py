@@ -46,22 +46,22 @@ INJECT = [
     ("    const long long bh0 = (long long)b * num_heads + h0;\n", stamp(7), "before"),
     ("    if (!o_part || !counters) return;\n", stamp(3, sync=True), "before"),
     ("    if (!s_last) return;\n", stamp(5), "before"),
-    ("                                      lse_out ? lse_out + bh0 + r : nullptr, lane);\n",
+    ("                                           lse_out ? lse_out + bh0 + r : nullptr, lane);\n    }\n",
      stamp(4, sync=True), "after"),
 ]
 
 # `timeline.py merge`: stamps inside the merging block too — (13) the arrival atomic returned
-# (thread 0), and in cd_merge_row, thread 0 of the block: (9) after the loads in source order
+# (thread 0), and in cd_merge_fold, thread 0 of the block: (9) after the loads in source order
 # (the compiler may sink it past their first use), (10) the LSE loads used (max taken), (11) the
 # Õ loads used (weighted sum done). Guards that read the loaded values keep the compiler from
 # moving stamps 10 and 11 before the values are there.
 MERGE_INJECT = [
     ("        s_last = cd_atomic_inc_acq_rel(ctr, num_splits - 1) == (unsigned)(num_splits - 1);\n",
      stamp(13, " " * 8, "true"), "after"),
-    ("            float mg = m;\n", stamp(9, " " * 12, "threadIdx.x == 0"), "before"),
-    ("            const float ref = (mg == CD_NEG_INF) ? 0.f : mg;  // all empty so far: weights stay 0\n",
-     stamp(10, " " * 12, "threadIdx.x == 0 && mg != 12345.f"), "after"),
-    ("            m = mg;\n", stamp(11, " " * 12, "threadIdx.x == 0 && acc[0] != 12345.f"), "before"),
+    ("        float mg = st.m;\n", stamp(9, " " * 8, "threadIdx.x == 0"), "before"),
+    ("        const float ref = (mg == CD_NEG_INF) ? 0.f : mg;  // all empty so far: weights stay 0\n",
+     stamp(10, " " * 8, "threadIdx.x == 0 && mg != 12345.f"), "after"),
+    ("        st.m = mg;\n", stamp(11, " " * 8, "threadIdx.x == 0 && st.acc[0] != 12345.f"), "before"),
 ]
 if sys.argv[1:2] == ["merge"]:
     INJECT += MERGE_INJECT
