@@ -230,8 +230,9 @@ class DecodePlan:
         self._launch(q, k, v, seqlens, seqlen_all, scale, out, lse)
         return out, lse
 
-    def _launch(self, q, k, v, seqlens, seqlen_all, scale, out, lse) -> None:
-        """Everything after validation: the split kernel, then (if split) the merge kernel."""
+    def _launch(self, q, k, v, seqlens, seqlen_all, scale, out, lse, stream=None) -> None:
+        """Everything after validation: the split kernel, then (if split) the merge kernel, on
+        ``stream`` (default: the current stream)."""
         import cupy
 
         if self.batch == 0:
@@ -244,7 +245,8 @@ class DecodePlan:
                                               *v.strides[:3], out.strides[0], out.strides[1]))
             if len(self._strides) < 64:
                 self._strides[layout] = strides
-        stream = cupy.cuda.get_current_stream()
+        if stream is None:
+            stream = cupy.cuda.get_current_stream()
         if (self._counters_wait is not None or self._counters_refill) and not _is_capturing(stream):
             if self._counters_refill:
                 self._counters.fill(0)
@@ -287,11 +289,11 @@ def _thread_token() -> object:
     return token
 
 
-def _cached_plan(shape: dict, dtype: str, num_splits, split_size) -> DecodePlan:
-    """Plans (and their workspaces) reused across eager calls of the same shape on one stream."""
+def _cached_plan(shape: dict, dtype: str, num_splits, split_size, stream: int) -> DecodePlan:
+    """Plans (and their workspaces) reused across eager calls of the same shape on one stream
+    (``stream``: the current stream's handle)."""
     import cupy
 
-    stream = cupy.cuda.get_current_stream().ptr
     # The per-thread default stream has the same handle in every thread but is a different
     # stream in each: those plans (workspaces) must not be shared across threads.
     owner = _thread_token() if stream == _PER_THREAD_STREAM else None
@@ -340,8 +342,9 @@ def flash_decode(q, k_cache, v_cache, cache_seqlens=None, *, softmax_scale=None,
     out_shape = (shape["batch"], shape["num_heads"], shape["head_dim"])
     out = cupy.empty(out_shape, dt) if out is None else V.check_out(out, "out", out_shape, dt)
     lse = cupy.empty(out_shape[:2], cupy.float32) if return_lse else None
-    plan = _cached_plan(shape, dt, num_splits, split_size)
-    plan._launch(q, k, v, seqlens, seqlen_all, scale, out, lse)
+    stream = cupy.cuda.get_current_stream()
+    plan = _cached_plan(shape, dt, num_splits, split_size, stream.ptr)
+    plan._launch(q, k, v, seqlens, seqlen_all, scale, out, lse, stream)
     return (out, lse) if return_lse else out
 
 

@@ -14,6 +14,8 @@ import ml_dtypes
 import numpy as np
 
 from cupydecode import reference as R
+from cupydecode.cli import detect_gpu
+from cupydecode.workloads import fresh_seed
 
 SEED_ENV = "CUPYDECODE_TEST_SEED"
 
@@ -26,25 +28,16 @@ DTYPES = ("float16", "bfloat16", "float32")
 
 @functools.lru_cache(maxsize=None)
 def gpu_unavailable_reason() -> str | None:
-    """None when CuPy sees at least one CUDA device, else why not (for skip messages)."""
-    try:
-        import cupy
-    except Exception as exc:  # ImportError, or a broken CUDA library underneath
-        return f"cupy cannot be imported ({type(exc).__name__}: {exc})"
-    try:
-        n = cupy.cuda.runtime.getDeviceCount()
-    except Exception as exc:
-        return f"cupy.cuda.runtime.getDeviceCount() failed ({type(exc).__name__}: {exc})"
-    if n < 1:
-        return "cupy.cuda.runtime.getDeviceCount() returned 0"
-    return None
+    """None when CuPy sees at least one CUDA device, else why not (for skip messages): the
+    CLI's own check, so the tests skip exactly where `cupydecode check` would refuse."""
+    ok, why = detect_gpu()
+    return None if ok else why
 
 
 def new_seed() -> int:
+    """CUPYDECODE_TEST_SEED if set (to replay a failure), else a fresh seed from the OS."""
     env = os.environ.get(SEED_ENV)
-    if env:
-        return int(env)
-    return int.from_bytes(os.urandom(4), "little")
+    return int(env) if env else fresh_seed()
 
 
 def np_dtype(name: str) -> np.dtype:

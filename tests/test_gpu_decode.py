@@ -67,10 +67,10 @@ def _case_id(c):
     return f"{dtype}-D{head_dim}-G{group}-L{length}-B{batch}-S{'auto' if splits is None else splits}"
 
 
-def test_case_list_covers_every_value():
-    for axis, values in enumerate((DTYPES, HEAD_DIMS, GROUPS, LENGTHS, BATCHES, SPLITS)):
-        assert {c[axis] for c in CASES} == set(values)
-    assert 50 <= len(CASES) <= 80
+def test_case_list_stays_within_budget():
+    # Coverage of every axis value holds by construction (_covering_cases); what can drift when
+    # an axis grows is the number of cases, i.e. the GPU suite's run time.
+    assert 50 <= len(CASES) <= 80, len(CASES)
 
 
 def _lengths(rng, batch, length, varlen):
@@ -133,14 +133,9 @@ def test_split_counts_agree(cupy, rng, seed, dtype, batch, num_heads, num_kv_hea
                   head_dim=head_dim, length=length)
     q, k, v = decode_inputs(rng, batch, num_heads, num_kv_heads, head_dim, length, dtype)
     ref_out, ref_lse = R.decode_attention(q, k, v)
-    dq, dk, dv = to_device(q), to_device(k), to_device(v)
-    results = {}
-    for splits in (1, 3, None):
-        out = cupy.full(q.shape, np.nan, dtype=dq.dtype)
-        results[splits] = cupydecode.flash_decode(dq, dk, dv, num_splits=splits, return_lse=True,
-                                                  out=out)
-        assert_out_close(results[splits][0], ref_out, OUT_TOL[dtype], f"splits={splits} {ctx}")
-        assert_lse_close(results[splits][1], ref_lse, LSE_TOL[dtype], f"splits={splits} {ctx}")
+    splits = (1, 3, None)
+    results = dict(zip(splits, splits_match_reference(cupy, q, k, v, None, ref_out, ref_lse,
+                                                      dtype, ctx, splits)))
     for a, b in itertools.combinations(results, 2):
         what = f"splits {a} vs {b}"
         assert_out_close(results[a][0], results[b][0], OUT_TOL[dtype], ctx, what)
