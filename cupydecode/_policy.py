@@ -130,11 +130,16 @@ def chunk_for_splits(max_seqlen: int, num_splits: int) -> int:
     return max(1, -(-max_seqlen // max(1, num_splits)))
 
 
+def merge_groups(num_states: int) -> int:
+    """Groups of MERGE_STATES_PER_TRIP states: one L2 trip of one warp each."""
+    return -(-num_states // MERGE_STATES_PER_TRIP)
+
+
 def fused_merge_trips(num_splits: int, rows_per_block: int, head_dim: int, num_warps: int) -> int:
     """Serial L2 trips of one warp in the fused merge: the merging block's ``num_warps`` warps
     take the (row, pass) items of its ``rows_per_block`` rows, 16 splits per trip."""
     items = rows_per_block * -(-head_dim // FUSED_PASS)
-    return -(-num_splits // MERGE_STATES_PER_TRIP) * -(-items // num_warps)
+    return merge_groups(num_splits) * -(-items // num_warps)
 
 
 def merge_mode(num_splits: int, rows_per_block: int, head_dim: int, num_warps: int,
@@ -155,10 +160,12 @@ def merge_launch(rows: int, head_dim: int, num_states: int) -> tuple[int, int, i
     """``(blocks, threads, warps_per_item)`` of kernels/merge_states.cu: an item is one pass (32 ·
     merge_vec elements) of one row; its groups of 16 states go to up to MERGE_WARPS warps (a
     power of two, so that items tile a block), MERGE_WARPS warps per block."""
-    groups = -(-num_states // MERGE_STATES_PER_TRIP)
+    groups = merge_groups(num_states)
     warps_per_item = 1
     while warps_per_item < min(groups, MERGE_WARPS):
         warps_per_item *= 2
+    # the kernel relies on it: whole items per block, no more warps per item than it shares
+    assert MERGE_WARPS % warps_per_item == 0
     items = rows * -(-head_dim // (32 * merge_vec(head_dim)))
     items_per_block = MERGE_WARPS // warps_per_item
     return max(1, -(-items // items_per_block)), 32 * MERGE_WARPS, warps_per_item
@@ -173,14 +180,15 @@ def merge_cost_bytes(num_splits: int, rows_per_block: int, head_dim: int, num_wa
     if mode == "fused":
         return MERGE_OVERHEAD_BYTES + MERGE_TRIP_BYTES * (
             fused_merge_trips(num_splits, rows_per_block, head_dim, num_warps) - 1)
-    groups = -(-num_splits // MERGE_STATES_PER_TRIP)
-    return MERGE_OVERHEAD_BYTES + MERGE_KERNEL_BYTES + MERGE_TRIP_BYTES * (-(-groups // MERGE_WARPS) - 1)
+    warps_per_item = merge_launch(1, head_dim, num_splits)[2]  # one group each per trip
+    trips = -(-merge_groups(num_splits) // warps_per_item)
+    return MERGE_OVERHEAD_BYTES + MERGE_KERNEL_BYTES + MERGE_TRIP_BYTES * (trips - 1)
 
 
 def choose_num_splits(work_blocks: int, max_seqlen: int, num_sms: int, blocks_per_sm: int,
                       rows_per_block: int = ROWS, head_dim: int = 128, kv_itemsize: int = 2,
                       min_chunk: int = MIN_CHUNK, merge_warps: int = 4,
-                      merge: str = "auto") -> tuple[int, int]:
+                      merge: str = "auto", dtype: str | None = None) -> tuple[int, int]:
     """Split count and chunk length for a grid of ``work_blocks`` (batch × kv_heads × head tiles).
 
     Returns ``(num_splits, chunk_tokens)``. Chunks are multiples of SPLIT_GRANULE tokens and at
@@ -191,7 +199,9 @@ def choose_num_splits(work_blocks: int, max_seqlen: int, num_sms: int, blocks_pe
     where wave_efficiency = blocks / (waves · slots), slots = num_sms · blocks_per_sm, the
     partials are written and read once: work_blocks · s · rows · (head_dim + 1) · 4 · 2 bytes,
     and the merge (fused or a second kernel, as merge_mode picks it for ``merge``) costs a fixed
-    tail plus its serial L2 trips beyond the first.
+    tail plus its serial L2 trips beyond the first. With ``dtype``, the fused merge's warps are
+    those of the block shape each candidate's chunk length selects (split_kernel_config);
+    without it, ``merge_warps``.
     The smallest s within 3% of the best estimate wins (fewer partials, shorter merge).
 
     Worked example (H200: 132 SMs, 1 block/SM → 132 slots; llama-3-8b: 8 KV heads, G = 4):
@@ -221,8 +231,8 @@ def choose_num_splits(work_blocks: int, max_seqlen: int, num_sms: int, blocks_pe
         blocks = work_blocks * s
         eff = blocks / (math.ceil(blocks / slots) * slots)
         partial = 0 if s == 1 else work_blocks * s * rows_per_block * (head_dim + 1) * 8
-        cost = (kv_bytes + partial) / eff + merge_cost_bytes(s, rows_per_block, head_dim,
-                                                             merge_warps, merge)
+        warps = merge_warps if dtype is None else split_kernel_config(dtype, head_dim, chunk).num_warps
+        cost = (kv_bytes + partial) / eff + merge_cost_bytes(s, rows_per_block, head_dim, warps, merge)
         best.append((cost, s, chunk))
     if not best:
         return 1, max_seqlen

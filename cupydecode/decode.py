@@ -127,6 +127,7 @@ class DecodePlan:
             V.fail(ValueError, "merge", " or ".join(map(repr, _policy.MERGE_MODES)), repr(merge))
         self.group = self.num_heads // self.num_kv_heads
         self.head_tiles = _policy.head_tiles(self.group)
+        rows_per_block = min(self.group, _policy.ROWS)  # query rows of one split block
         self.device_id = cupy.cuda.Device().id
         smem_optin = _smem_per_block(self.device_id)
         smem_need = max(c.smem_bytes for c in _policy.split_kernel_configs(self.dtype, self.head_dim))
@@ -145,19 +146,18 @@ class DecodePlan:
                 V.fail(ValueError, "split_size",
                        f"at least max_seqlen / {_policy.MAX_SPLITS} = "
                        f"{-(-self.max_seqlen // _policy.MAX_SPLITS)}", split_size)
-        else:  # costed with the default block shape (every shape holds one block per SM)
+        else:  # occupancy of the default block shape (every shape holds one block per SM)
             default = _policy.split_kernel_config(self.dtype, self.head_dim)
             self.num_splits, self.chunk_tokens = _policy.choose_num_splits(
                 self.batch * self.num_kv_heads * self.head_tiles, self.max_seqlen,
                 _sm_count(self.device_id), _blocks_per_sm(default, self.device_id),
-                rows_per_block=min(self.group, _policy.ROWS), head_dim=self.head_dim,
-                kv_itemsize=_policy.ITEMSIZE[self.dtype], merge_warps=default.num_warps,
-                merge=merge)
+                rows_per_block=rows_per_block, head_dim=self.head_dim,
+                kv_itemsize=_policy.ITEMSIZE[self.dtype], merge=merge, dtype=self.dtype)
 
         # The block shape depends on how long each block streams.
         self.config = _policy.split_kernel_config(self.dtype, self.head_dim, self.chunk_tokens)
-        self.merge = _policy.merge_mode(self.num_splits, min(self.group, _policy.ROWS),
-                                        self.head_dim, self.config.num_warps, merge)
+        self.merge = _policy.merge_mode(self.num_splits, rows_per_block, self.head_dim,
+                                        self.config.num_warps, merge)
         rows = self.batch * self.num_heads
         self._merge_fn = None
         self.o_part = self.lse_part = self._counters = None

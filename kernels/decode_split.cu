@@ -556,12 +556,14 @@ cd_decode_split(const cd_decode_params p) {
     if (!s_last) return;
     const int live_splits = min(num_splits, (seqlen + chunk_tokens - 1) / chunk_tokens);
     const long long state_rows = (long long)batch * num_heads;
-    // One warp per pass of a row (128 elements; the host picks this merge only where every warp
-    // has at most one pass and ≤ 16 splits: one trip to L2, see _policy.merge_mode).
-    constexpr int PASSES = (HEAD_DIM + 127) / 128;
+    // One warp per pass of a row (32 lanes × MERGE_NV elements). merge="auto" picks this merge
+    // only where every warp gets at most one pass of ≤ 16 splits: one trip to L2
+    // (_policy.merge_mode; FUSED_PASS there is 32 · MERGE_NV).
+    constexpr int MERGE_NV = 4;
+    constexpr int PASSES = (HEAD_DIM + 32 * MERGE_NV - 1) / (32 * MERGE_NV);
     for (int item = warp; item < rows * PASSES; item += NUM_WARPS) {
         const int r = item / PASSES, pass = item % PASSES;
-        cd_merge_row_pass<cd_elem<2>, E, 4>(o_part + (bh0 + r) * HEAD_DIM, state_rows * HEAD_DIM,
+        cd_merge_row_pass<cd_elem<2>, E, MERGE_NV>(o_part + (bh0 + r) * HEAD_DIM, state_rows * HEAD_DIM,
                                            lse_part + bh0 + r, state_rows, live_splits, HEAD_DIM,
                                            pass, out + b * out_sb + (long long)(h0 + r) * out_sh,
                                            lse_out ? lse_out + bh0 + r : nullptr, lane);

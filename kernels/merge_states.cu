@@ -16,14 +16,16 @@
 // ONE trip to L2, and the item's first warp combines the warps' running states through shared
 // memory and writes the result. A block holds blockDim / 32 / warps_per_item items. The math is
 // the same code the fused merge at the end of decode_split.cu runs. This kernel is the public
-// merge_states, and flash_decode's merge when the fused one would take more than one trip per warp.
+// merge_states, and a plan's merge where merge="auto" finds that the fused one would take more
+// than one trip per warp (or where merge="kernel" is asked for).
 //
 // Compile-time constants: IN_DTYPE, OUT_DTYPE (0 f16, 1 bf16, 2 f32), VEC (4 if head_dim % 4 == 0).
 #include "common.cuh"
 
 #define CD_MERGE_MAX_WARPS 8  // blockDim.x ≤ 32 · CD_MERGE_MAX_WARPS
 
-extern "C" __global__ void __launch_bounds__(32 * CD_MERGE_MAX_WARPS)
+// (…, 1): no minimum of resident blocks, so that no variant is squeezed into spilling registers
+extern "C" __global__ void __launch_bounds__(32 * CD_MERGE_MAX_WARPS, 1)
 cd_merge_states(const cd_elem<IN_DTYPE>::storage* __restrict__ o_parts,
                 const float* __restrict__ lse_parts,
                 cd_elem<OUT_DTYPE>::storage* __restrict__ out, float* __restrict__ lse_out,

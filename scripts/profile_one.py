@@ -25,8 +25,9 @@ if mode == "ncu":
     cp.cuda.Device().synchronize()
     sys.exit(0)
 res = {}
+splits = cd.DecodePlan(b, H, Hkv, D, L, "float16").num_splits  # the same split count for both
 for merge in ("fused", "kernel"):
-    plans = [cd.DecodePlan(b, H, Hkv, D, L, "float16", merge=merge) for _ in sets]
+    plans = [cd.DecodePlan(b, H, Hkv, D, L, "float16", num_splits=splits, merge=merge) for _ in sets]
     res[merge] = graph_time([lambda p=p, s=s: p.run(*s) for p, s in zip(plans, sets)])
 print(f"b{b} L{L} w{nw}s{st} S={plans[0].num_splits}: fused {res['fused']:.1f} us, two kernels "
       f"{res['kernel']:.1f} us, floor {nbytes/4.55e6:.1f} us", flush=True)
