@@ -21,7 +21,7 @@ import click
 
 from . import __version__
 from ._policy import MAX_SPLITS, SUPPORTED_HEAD_DIMS
-from .workloads import DTYPES, MODELS, Workload, fresh_seed, random_lengths
+from .workloads import DTYPES, MODELS, Workload, fresh_seed, random_lengths, workload_for_model
 
 EXIT_FAILED = 1
 EXIT_USAGE = 2
@@ -62,10 +62,7 @@ class SplitsType(click.ParamType):
     name = "auto|N"
 
     def convert(self, value, param, ctx):
-        if isinstance(value, int) and not isinstance(value, bool):
-            text = str(value)
-        else:
-            text = str(value).strip().lower()
+        text = str(value).strip().lower()
         if text == "auto":
             return "auto"
         try:
@@ -580,7 +577,8 @@ def models():
     for name, p in MODELS.items():
         rows.append({"model": name, "heads": p.num_heads, "kv_heads": p.num_kv_heads,
                      "head_dim": p.head_dim, "group": p.group,
-                     "kv_kib": 2 * p.num_kv_heads * p.head_dim * 2 / 1024, "note": p.note})
+                     "kv_kib": workload_for_model(name, 1, 1, "float16").kv_bytes() / 1024,
+                     "note": p.note})
     cols = [("model", "model", "s"), ("heads", "heads", "d"), ("kv heads", "kv_heads", "d"),
             ("head_dim", "head_dim", "d"), ("G", "group", "d"),
             ("KV KiB/token/layer (fp16)", "kv_kib", ".1f"), ("attention", "note", "s")]

@@ -21,8 +21,6 @@ import numpy as np
 from . import _policy
 from . import reference as R
 
-FP16_MAX = 65504.0
-
 
 @dataclass
 class Walk:
@@ -157,7 +155,7 @@ def _num(x, prec: int = 6) -> str:
 
 def format_walk(wk: Walk) -> list[str]:
     n, S, D = wk.tokens, wk.splits, wk.head_dim
-    chunk = wk.edges[1] - wk.edges[0] if S else n
+    chunk = wk.edges[1] - wk.edges[0]  # walk() takes S >= 1
     lines = [
         f"One query row against {n} tokens, head_dim {D}, c = 1/sqrt({D}) = {wk.scale:g}; "
         f"{S} split(s) of up to {chunk} tokens.",
@@ -199,7 +197,7 @@ def format_overflow(wk: Walk) -> list[str]:
     lines = [
         "",
         f"Why the log domain: the largest logit here is {smax:.2f}; exp overflows float16 past "
-        f"{math.log(FP16_MAX):.2f} and float32 past {math.log(float(np.finfo(np.float32).max)):.2f}.",
+        f"{math.log(float(np.finfo(np.float16).max)):.2f} and float32 past {math.log(float(np.finfo(np.float32).max)):.2f}.",
     ]
     for dt in (np.float16, np.float32):
         den, out = direct_softmax(wk.s, wk.v, dt)
@@ -228,13 +226,12 @@ def gpu_partials(wk: Walk) -> dict:
     """
     import cupy
 
-    from ._policy import SUPPORTED_HEAD_DIMS
     from .decode import DecodePlan
 
     D = wk.head_dim
-    padded = next((d for d in SUPPORTED_HEAD_DIMS if d >= D), None)
+    padded = next((d for d in _policy.SUPPORTED_HEAD_DIMS if d >= D), None)
     if padded is None:
-        raise ValueError(f"head_dim: expected at most {max(SUPPORTED_HEAD_DIMS)} for --gpu, got {D}")
+        raise ValueError(f"head_dim: expected at most {max(_policy.SUPPORTED_HEAD_DIMS)} for --gpu, got {D}")
     n = wk.tokens
 
     def dev(x, shape):

@@ -37,7 +37,8 @@
 //     on its (batch, kv_head, head_tile) counter; the last block of the group to arrive merges
 //     the live splits with cd_merge_row_pass and writes the final output — one launch in all, which
 //     saves the ~0.9 µs a second dependent kernel costs in a graph (docs/PERFORMANCE.md, v9). The
-//     host picks it only where each warp of that block has one L2 trip to make (_policy.merge_mode).
+//     host's merge="auto" picks it only where each warp of that block has one L2 trip to make
+//     (_policy.merge_mode); merge="fused" forces it.
 //     The counter wraps back to 0 on the last arrival (atomicInc), so the next launch (or graph
 //     replay) starts clean.
 //   partials only (`counters` null): merge_states.cu runs next as a second kernel.

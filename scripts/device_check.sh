@@ -54,16 +54,19 @@ if has check; then
   add_summary "check: exit ${PIPESTATUS[0]}, $(grep -c PASS "$OUT_DIR/check.log") PASS, $(grep -c FAIL "$OUT_DIR/check.log") FAIL"
 fi
 
-BASELINES="--baseline torch"
+BASELINES=""  # peers only where they are installed (a missing one would stop the bench)
+$PY -c "import torch" 2>/dev/null && BASELINES="--baseline torch"
 $PY -c "import flashinfer" 2>/dev/null && BASELINES="$BASELINES --baseline flashinfer"
+PLOT=""
+$PY -c "import matplotlib" 2>/dev/null && PLOT="--plot $OUT_DIR/bench.png"
 if has bench; then
   $PY -m cupydecode.cli bench $BASELINES --csv "$OUT_DIR/bench.csv" --json "$OUT_DIR/bench.json" \
-    --plot "$OUT_DIR/bench.png" 2>"$OUT_DIR/bench.err" | tee "$OUT_DIR/bench.txt"
+    $PLOT 2>"$OUT_DIR/bench.err" | tee "$OUT_DIR/bench.txt"
   $PY -m cupydecode.cli bench $BASELINES --seqlens 8192 --batch 4,16,64 \
     --csv "$OUT_DIR/bench_b8k.csv" 2>>"$OUT_DIR/bench.err" | tee -a "$OUT_DIR/bench.txt"
   $PY -m cupydecode.cli bench $BASELINES --seqlens 32768 --batch 16 \
     --csv "$OUT_DIR/bench_b32k.csv" 2>>"$OUT_DIR/bench.err" | tee -a "$OUT_DIR/bench.txt"
-  add_summary "bench: $(wc -l < "$OUT_DIR/bench.csv") rows in bench.csv"
+  add_summary "bench: $(awk 'FNR > 1' "$OUT_DIR"/bench*.csv | wc -l) rows in bench*.csv"
 fi
 
 if has layouts; then
@@ -74,7 +77,7 @@ if has layouts; then
     $PY -m cupydecode.cli bench $BASELINES --model "$1" --dtype "$2" --seqlens 16384,65536 \
       --batch 1,16 --csv "$OUT_DIR/layouts_$1.csv" 2>>"$OUT_DIR/bench.err" | tee -a "$OUT_DIR/layouts.txt"
   done
-  add_summary "layouts: $(cat "$OUT_DIR"/layouts_*.csv | grep -vc '^batch')"
+  add_summary "layouts: $(awk 'FNR > 1' "$OUT_DIR"/layouts_*.csv | wc -l) rows in layouts_*.csv"
 fi
 
 echo "================ summary"

@@ -17,7 +17,7 @@ from cupydecode.bench import (buffer_sets_needed, graph_time_cupy, measure_read_
                               settle)
 from cupydecode.workloads import Workload, make_inputs  # noqa: E402
 
-L2 = cp.cuda.runtime.getDeviceProperties(0)["l2CacheSize"]
+L2 = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["l2CacheSize"]
 
 
 def make_sets(b, L, H, Hkv, D, dtype):

@@ -2,7 +2,8 @@
 
 Each variant is a text substitution on a copy of kernels/decode_split.cu, a block shape
 (warps, stages), or a whole other version of kernels/ (any .prev*/ folder holding
-decode_split.cu, e.g. filled with `git show REV:kernels/FILE`); the shipped source is untouched.
+decode_split.cu, e.g. filled with `git show REV:kernels/FILE`; a file it lacks is the shipped
+one); the shipped source is untouched.
 GPU µs per call by graph replay over buffer sets larger than 4× L2, fp16 32/8/128, automatic
 splits; then (unless --kernels-only) partials without the merge and fixed split counts.
 
@@ -32,12 +33,14 @@ for PREV in sorted(Path(".").glob(".prev*")):
 
 def use(subs, shape):
     def source(filename, defines):
-        if "@dir" in subs:  # the whole program from another directory
-            path = Path(subs["@dir"]) / filename
+        path = Path(subs.get("@dir", "")) / filename
+        if "@dir" in subs and path.is_file():  # this file of the program from another directory
             head = "".join(f"#define {k} {int(v)}\n" for k, v in sorted(defines.items()))
             return head + _kernels._inline(path, {path.resolve()})
         src = _orig_source(filename, defines)
         for old, new in subs.items():
+            if old == "@dir":  # a file the other directory does not have: the shipped one
+                continue
             assert old in src, old
             src = src.replace(old, new)
         return src
@@ -79,7 +82,8 @@ def main():
         print(f"{label:24s}" + "".join(f"  {c:7.2f}" for c in cells), flush=True)
 
     def partials_only(b, L):  # the split kernel writing partials, no merge at all
-        p = cd.DecodePlan(b, H, Hkv, D, L, "float16", merge="kernel")
+        splits = cd.DecodePlan(b, H, Hkv, D, L, "float16").num_splits  # as the base row
+        p = cd.DecodePlan(b, H, Hkv, D, L, "float16", num_splits=splits, merge="kernel")
         p._merge_fn = None
         return p
 

@@ -36,6 +36,14 @@ def seed(request) -> int:
 
 
 @pytest.fixture
+def runner():
+    """A click test runner for the CLI tests."""
+    from click.testing import CliRunner
+
+    return CliRunner()
+
+
+@pytest.fixture
 def rng(seed) -> np.random.Generator:
     return np.random.default_rng(seed)
 

@@ -7,17 +7,11 @@ import json
 
 import numpy as np
 import pytest
-from click.testing import CliRunner
 
 from cupydecode import cli, explain
 from cupydecode import reference as R
 
 pytestmark = pytest.mark.gpu
-
-
-@pytest.fixture
-def runner():
-    return CliRunner()
 
 
 def test_check_default_matrix_passes(runner, tmp_path):
