@@ -363,6 +363,8 @@ def merge_states(o_parts, lse_parts):
 
     o, lse_in, dt = V.check_merge_inputs(o_parts, lse_parts)
     o = cupy.ascontiguousarray(o)
+    if o.data.ptr % 16:  # each lane reads its elements of a state as one vector (≤ 16 bytes)
+        o = o.copy()
     lse_in = cupy.ascontiguousarray(lse_in)
     num_states, head_dim = o.shape[0], o.shape[-1]
     rows_shape = tuple(o.shape[1:-1])

@@ -119,24 +119,61 @@ struct cd_merge_state {  // running state of one lane: m in log2 units, sum = Σ
     }
 };
 
+// NV consecutive elements at p, through L2 only (cd_ldcg), as floats: one vector load where NV
+// elements make a 16- or 8-byte vector (p must then be aligned to it: the partials workspace always
+// is; merge_states copies a misaligned input first).
+template <typename EI, int NV>
+__device__ __forceinline__ void cd_ldcg_vec(const typename EI::storage* p, float (&v)[NV]) {
+    if constexpr (NV == 4 && sizeof(typename EI::storage) == 4) {
+        asm volatile("ld.global.cg.v4.f32 {%0, %1, %2, %3}, [%4];"
+                     : "=f"(v[0]), "=f"(v[1]), "=f"(v[2]), "=f"(v[3]) : "l"(p));
+    } else if constexpr (NV == 4 && sizeof(typename EI::storage) == 2) {
+        u32 a, b;
+        asm volatile("ld.global.cg.v2.u32 {%0, %1}, [%2];" : "=r"(a), "=r"(b) : "l"(p));
+        v[0] = EI::to_float((u16)(a & 0xffffu)); v[1] = EI::to_float((u16)(a >> 16));
+        v[2] = EI::to_float((u16)(b & 0xffffu)); v[3] = EI::to_float((u16)(b >> 16));
+    } else {
+#pragma unroll
+        for (int e = 0; e < NV; ++e) v[e] = EI::to_float(cd_ldcg(p + e));
+    }
+}
+
 // Fold groups first_group, first_group + group_step, … of the row's num_states states into st.
+// The loads are what the merge waits for, so a group's loads are issued back to back, with no
+// branch or arithmetic on loaded values between them: pointers walk from state to state (one
+// 64-bit add each, instead of forming (base + j) · stride per state) and stop on the group's last
+// state, so the loads past it re-read that state (every address stays in bounds) and are masked
+// afterwards; lanes past the end of the row read its start. Each lane's NV elements of a state are
+// one vector load. (Measured on the H200: the multiply form took ~1000 instructions per warp to
+// issue one group's 80 loads; docs/PERFORMANCE.md, v10.)
 template <typename EI, int NV>
 __device__ __forceinline__ void cd_merge_fold(const typename EI::storage* __restrict__ o,
                                               long long o_stride,
                                               const float* __restrict__ lse, long long lse_stride,
                                               int num_states, int first_group, int group_step,
                                               int d0, bool mine, cd_merge_state<NV>& st) {
-    for (int base = first_group * CD_MERGE_GROUP; base < num_states;
-         base += group_step * CD_MERGE_GROUP) {
+    const long long first = (long long)first_group * CD_MERGE_GROUP;
+    const long long step = (long long)group_step * CD_MERGE_GROUP;
+    const typename EI::storage* og = o + first * o_stride + (mine ? d0 : 0);  // group's first state
+    const float* lg = lse + first * lse_stride;
+    for (long long base = first; base < num_states; base += step) {
+        const int left = num_states - (int)base;  // states of this group that exist (≥ 1)
         float x[CD_MERGE_GROUP], v[CD_MERGE_GROUP][NV];
+        const typename EI::storage* op = og;
+        const float* lp = lg;
 #pragma unroll
         for (int j = 0; j < CD_MERGE_GROUP; ++j) {
-            const bool live = base + j < num_states;
-            x[j] = live ? cd_ldcg(lse + (long long)(base + j) * lse_stride) * CD_LOG2E : CD_NEG_INF;
-            const typename EI::storage* src = o + (long long)(base + j) * o_stride + d0;
-#pragma unroll
-            for (int e = 0; e < NV; ++e) v[j][e] = (live && mine) ? EI::to_float(cd_ldcg(src + e)) : 0.f;
+            x[j] = cd_ldcg(lp);
+            cd_ldcg_vec<EI, NV>(op, v[j]);
+            if (j + 1 < left) {
+                op += o_stride;
+                lp += lse_stride;
+            }
         }
+        og += step * o_stride;
+        lg += step * lse_stride;
+#pragma unroll
+        for (int j = 0; j < CD_MERGE_GROUP; ++j) x[j] = j < left ? x[j] * CD_LOG2E : CD_NEG_INF;
         float mg = st.m;
 #pragma unroll
         for (int j = 0; j < CD_MERGE_GROUP; ++j) mg = fmaxf(mg, x[j]);
