@@ -234,10 +234,36 @@ cd_decode_split(const cd_decode_params p) {
 
         auto tile_start = [&](int i) { return chunk_start + (warp + i * NUM_WARPS) * TILE_N; };
         const unsigned long long policy = l2_evict_first_policy();
+        // Each lane copies the same slots of every tile: rows r0, r0 + RSTEP, … of 16-byte column
+        // c0. A whole tile is then one 64-bit pointer step per copy, with no per-row index math or
+        // masks (that math was half of the loop's instructions; docs/PERFORMANCE.md, v10); only a
+        // chunk's partial last tile takes the masked path below. (Rows of more than 32 chunks,
+        // float32 head_dim 256, always take the masked path.)
+        constexpr bool WALK = CPR <= 32;
+        constexpr int RSTEP = WALK ? 32 / CPR : 1;
+        const int r0 = lane / CPR, c0 = lane % CPR;
+        const long long k_rows = (long long)RSTEP * k_ss, v_rows = (long long)RSTEP * v_ss;
+        const long long k_tiles = (long long)NUM_WARPS * TILE_N * k_ss;  // from a warp's tile to its next
+        const long long v_tiles = (long long)NUM_WARPS * TILE_N * v_ss;
+        const elem_t* k_lane = kbase + (long long)(tile_start(0) + r0) * k_ss + c0 * EPC;  // tile 0
+        const elem_t* v_lane = vbase + (long long)(tile_start(0) + r0) * v_ss + c0 * EPC;
         auto load_tile = [&](int i, int stage) {
             const int t0 = tile_start(i);
             const u32 kdst = ring_u32 + stage * 2 * TILE_BYTES;
             const u32 vdst = kdst + TILE_BYTES;
+            if (WALK && t0 + TILE_N <= chunk_end) {
+                const elem_t* kp = k_lane + i * k_tiles;
+                const elem_t* vp = v_lane + i * v_tiles;
+#pragma unroll
+                for (int j = 0; j < TILE_N / RSTEP; ++j) {
+                    const int so = swz(r0 + j * RSTEP, c0) * 16;
+                    cp_async16_stream(kdst + so, kp, true, policy);
+                    cp_async16_stream(vdst + so, vp, true, policy);
+                    kp += k_rows;
+                    vp += v_rows;
+                }
+                return;
+            }
 #pragma unroll
             for (int j = 0; j < TILE_N * CPR / 32; ++j) {
                 const int cid = lane + 32 * j;
