@@ -17,7 +17,6 @@ from . import _validate as V
 
 _SPLIT_FILE, _SPLIT_KERNEL = "decode_split.cu", "cd_decode_split"
 _MERGE_FILE, _MERGE_KERNEL = "merge_states.cu", "cd_merge_states"
-_NULL = np.uint64(0)
 
 
 @functools.lru_cache(maxsize=None)
@@ -63,16 +62,6 @@ def _is_capturing(stream) -> bool:
         return bool(stream.is_capturing())
     except Exception:  # the query itself is illegal during some captures
         return True
-
-
-def _launch_merge(o_parts, lse_parts, out, lse_out, num_states: int, rows: int, head_dim: int,
-                  fn, launch: tuple[int, int, int]) -> None:
-    """merge_states.cu over ``rows`` rows; ``launch`` is _policy.merge_launch's answer."""
-    blocks, threads, warps_per_item = launch
-    _kernels.launch(fn, (blocks, 1, 1), (threads, 1, 1),
-                    (o_parts, lse_parts, out, _NULL if lse_out is None else lse_out,
-                     np.int32(num_states), np.int64(rows), np.int32(head_dim),
-                     np.int32(warps_per_item)))
 
 
 class DecodePlan:
@@ -159,7 +148,7 @@ class DecodePlan:
         self.merge = _policy.merge_mode(self.num_splits, rows_per_block, self.head_dim,
                                         self.config.num_warps, merge)
         rows = self.batch * self.num_heads
-        self._merge_fn = None
+        self._merge_call = None        # prepared launch of merge_states.cu (merge == "kernel")
         self.o_part = self.lse_part = self._counters = None
         self._counters_wait = None      # event of the counters' zero fill, until the first run
         self._counters_refill = False   # built during a capture: fill again before the first run
@@ -167,8 +156,12 @@ class DecodePlan:
             self.o_part = cupy.empty((self.num_splits, rows, self.head_dim), cupy.float32)
             self.lse_part = cupy.empty((self.num_splits, rows), cupy.float32)
             if self.merge == "kernel":
-                self._merge_fn = _merge_function("float32", self.dtype, self.head_dim)
-                self._merge_launch = _policy.merge_launch(rows, self.head_dim, self.num_splits)
+                blocks, threads, warps_per_item = _policy.merge_launch(rows, self.head_dim,
+                                                                       self.num_splits)
+                self._merge_call = _kernels.StructLaunch(
+                    _merge_function("float32", self.dtype, self.head_dim), (blocks, 1, 1),
+                    (threads, 1, 1), 0, _MERGE_PARAMS, _MERGE_OFFSETS)
+                self._merge_static = (self.num_splits, rows, self.head_dim, warps_per_item)
             else:
                 # Arrival counters of the fused merge; the last arrival wraps its own back to 0,
                 # so they must start at 0, and one that starts non-zero stays wrong for every
@@ -260,10 +253,9 @@ class DecodePlan:
             q.data.ptr, k.data.ptr, v.data.ptr, 0 if seqlens is None else seqlens.data.ptr,
             *self._part_ptrs, out.data.ptr, 0 if lse is None else lse.data.ptr, self._counter_ptr,
             *strides, seqlen_all, *self._static, scale * _policy.LOG2E)
-        if self._merge_fn is not None:
-            _launch_merge(self.o_part, self.lse_part, out, lse, self.num_splits,
-                          self.batch * self.num_heads, self.head_dim, self._merge_fn,
-                          self._merge_launch)
+        if self._merge_call is not None:
+            self._merge_call(stream.ptr, *self._part_ptrs, out.data.ptr,
+                             0 if lse is None else lse.data.ptr, *self._merge_static)
 
 
 # Byte layout of struct cd_decode_params in kernels/decode_split.cu: 9 pointers, 10 int64 strides,
@@ -271,6 +263,12 @@ class DecodePlan:
 # 4 bytes of padding.
 _PARAMS = struct.Struct("<9Q10q6if4x")
 assert _PARAMS.size == 184
+
+# Parameters of cd_merge_states in kernels/merge_states.cu, packed for a plan's prepared launch:
+# o_parts, lse_parts, out, lse_out (pointers), num_states (int32), rows (int64), head_dim and
+# warps_per_item (int32); kernel parameter i starts at byte _MERGE_OFFSETS[i].
+_MERGE_PARAMS = struct.Struct("<4Qi4xqii")
+_MERGE_OFFSETS = (0, 8, 16, 24, 32, 40, 48, 52)
 
 
 _PLAN_CACHE: OrderedDict = OrderedDict()
@@ -372,7 +370,8 @@ def merge_states(o_parts, lse_parts):
     out = cupy.empty(rows_shape + (head_dim,), dt)
     lse = cupy.empty(rows_shape, cupy.float32)
     if rows:
-        _launch_merge(o, lse_in, out, lse, num_states, rows, head_dim,
-                      _merge_function(dt, dt, head_dim),
-                      _policy.merge_launch(rows, head_dim, num_states))
+        blocks, threads, warps_per_item = _policy.merge_launch(rows, head_dim, num_states)
+        _kernels.launch(_merge_function(dt, dt, head_dim), (blocks, 1, 1), (threads, 1, 1),
+                        (o, lse_in, out, lse, np.int32(num_states), np.int64(rows),
+                         np.int32(head_dim), np.int32(warps_per_item)))
     return out, lse

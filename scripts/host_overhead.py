@@ -1,4 +1,7 @@
-"""Where the host time of one eager call goes: µs per call of each layer, no synchronisation."""
+"""Where the host time of one eager call goes: µs per call of each layer, no synchronisation.
+
+Usage: python scripts/host_overhead.py [MODEL DTYPE SEQLEN]   (default llama-3-8b float16 1024)
+"""
 import sys
 
 import cupy as cp
@@ -15,12 +18,17 @@ def per_call(fn, n=40, batches=25):
     return host_time_cupy(lambda i: fn(), n=n, batches=batches)
 
 
-b, H, Hkv, D, L = 1, 32, 8, 128, 1024
-q = cp.random.standard_normal((b, H, D), dtype=cp.float32).astype(cp.float16)
-k = cp.random.standard_normal((b, L, Hkv, D), dtype=cp.float32).astype(cp.float16)
+from cupydecode.workloads import MODELS  # noqa: E402
+
+model, dtype, L = (sys.argv[1], sys.argv[2], int(sys.argv[3])) if len(sys.argv) > 3 else (
+    "llama-3-8b", "float16", 1024)
+b, H, Hkv, D = 1, MODELS[model].num_heads, MODELS[model].num_kv_heads, MODELS[model].head_dim
+q = cp.random.standard_normal((b, H, D), dtype=cp.float32).astype(dtype)
+k = cp.random.standard_normal((b, L, Hkv, D), dtype=cp.float32).astype(dtype)
 v = k.copy()
-plan = cd.DecodePlan(b, H, Hkv, D, L, "float16")
-out = cp.empty((b, H, D), cp.float16)
+plan = cd.DecodePlan(b, H, Hkv, D, L, dtype)
+print(f"{model} {dtype} b{b} x {L}: {plan.num_splits} splits, merge {plan.merge}")
+out = cp.empty((b, H, D), dtype)
 scale = 1 / np.sqrt(D)
 rows = {
     "flash_decode": lambda: cd.flash_decode(q, k, v),
@@ -28,7 +36,7 @@ rows = {
     "plan.run": lambda: plan.run(q, k, v),
     "plan._launch": lambda: plan._launch(q, k, v, None, L, scale, out, None),
     "check_decode_inputs": lambda: V.check_decode_inputs(q, k, v),
-    "cupy.empty": lambda: cp.empty((b, H, D), cp.float16),
+    "cupy.empty": lambda: cp.empty((b, H, D), dtype),
     "get_current_stream().ptr": lambda: cp.cuda.get_current_stream().ptr,
 }
 _vals = (q.data.ptr, k.data.ptr, v.data.ptr, 0, *plan._part_ptrs, out.data.ptr, 0,

@@ -84,7 +84,7 @@ def main():
     def partials_only(b, L):  # the split kernel writing partials, no merge at all
         splits = cd.DecodePlan(b, H, Hkv, D, L, "float16").num_splits  # as the base row
         p = cd.DecodePlan(b, H, Hkv, D, L, "float16", num_splits=splits, merge="kernel")
-        p._merge_fn = None
+        p._merge_call = None
         return p
 
     print(f"{'variant':24s}" + "".join(f"  b{b}x{L // 1024}k" for b, L in POINTS), flush=True)

@@ -29,3 +29,24 @@ def test_merge_kernel_warps_match_launch_policy():
 def test_fused_merge_pass_matches_policy():
     nv = _define("decode_split.cu", "MERGE_NV", r"constexpr int {name} = (\d+);")
     assert 32 * nv == P.FUSED_PASS
+
+
+def test_merge_kernel_parameters_match_prepared_launch():
+    """A plan launches merge_states.cu from packed bytes (decode._MERGE_PARAMS): its parameter
+    list, read from the source, must have the types and order the packing assumes."""
+    import struct
+
+    from cupydecode.decode import _MERGE_OFFSETS, _MERGE_PARAMS  # imports no CuPy
+
+    text = (KERNELS / "merge_states.cu").read_text()
+    params = re.search(r"cd_merge_states\(([^)]*)\)", text).group(1).split(",")
+    codes = ["Q" if "*" in p else "q" if "long long" in p else "i" for p in params]
+    assert codes == ["Q", "Q", "Q", "Q", "i", "q", "i", "i"]
+    offsets, at = [], 0
+    for c in codes:  # natural alignment, as the CUDA ABI lays the parameters out
+        size = struct.calcsize(c)
+        at = -(-at // size) * size
+        offsets.append(at)
+        at += size
+    assert tuple(offsets) == _MERGE_OFFSETS
+    assert _MERGE_PARAMS.format.lstrip("<") == "4Qi4xqii" and _MERGE_PARAMS.size == at

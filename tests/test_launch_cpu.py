@@ -77,3 +77,31 @@ def test_struct_launch_refuses_wrong_values(captured):
     with pytest.raises(struct.error):
         launch(0, *_values(1)[:-1])  # one value short
     assert all(c == ("free", 0) for c in captured)  # nothing launched
+
+
+def test_struct_launch_points_each_parameter_at_its_offset(monkeypatch):
+    """The merge kernel's prepared launch: kernelParams[i] must point at parameter i's bytes,
+    each read with the C type of cd_merge_states' parameter i."""
+    from cupy_backends.cuda.api import driver
+
+    import cupy
+    from cupydecode.decode import _MERGE_OFFSETS, _MERGE_PARAMS
+
+    ctypes_of = [ctypes.c_uint64] * 4 + [ctypes.c_int32, ctypes.c_int64, ctypes.c_int32, ctypes.c_int32]
+    seen = []
+
+    def fake_launch(func, gx, gy, gz, bx, by, bz, smem, stream, kernel_params, extra):
+        argv = ctypes.cast(kernel_params, ctypes.POINTER(ctypes.c_void_p))
+        seen.append(tuple(t.from_address(argv[i]).value for i, t in enumerate(ctypes_of)))
+
+    monkeypatch.setattr(driver, "launchKernel", fake_launch)
+    monkeypatch.setattr(cupy.cuda.runtime, "free", lambda ptr: None)
+    launch = _kernels.StructLaunch(_FakeKernel(), (3, 1, 1), (256, 1, 1), 0, _MERGE_PARAMS,
+                                   _MERGE_OFFSETS)
+    values = (0x7F0000001000, 0x7F0000002000, 0x7F0000003000, 0, 37, (1 << 33) + 5, 128, 4)
+    launch(0x99, *values)
+    launch(0x99, *values[:4], 5, 7, 64, 1)
+    assert seen == [values, values[:4] + (5, 7, 64, 1)]
+    assert len(_MERGE_OFFSETS) == len(ctypes_of)
+    with pytest.raises(ValueError, match="offsets"):
+        _kernels.StructLaunch(_FakeKernel(), (1, 1, 1), (32, 1, 1), 0, _MERGE_PARAMS, (0, 56))
