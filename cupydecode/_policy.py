@@ -27,8 +27,9 @@ LOG2E = 1.4426950408889634  # the kernels take softmax_scale · log2(e) (scores 
 # Any split plan ends in a merge whose fixed tail (partials out, arrival count, merge) costs
 # ~2–3 µs on the H200, the time to stream ~8 MB at ~4.5 TB/s: charged to every plan with s > 1.
 MERGE_OVERHEAD_BYTES = 8 * 2**20
-# On top, a merge is a chain of dependent L2 round trips (~1–1.3 µs each on the H200, ~5 MB of
-# streaming at full speed): a warp takes 16 partials of one pass of a row per trip. The fused
+# On top, a merge is a chain of dependent L2 round trips (~1–1.3 µs each on the H200 as these
+# costs were calibrated, ~5 MB of streaming at full speed; ~0.6 µs since the merge issues its
+# loads back to back, docs/PERFORMANCE.md v10): a warp takes 16 partials of a row's pass per trip. The fused
 # merge (the last block of a KV head) has only that block's warps, so it is used only where it
 # takes one trip per warp (merge_mode); otherwise merge_states.cu runs as a second kernel, which
 # spreads rows, passes and groups of 16 partials over many warps (one trip each up to
