@@ -71,70 +71,30 @@ def _cuda_version(v: int) -> str:
 
 # ---------------------------------------------------------------------------- read ceiling
 
-# Read-only bandwidth probe. Each thread streams 16-byte (uint4) loads with a grid-stride loop,
-# four independent loads in flight per iteration, and XOR-folds them so the loads cannot be
-# removed; each block writes one word. No writes to speak of, so the result is the read ceiling
-# that a decode kernel (which only reads K and V) can hope for.
-_CEILING_SRC = r"""
-extern "C" __global__ void cd_read_ceiling(const uint4* __restrict__ src, unsigned long long n,
-                                           unsigned int* __restrict__ out) {
-    const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
-    unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
-    unsigned int acc = 0;
-    for (; i + 3 * stride < n; i += 4 * stride) {
-        const uint4 a = src[i], b = src[i + stride], c = src[i + 2 * stride], d = src[i + 3 * stride];
-        acc ^= a.x ^ a.y ^ a.z ^ a.w ^ b.x ^ b.y ^ b.z ^ b.w;
-        acc ^= c.x ^ c.y ^ c.z ^ c.w ^ d.x ^ d.y ^ d.z ^ d.w;
-    }
-    for (; i < n; i += stride) {
-        const uint4 a = src[i];
-        acc ^= a.x ^ a.y ^ a.z ^ a.w;
-    }
-    for (int o = 16; o > 0; o >>= 1) acc ^= __shfl_xor_sync(0xffffffffu, acc, o);
-    __shared__ unsigned int warp_acc[32];
-    if ((threadIdx.x & 31) == 0) warp_acc[threadIdx.x >> 5] = acc;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        unsigned int r = 0;
-        for (int w = 0; w < (int)(blockDim.x >> 5); ++w) r ^= warp_acc[w];
-        out[blockIdx.x] = r;
-    }
-}
-"""
-
-
 def measure_read_ceiling(nbytes: int = 2 << 30, trials: int = 10) -> dict:
-    """HBM read bandwidth in GB/s (1e9 B/s): best block count, median of ``trials`` each.
+    """HBM read bandwidth in GB/s (1e9 B/s) of kernels/read_ceiling.cu over ``nbytes`` of random
+    data: the best of 2, 4 and 8 blocks per SM, each the median of ``trials`` timed launches.
 
     Returns {"gbps", "nbytes", "us", "blocks_per_sm"}. Uses a smaller buffer if free memory is
     short (the buffer must still be far larger than L2 for the number to mean anything).
     """
     import cupy
 
+    from ._kernels import get_function, launch
+    from .decode import _sm_count
+
     free = cupy.cuda.runtime.memGetInfo()[0]
     nbytes = int(min(nbytes, free // 4)) // (16 << 20) * (16 << 20)
     if nbytes <= 0:
         raise MemoryError("not enough free GPU memory to measure the read ceiling")
-    kernel = cupy.RawKernel(_CEILING_SRC, "cd_read_ceiling")
+    kernel = get_function("read_ceiling.cu", "cd_read_ceiling", {})  # kernels/read_ceiling.cu
     # Random bytes, not a constant: never time on data a memory system could compress.
     buf = cupy.random.randint(0, 2**31 - 1, size=nbytes // 4, dtype=cupy.int32)
-    sms = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["multiProcessorCount"]
     best = None
     for blocks_per_sm in (2, 4, 8):
-        grid = sms * blocks_per_sm
-        out = cupy.empty(grid, cupy.uint32)
-        args = (buf, np.uint64(nbytes // 16), out)
-        for _ in range(2):
-            kernel((grid,), (512,), args)
-        times = []
-        for _ in range(trials):
-            e0, e1 = cupy.cuda.Event(), cupy.cuda.Event()
-            e0.record()
-            kernel((grid,), (512,), args)
-            e1.record()
-            e1.synchronize()
-            times.append(cupy.cuda.get_elapsed_time(e0, e1) * 1e3)
-        us = statistics.median(times)
+        grid = _sm_count(cupy.cuda.Device().id) * blocks_per_sm
+        args = (buf, np.uint64(nbytes // 16), cupy.empty(grid, cupy.uint32))
+        us = stream_time_cupy(lambda i: launch(kernel, (grid, 1, 1), (512, 1, 1), args), 1, trials)[0]
         if best is None or us < best[0]:
             best = (us, blocks_per_sm)
     del buf
@@ -387,7 +347,7 @@ def _torch_views(torch, sets):
 def torch_sdpa_times(sets, w: Workload, scale: float, n_calls: int, check) -> dict:
     """GPU µs per call of torch SDPA with the cuDNN and FlashAttention-2 backends.
 
-    Returns {"torch_cudnn_us": (µs or None, note), "torch_flash_us": (...)}; a backend that
+    Returns {column: (µs or None, note)} for PEERS["torch"]'s columns; a backend that
     refuses these inputs gives None with the reason, never an exception.
     """
     import cupy
@@ -410,9 +370,9 @@ def torch_sdpa_times(sets, w: Workload, scale: float, n_calls: int, check) -> di
             warnings.simplefilter("ignore")
             return _timed_peer(torch, call, n_calls, check, w.dtype, col, lambda t: t.squeeze(2))
 
+    backends = (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION)
     results = {col: _peer_column(torch, col, lambda col=col, b=b: timed(col, b))
-               for col, b in (("torch_cudnn_us", SDPBackend.CUDNN_ATTENTION),
-                              ("torch_flash_us", SDPBackend.FLASH_ATTENTION))}
+               for col, b in zip(PEERS["torch"][2], backends)}
     del views
     torch.cuda.empty_cache()
     return results
@@ -484,14 +444,21 @@ def flashinfer_times(sets, w: Workload, scale: float, n_calls: int, check) -> di
         return _timed_peer(torch, call, n_calls, check, w.dtype, col)
 
     results = {col: _peer_column(torch, col, lambda col=col, tc=tc: timed(col, tc))
-               for col, tc in (("flashinfer_us", False), ("flashinfer_tc_us", True))}
+               for col, tc in zip(PEERS["flashinfer"][2], (False, True))}
     del tsets
     torch.cuda.empty_cache()
     return results
 
 
-PEERS = {"torch": (torch_available, torch_sdpa_times, ("torch_cudnn_us", "torch_flash_us")),
-         "flashinfer": (flashinfer_available, flashinfer_times, ("flashinfer_us", "flashinfer_tc_us"))}
+# Peers: name → (availability check, timing function, {result column: table label}). The one
+# place their columns are named: the timing functions fill them in this order (cuDNN then FA2;
+# FlashInfer's CUDA-core then tensor-core decode), rows and tables take them from here.
+PEERS = {
+    "torch": (torch_available, torch_sdpa_times,
+              {"torch_cudnn_us": "cuDNN µs", "torch_flash_us": "FA2 µs"}),
+    "flashinfer": (flashinfer_available, flashinfer_times,
+                   {"flashinfer_us": "FlashInfer µs", "flashinfer_tc_us": "FI-TC µs"}),
+}
 
 
 # ---------------------------------------------------------------------------- one point
@@ -519,8 +486,9 @@ def empty_row(w: Workload, model: str) -> dict:
         "kv_bytes": w.kv_bytes(), "buffer_sets": None, "ceiling_gbps": None, "floor_us": None,
         "eager_us": None, "host_us": None, "gpu_us": None, "gpu_us_p20": None, "gpu_us_p80": None, "gbps": None,
         "pct_of_floor": None, "split1_us": None, "speedup_vs_split1": None, "naive_us": None,
-        "speedup_vs_naive": None, "torch_cudnn_us": None, "torch_flash_us": None,
-        "flashinfer_us": None, "flashinfer_tc_us": None, "rel_err": None, "check": "",
+        "speedup_vs_naive": None,
+        **{col: None for _, _, cols in PEERS.values() for col in cols},
+        "rel_err": None, "check": "",
         "seed": w.seed, "skipped": "", "notes": "",
     }
 

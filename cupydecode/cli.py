@@ -318,11 +318,8 @@ def check(ctx, batch, seqlen, heads, kv_heads, head_dim, dtype, splits, seed, va
 
 # ---------------------------------------------------------------------------- bench
 
-PEER_LABELS = {"torch_cudnn_us": "cuDNN µs", "torch_flash_us": "FA2 µs",
-               "flashinfer_us": "FlashInfer µs", "flashinfer_tc_us": "FI-TC µs"}
-
-
-def _bench_columns(peer_cols) -> list[tuple[str, str, str]]:
+def _bench_columns(peer_cols: dict) -> list[tuple[str, str, str]]:
+    """Table columns (label, row key, format); ``peer_cols`` maps peer columns to labels."""
     cols = [("batch", "batch", "d"), ("seqlen", "seqlen", "d"), ("KV MB", "kv_mb", ".1f"),
             ("splits", "num_splits", "d"), ("floor µs", "floor_us", ".1f"),
             ("eager µs", "eager_us", ".1f"), ("host µs", "host_us", ".1f"),
@@ -330,7 +327,7 @@ def _bench_columns(peer_cols) -> list[tuple[str, str, str]]:
             ("p20–p80", "spread", "s"), ("GB/s", "gbps", ".0f"), ("% floor", "pct_of_floor", ".0f"),
             ("×split1", "speedup_vs_split1", ".2f"), ("naive µs", "naive_us", ".1f"),
             ("×naive", "speedup_vs_naive", ".1f")]
-    cols += [(PEER_LABELS[c], c, ".1f") for c in peer_cols]
+    cols += [(label, c, ".1f") for c, label in peer_cols.items()]
     cols.append(("check", "check", "s"))
     return cols
 
@@ -418,7 +415,7 @@ def bench(ctx, model, dtype, seqlens, batches, splits, baselines, csv_path, json
                            item_show_func=lambda w: w and f"B={w.batch} L={w.seqlen}") as bar:
         for w in bar:
             rows.append(B.bench_point(w, ceiling["gbps"], device["l2_bytes"], model, peers))
-    peer_cols = [c for name in peers for c in B.PEERS[name][2]]
+    peer_cols = {c: label for name in peers for c, label in B.PEERS[name][2].items()}
     done = [r for r in rows if not r["skipped"]]
     if done:
         for line in format_table([_bench_display(r) for r in done], _bench_columns(peer_cols)):

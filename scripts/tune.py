@@ -8,24 +8,23 @@ import dataclasses
 import sys
 
 import cupy as cp
-import numpy as np
 
 sys.path.insert(0, ".")
 import cupydecode as cd  # noqa: E402
 from cupydecode import _policy  # noqa: E402
-from cupydecode.bench import (buffer_sets_needed, graph_time_cupy, measure_read_ceiling,  # noqa: E402
-                              settle)
+from cupydecode.bench import (_subset_checker, buffer_sets_needed, graph_time_cupy,  # noqa: E402
+                              measure_read_ceiling, settle, torch_sdpa_times)
 from cupydecode.workloads import Workload, make_inputs  # noqa: E402
 
 L2 = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["l2CacheSize"]
 
 
 def make_sets(b, L, H, Hkv, D, dtype):
-    """KV bytes per call, and enough fresh (q, k, v) sets to exceed 4× L2 together (≥ 2), made
-    as the benchmark makes them."""
+    """KV bytes per call, and enough fresh (q, k, v, None) sets to exceed 4× L2 together (≥ 2),
+    made as the benchmark makes them (``plan.run(*s)`` takes a set as it is)."""
     w = Workload(batch=b, seqlen=L, num_heads=H, num_kv_heads=Hkv, head_dim=D, dtype=dtype)
     nsets = max(2, buffer_sets_needed(w, L2))
-    sets = [make_inputs(dataclasses.replace(w, seed=None))[:3] for _ in range(nsets)]
+    sets = [make_inputs(dataclasses.replace(w, seed=None)) for _ in range(nsets)]
     settle()  # the first variant timed would otherwise pay for the data generation
     return w.kv_bytes(), sets
 
@@ -34,36 +33,6 @@ def graph_time(fn_list, reps=10, trials=15):
     """Median GPU µs per call of the calls in ``fn_list`` (rotated), by graph replay."""
     n = max(reps, len(fn_list))
     return graph_time_cupy(lambda i: fn_list[i % len(fn_list)](), n, trials)[0]
-
-
-def torch_sdpa_us(sets, b, H, D):
-    import torch
-    import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    tsets = [(torch.from_dlpack(q).view(b, H, 1, D), torch.from_dlpack(k).permute(0, 2, 1, 3),
-              torch.from_dlpack(v).permute(0, 2, 1, 3)) for q, k, v in sets]
-    res = {}
-    for name, be in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("fa2", SDPBackend.FLASH_ATTENTION)):
-        with sdpa_kernel(be):
-            fns = [lambda t=t: F.scaled_dot_product_attention(*t, enable_gqa=True) for t in tsets]
-            for f in fns:
-                f()
-            torch.cuda.synchronize()
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                for i in range(10):
-                    fns[i % len(fns)]()
-            ts = []
-            for _ in range(15):
-                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                e0.record()
-                g.replay()
-                e1.record()
-                e1.synchronize()
-                ts.append(e0.elapsed_time(e1) * 1e3 / 10)
-        res[name] = float(np.median(ts))
-    return res
 
 
 def main():
@@ -90,8 +59,10 @@ def main():
         for S in ([] if quick else [1, 2, 4, 8, 16, 32, 64]):
             plans = [cd.DecodePlan(b, H, Hkv, D, L, dtype, num_splits=S) for _ in sets]
             row.append(f"S{S}:{graph_time([lambda p=p, s=s: p.run(*s) for p, s in zip(plans, sets)]):.1f}")
-        for name, us in torch_sdpa_us(sets, b, H, D).items():
-            row.append(f"{name}:{us:.1f}({100*floor/us:.0f}%)")
+        w = Workload(batch=b, seqlen=L, num_heads=H, num_kv_heads=Hkv, head_dim=D, dtype=dtype)
+        check = _subset_checker(w, *sets[0][:3])
+        for col, (us, note) in torch_sdpa_times(sets, w, D ** -0.5, 10, check).items():
+            row.append(f"{col}:{us:.1f}({100*floor/us:.0f}%)" if us else f"{col}: {note}")
         print("  ".join(row), flush=True)
         del sets
 

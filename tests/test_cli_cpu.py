@@ -106,9 +106,12 @@ def test_direct_softmax_overflows_lse_path_does_not():
     ["explain", "--head-dim", "300"],
 ])
 def test_bad_usage_exits_2(runner, no_gpu, args):
+    """Refused as usage errors before any GPU is looked for (the missing GPU also exits 2)."""
     result = runner.invoke(cli.main, args)
     assert result.exit_code == 2, result.output
     assert "Error" in result.output or "error" in result.output
+    assert "no usable GPU" not in result.output, result.output
+    assert args[-2] in result.output, result.output  # the message names the option
 
 
 @pytest.mark.parametrize("args", [["check"], ["check", "--model", "gpt-2", "--seqlen", "17"],

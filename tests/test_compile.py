@@ -55,6 +55,11 @@ def test_merge_kernel_compiles(nvrtc, in_dtype, out_dtype, vec, arch):
     _check_cubin(_kernels.compile_for_arch("merge_states.cu", defines, arch))
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_read_ceiling_probe_compiles(nvrtc, arch):
+    _check_cubin(_kernels.compile_for_arch("read_ceiling.cu", {}, arch))
+
+
 def test_compile_error_carries_the_log(nvrtc):
     cfg = _policy.split_kernel_config("float16", 128)
     bad = dict(cfg.defines(), ROWS=8)  # the kernel refuses ROWS != 16 with #error
@@ -87,5 +92,5 @@ def test_source_digest_tracks_defines():
 
 def test_kernel_dir_holds_the_sources():
     d = _kernels.kernel_dir()
-    for name in ("decode_split.cu", "merge_states.cu", "common.cuh"):
+    for name in ("decode_split.cu", "merge_states.cu", "common.cuh", "read_ceiling.cu"):
         assert (d / name).is_file(), d

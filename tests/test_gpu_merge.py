@@ -7,7 +7,8 @@ import pytest
 
 import cupydecode
 from cupydecode import reference as R
-from helpers import DTYPES, OUT_TOL, assert_lse_close, assert_out_close, context, randn, to_device
+from helpers import (DTYPES, OUT_TOL, assert_lse_close, assert_out_close, context, decode_inputs,
+                     randn, to_device)
 
 pytestmark = pytest.mark.gpu
 
@@ -123,9 +124,8 @@ def test_merge_of_decode_halves_equals_whole(cupy, rng, seed):
     """Cascade use: attention over two halves of a cache, merged, equals attention over all."""
     batch, num_heads, num_kv_heads, head_dim, length = 2, 16, 4, 128, 1500
     ctx = context(seed)
-    q = to_device(randn(rng, (batch, num_heads, head_dim), "float32"))
-    k = to_device(randn(rng, (batch, length, num_kv_heads, head_dim), "float32"))
-    v = to_device(randn(rng, (batch, length, num_kv_heads, head_dim), "float32"))
+    q, k, v = (to_device(x) for x in decode_inputs(rng, batch, num_heads, num_kv_heads, head_dim,
+                                                    length, "float32"))
     whole, whole_lse = cupydecode.flash_decode(q, k, v, return_lse=True)
     parts = [cupydecode.flash_decode(q, cupy.ascontiguousarray(k[:, a:b]),
                                      cupy.ascontiguousarray(v[:, a:b]), return_lse=True)
