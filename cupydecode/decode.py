@@ -271,6 +271,7 @@ _MERGE_PARAMS = struct.Struct("<4Qi4xqii")
 _MERGE_OFFSETS = (0, 8, 16, 24, 32, 40, 48, 52)
 
 
+_FLOAT32 = np.dtype(np.float32)
 _PLAN_CACHE: OrderedDict = OrderedDict()
 _PLAN_CACHE_SIZE = 16
 _PLAN_LOCK = threading.Lock()
@@ -287,16 +288,14 @@ def _thread_token() -> object:
     return token
 
 
-def _cached_plan(shape: dict, dtype: str, num_splits, split_size, stream: int) -> DecodePlan:
+def _cached_plan(shape: dict, dtype: str, num_splits, split_size, device: int,
+                 stream: int) -> DecodePlan:
     """Plans (and their workspaces) reused across eager calls of the same shape on one stream
-    (``stream``: the current stream's handle)."""
-    import cupy
-
+    (``device``: the current device, ``stream``: the current stream's handle)."""
     # The per-thread default stream has the same handle in every thread but is a different
     # stream in each: those plans (workspaces) must not be shared across threads.
     owner = _thread_token() if stream == _PER_THREAD_STREAM else None
-    key = (tuple(shape.values()), dtype, num_splits, split_size, cupy.cuda.runtime.getDevice(),
-           stream, owner)
+    key = (tuple(shape.values()), dtype, num_splits, split_size, device, stream, owner)
     with _PLAN_LOCK:  # threads may share the cache (not a plan: see the key)
         plan = _PLAN_CACHE.get(key)
         if plan is None:
@@ -338,10 +337,12 @@ def flash_decode(q, k_cache, v_cache, cache_seqlens=None, *, softmax_scale=None,
     scale = V.check_scale(softmax_scale, shape["head_dim"])
     num_splits, split_size = V.check_splits(num_splits, split_size)
     out_shape = (shape["batch"], shape["num_heads"], shape["head_dim"])
-    out = cupy.empty(out_shape, dt) if out is None else V.check_out(out, "out", out_shape, dt)
-    lse = cupy.empty(out_shape[:2], cupy.float32) if return_lse else None
+    # dtype objects, not names: CuPy parses a name on every call
+    out = cupy.empty(out_shape, q.dtype) if out is None else V.check_out(out, "out", out_shape, dt)
+    lse = cupy.empty(out_shape[:2], _FLOAT32) if return_lse else None
     stream = cupy.cuda.get_current_stream()
-    plan = _cached_plan(shape, dt, num_splits, split_size, stream.ptr)
+    # validation put q on the current device: its id, without asking the runtime again
+    plan = _cached_plan(shape, dt, num_splits, split_size, q.data.device_id, stream.ptr)
     plan._launch(q, k, v, seqlens, seqlen_all, scale, out, lse, stream)
     return (out, lse) if return_lse else out
 
