@@ -29,11 +29,11 @@ LOG2E = 1.4426950408889634  # the kernels take softmax_scale · log2(e) (scores 
 MERGE_OVERHEAD_BYTES = 8 * 2**20
 # On top, a merge is a chain of dependent L2 round trips (~1–1.3 µs each on the H200 as these
 # costs were calibrated, ~5 MB of streaming at full speed; ~0.6 µs since the merge issues its
-# loads back to back, docs/PERFORMANCE.md v10): a warp takes 16 partials of a row's pass per trip. The fused
-# merge (the last block of a KV head) has only that block's warps, so it is used only where it
-# takes one trip per warp (merge_mode); otherwise merge_states.cu runs as a second kernel, which
-# spreads rows, passes and groups of 16 partials over many warps (one trip each up to
-# 16 · MERGE_WARPS splits) at the cost of a second launch (~1 µs in a graph).
+# loads back to back, docs/PERFORMANCE.md v10): a warp takes 16 partials of a row's pass per
+# trip. The fused merge (the last block of a KV head) has only that block's warps, so it is used
+# only where it takes one trip per warp (merge_mode); otherwise merge_states.cu runs as a second
+# kernel, which spreads rows, passes and groups of 16 partials over many warps (one trip each up
+# to 16 · MERGE_WARPS splits) at the cost of a second launch (~1 µs in a graph).
 MERGE_TRIP_BYTES = 5 * 2**20
 MERGE_KERNEL_BYTES = 4 * 2**20
 MERGE_STATES_PER_TRIP = 16   # CD_MERGE_GROUP in kernels/common.cuh
