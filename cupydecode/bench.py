@@ -566,7 +566,7 @@ def bench_point(w: Workload, ceiling_gbps: float, l2_bytes: int, model: str = ""
         if peers:
             settle()  # the peers start from an idle GPU too, not right after the naive baseline
         for name in peers:
-            _, fn, cols = PEERS[name]
+            _, fn, _ = PEERS[name]
             if cupy.cuda.runtime.memGetInfo()[0] < MARGIN_BYTES:
                 notes.append(f"{name}: skipped, GPU memory is full")
                 continue

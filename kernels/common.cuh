@@ -219,8 +219,8 @@ __device__ __forceinline__ void cd_merge_store(const cd_merge_state<NV>& st,
 }
 
 // One pass of one row by one warp over all its states (every lane runs it: uniform control
-// flow; lanes past the end of the row only skip their Õ loads and stores). The row's LSE is
-// written by pass 0.
+// flow; lanes past the end of the row read the row's first elements and skip their stores). The
+// row's LSE is written by pass 0.
 template <typename EI, typename EO, int NV>
 __device__ __forceinline__ void cd_merge_row_pass(const typename EI::storage* __restrict__ o,
                                                   long long o_stride,

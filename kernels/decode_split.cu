@@ -241,6 +241,8 @@ cd_decode_split(const cd_decode_params p) {
         // float32 head_dim 256, always take the masked path.)
         constexpr bool WALK = CPR <= 32;
         constexpr int RSTEP = WALK ? 32 / CPR : 1;
+        static_assert(!WALK || (32 % CPR == 0 && TILE_N % RSTEP == 0),
+                      "the walking copy needs whole rows per 32 lanes and whole steps per tile");
         const int r0 = lane / CPR, c0 = lane % CPR;
         const long long k_rows = (long long)RSTEP * k_ss, v_rows = (long long)RSTEP * v_ss;
         const long long k_tiles = (long long)NUM_WARPS * TILE_N * k_ss;  // from a warp's tile to its next
