@@ -90,9 +90,9 @@ def measure_read_ceiling(nbytes: int = 2 << 30, trials: int = 10) -> dict:
     kernel = get_function("read_ceiling.cu", "cd_read_ceiling", {})  # kernels/read_ceiling.cu
     # Random bytes, not a constant: never time on data a memory system could compress.
     buf = cupy.random.randint(0, 2**31 - 1, size=nbytes // 4, dtype=cupy.int32)
-    best = None
+    sms, best = _sm_count(cupy.cuda.Device().id), None
     for blocks_per_sm in (2, 4, 8):
-        grid = _sm_count(cupy.cuda.Device().id) * blocks_per_sm
+        grid = sms * blocks_per_sm
         args = (buf, np.uint64(nbytes // 16), cupy.empty(grid, cupy.uint32))
         us = stream_time_cupy(lambda i: launch(kernel, (grid, 1, 1), (512, 1, 1), args), 1, trials)[0]
         if best is None or us < best[0]:

@@ -147,10 +147,11 @@ def splits_match_reference(cupy, q, k, v, cache_seqlens, ref_out, ref_lse, dtype
     """flash_decode with each split count (into a NaN-poisoned ``out``) against the float64
     reference; returns the (out, lse) of each, in the order of ``splits``."""
     results = []
+    dq, dk, dv = to_device(q), to_device(k), to_device(v)  # once, not per split count
     for s in splits:
         out = cupy.full(q.shape, np.nan, dtype=q.dtype)
-        got, lse = cupydecode.flash_decode(to_device(q), to_device(k), to_device(v), cache_seqlens,
-                                           num_splits=s, out=out, return_lse=True)
+        got, lse = cupydecode.flash_decode(dq, dk, dv, cache_seqlens, num_splits=s, out=out,
+                                           return_lse=True)
         assert_out_close(got, ref_out, OUT_TOL[dtype], f"splits={s} {ctx}")
         assert_lse_close(lse, ref_lse, LSE_TOL[dtype], f"splits={s} {ctx}")
         results.append((got, lse))
@@ -231,9 +232,9 @@ def test_transposed_cache(cupy, rng, seed, dtype):
     dk = to_device(k_bhsd).transpose(0, 2, 1, 3)
     dv = to_device(v_bhsd).transpose(0, 2, 1, 3)
     assert not dk.flags.c_contiguous
+    dq = to_device(q)
     for splits in (1, 3, None):
-        got, lse = cupydecode.flash_decode(to_device(q), dk, dv, lens, num_splits=splits,
-                                           return_lse=True)
+        got, lse = cupydecode.flash_decode(dq, dk, dv, lens, num_splits=splits, return_lse=True)
         assert_out_close(got, ref_out, OUT_TOL[dtype], f"splits={splits} {ctx}")
         assert_lse_close(lse, ref_lse, LSE_TOL[dtype], f"splits={splits} {ctx}")
 
@@ -271,10 +272,10 @@ def test_out_and_return_lse(cupy, rng, seed):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_softmax_scale(cupy, rng, seed, dtype):
     q, k, v = decode_inputs(rng, 2, 8, 2, 64, 300, dtype)
+    dq, dk, dv = to_device(q), to_device(k), to_device(v)
     for scale in (0.01, 0.5, 1.0):
         ctx = context(seed, dtype=dtype, scale=scale)
-        got, lse = cupydecode.flash_decode(to_device(q), to_device(k), to_device(v),
-                                           softmax_scale=scale, return_lse=True)
+        got, lse = cupydecode.flash_decode(dq, dk, dv, softmax_scale=scale, return_lse=True)
         ref_out, ref_lse = R.decode_attention(q, k, v, softmax_scale=scale)
         assert_out_close(got, ref_out, OUT_TOL[dtype], ctx)
         assert_lse_close(lse, ref_lse, LSE_TOL[dtype], ctx)
@@ -355,9 +356,10 @@ def test_many_forced_splits(cupy, rng, seed):
     q, k, v = decode_inputs(rng, 2, 8, 2, 64, 100, "float16")
     ctx = context(seed)
     ref_out, ref_lse = R.decode_attention(q, k, v, [100, 3])
+    dq, dk, dv = to_device(q), to_device(k), to_device(v)
     for splits in (7, 100, 333):
-        got, lse = cupydecode.flash_decode(to_device(q), to_device(k), to_device(v), [100, 3],
-                                           num_splits=splits, return_lse=True)
+        got, lse = cupydecode.flash_decode(dq, dk, dv, [100, 3], num_splits=splits,
+                                           return_lse=True)
         assert_out_close(got, ref_out, OUT_TOL["float16"], f"splits={splits} {ctx}")
         assert_lse_close(lse, ref_lse, LSE_TOL["float16"], f"splits={splits} {ctx}")
 

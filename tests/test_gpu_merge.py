@@ -38,8 +38,9 @@ def test_merge_matches_reference(cupy, rng, seed, dtype, shape):
     ctx = context(seed, dtype=dtype, shape=shape)
     o, lse = _states(rng, shape, dtype)
     ref_o, ref_lse = R.merge_states(o, lse)
-    got_o, got_lse = cupydecode.merge_states(to_device(o), to_device(lse))
-    assert got_o.dtype == to_device(o).dtype and got_o.shape == shape[1:], ctx
+    do = to_device(o)
+    got_o, got_lse = cupydecode.merge_states(do, to_device(lse))
+    assert got_o.dtype == do.dtype and got_o.shape == shape[1:], ctx
     assert got_lse.dtype == np.float32 and got_lse.shape == shape[1:-1], ctx
     assert_out_close(got_o, ref_o, OUT_TOL[dtype], ctx)
     assert_lse_close(got_lse, ref_lse, LSE_ATOL, ctx, rtol=1e-6)
@@ -111,8 +112,9 @@ def test_contiguous_views_at_any_alignment(cupy, rng, seed, dtype, offset):
     ctx = context(seed, dtype=dtype, offset=offset)
     o, lse = _states(rng, shape, dtype)
     ref_o, ref_lse = R.merge_states(o, lse)
-    flat = cupy.full(o.size + offset, np.nan, to_device(o).dtype)
-    flat[offset:] = to_device(o).ravel()
+    do = to_device(o)
+    flat = cupy.full(o.size + offset, np.nan, do.dtype)
+    flat[offset:] = do.ravel()
     view = flat[offset:].reshape(shape)
     assert view.flags.c_contiguous and (view.data.ptr % 16 == 0) == (offset == 0)
     got_o, got_lse = cupydecode.merge_states(view, to_device(lse))
