@@ -9,6 +9,7 @@ splits; then (unless --kernels-only) partials without the merge and fixed split 
 
 Usage: python scripts/variants.py [BxL,BxL,...] [--shapes WxS,...] [--head-dim D] [--kernels-only]
   --shapes 8x3,4x6   also time those block shapes (warps x stages) in place of the policy's
+  --sub 'LABEL|OLD|NEW'   also time the shipped source with OLD replaced by NEW (repeatable)
 """
 
 import sys
@@ -62,6 +63,10 @@ if "--shapes" in sys.argv:  # e.g. 8x3,4x6
     for ws in sys.argv[sys.argv.index("--shapes") + 1].split(","):
         w, st = (int(x) for x in ws.split("x"))
         VARIANTS[f"{w} warps x {st} stages"] = ({}, (w, st))
+for k, arg in enumerate(sys.argv):
+    if arg == "--sub":  # e.g. 'evict normal|L2::evict_first.b64|L2::evict_normal.b64'
+        label, old, new = sys.argv[k + 1].split("|")
+        VARIANTS[label] = ({old: new}, None)
 
 
 def main():
