@@ -5,7 +5,9 @@ Protocol (see BENCH.md):
     every time is compared with floor_us = bytes(K + V) / ceiling.
   * Two times per point: eager (host wall time of one ``flash_decode`` call, launch and
     synchronise included: what a plain Python caller sees) and GPU time per call from a CUDA
-    graph of several ``DecodePlan.run`` calls replayed 20 times (median, p20, p80).
+    graph of several ``DecodePlan.run`` calls replayed 20 times (median, p20, p80), every
+    replay and its start event queued behind a short spin kernel (:func:`hold_stream`) so that
+    the host's launch latency is not counted; peers are timed the same way.
   * Calls rotate among enough independent KV buffer sets that together they exceed 4× L2, so
     no call finds its cache in L2.
   * Data is fresh random data (seed recorded in the row); the timed configuration's output is
@@ -39,6 +41,7 @@ MAX_BUFFER_SETS = 256
 L2_FACTOR = 4              # rotate over more than this many L2's worth of KV
 MARGIN_BYTES = 512 << 20   # kept free for workspaces, cuBLAS, the reference
 SETTLE_S = 1.0             # idle time before a point is timed (settle)
+HOLD_NS = 200_000          # hold_stream: ≫ the host's time to queue a start event and a graph
 
 
 # ---------------------------------------------------------------------------- device facts
@@ -73,7 +76,8 @@ def _cuda_version(v: int) -> str:
 
 def measure_read_ceiling(nbytes: int = 2 << 30, trials: int = 10) -> dict:
     """HBM read bandwidth in GB/s (1e9 B/s) of kernels/read_ceiling.cu over ``nbytes`` of random
-    data: the best of 2, 4 and 8 blocks per SM, each the median of ``trials`` timed launches.
+    data: the best of 2, 4 and 8 blocks per SM, each the median of ``trials`` replays of a graph
+    of three launches, timed like every decode kernel (:func:`graph_time_cupy`).
 
     Returns {"gbps", "nbytes", "us", "blocks_per_sm"}. Uses a smaller buffer if free memory is
     short (the buffer must still be far larger than L2 for the number to mean anything).
@@ -94,7 +98,7 @@ def measure_read_ceiling(nbytes: int = 2 << 30, trials: int = 10) -> dict:
     for blocks_per_sm in (2, 4, 8):
         grid = sms * blocks_per_sm
         args = (buf, np.uint64(nbytes // 16), cupy.empty(grid, cupy.uint32))
-        us = stream_time_cupy(lambda i: launch(kernel, (grid, 1, 1), (512, 1, 1), args), 1, trials)[0]
+        us = graph_time_cupy(lambda i: launch(kernel, (grid, 1, 1), (512, 1, 1), args), 3, trials)[0]
         if best is None or us < best[0]:
             best = (us, blocks_per_sm)
     del buf
@@ -125,11 +129,30 @@ def _stats(times_us) -> tuple[float, float, float]:
     return float(np.median(a)), float(np.percentile(a, 20)), float(np.percentile(a, 80))
 
 
+def hold_stream(stream_ptr: int) -> None:
+    """Start kernels/hold.cu (a ~0.2 ms spin) on the raw CUDA stream ``stream_ptr`` (CuPy's or
+    torch's), so that what the host queues next starts only once it is all queued.
+
+    Every graph timing here records its start event behind this kernel. On an idle stream the
+    event would fire as soon as the host submits it, and the host's latency to submit the graph
+    launch would count as GPU time (measured on the H200, docs/PERFORMANCE.md v11: 0.2 µs per
+    call at batch 1 × 16k in graphs of 10 calls; 1.6% of the read-ceiling probe timed one launch
+    per event pair, which made every % of floor read that much high).
+    """
+    import cupy
+
+    from ._kernels import get_function
+
+    kernel = get_function("hold.cu", "cd_hold", {})  # kernels/hold.cu
+    kernel((1,), (1,), (np.uint64(HOLD_NS),), stream=cupy.cuda.ExternalStream(stream_ptr))
+
+
 def graph_time_cupy(call, n_calls: int, trials: int = GRAPH_TRIALS) -> tuple[float, float, float]:
     """GPU µs per call of ``call(i)``, i = 0..n_calls-1, captured in one CUDA graph.
 
     ``call`` launches work on the current CuPy stream. It is run once per i first (compiles,
-    allocates, initialises cuBLAS) on the capture stream, then captured and replayed.
+    allocates, initialises cuBLAS) on the capture stream, then captured and replayed, each
+    replay queued behind :func:`hold_stream` with its events.
     Temporaries that ``call`` allocates during capture go back to CuPy's pool and are written
     by every replay: nothing must be allocated between capture and the last replay.
     """
@@ -156,6 +179,7 @@ def graph_time_cupy(call, n_calls: int, trials: int = GRAPH_TRIALS) -> tuple[flo
         times = []
         for _ in range(trials):
             e0, e1 = cupy.cuda.Event(), cupy.cuda.Event()
+            hold_stream(stream.ptr)
             e0.record(stream)
             graph.launch(stream)
             e1.record(stream)
@@ -306,7 +330,8 @@ def flashinfer_available() -> str | None:
 
 
 def _torch_graph_time(torch, call, n_calls: int, trials: int = GRAPH_TRIALS):
-    """Like :func:`graph_time_cupy` with torch.cuda.CUDAGraph; returns (stats, first output)."""
+    """Like :func:`graph_time_cupy` (held stream too) with torch.cuda.CUDAGraph; returns
+    (stats, first output)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -323,6 +348,7 @@ def _torch_graph_time(torch, call, n_calls: int, trials: int = GRAPH_TRIALS):
     for _ in range(trials):
         e0 = torch.cuda.Event(enable_timing=True)
         e1 = torch.cuda.Event(enable_timing=True)
+        hold_stream(torch.cuda.current_stream().cuda_stream)
         e0.record()
         graph.replay()
         e1.record()

@@ -56,8 +56,9 @@ def test_merge_kernel_compiles(nvrtc, in_dtype, out_dtype, vec, arch):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_read_ceiling_probe_compiles(nvrtc, arch):
-    _check_cubin(_kernels.compile_for_arch("read_ceiling.cu", {}, arch))
+@pytest.mark.parametrize("filename", ["read_ceiling.cu", "hold.cu"])
+def test_benchmark_kernels_compile(nvrtc, filename, arch):
+    _check_cubin(_kernels.compile_for_arch(filename, {}, arch))
 
 
 def test_compile_error_carries_the_log(nvrtc):
@@ -92,5 +93,5 @@ def test_source_digest_tracks_defines():
 
 def test_kernel_dir_holds_the_sources():
     d = _kernels.kernel_dir()
-    for name in ("decode_split.cu", "merge_states.cu", "common.cuh", "read_ceiling.cu"):
+    for name in ("decode_split.cu", "merge_states.cu", "common.cuh", "read_ceiling.cu", "hold.cu"):
         assert (d / name).is_file(), d
