@@ -29,7 +29,8 @@ def _states(rng, shape, dtype, lse_range=20.0, empty_fraction=0.0):
 
 SHAPES = [(1, 4, 128), (2, 7, 64), (3, 5, 256), (7, 3, 5, 128), (33, 6, 64), (100, 2, 128),
           (4, 9, 5), (5, 3, 200), (2, 1, 1), (40, 3, 256), (300, 2, 128), (130, 3, 5),
-          (33, 5, 64), (20, 3, 128)]  # the last two leave warps of the last merge block idle
+          (33, 5, 64), (20, 3, 128),  # these two leave warps of the last merge block idle
+          (16, 3, 128), (32, 2, 256)]  # whole groups of 16 states (CD_MERGE_GROUP) only
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
