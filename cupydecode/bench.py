@@ -147,12 +147,14 @@ def hold_stream(stream_ptr: int) -> None:
     kernel((1,), (1,), (np.uint64(HOLD_NS),), stream=cupy.cuda.ExternalStream(stream_ptr))
 
 
-def graph_time_cupy(call, n_calls: int, trials: int = GRAPH_TRIALS) -> tuple[float, float, float]:
+def graph_time_cupy(call, n_calls: int, trials: int = GRAPH_TRIALS,
+                    hold: bool = True) -> tuple[float, float, float]:
     """GPU µs per call of ``call(i)``, i = 0..n_calls-1, captured in one CUDA graph.
 
     ``call`` launches work on the current CuPy stream. It is run once per i first (compiles,
     allocates, initialises cuBLAS) on the capture stream, then captured and replayed, each
-    replay queued behind :func:`hold_stream` with its events.
+    replay queued behind :func:`hold_stream` with its events (``hold=False``: recorded on an
+    idle stream, the protocol before v11, kept for scripts/timing_bias.py).
     Temporaries that ``call`` allocates during capture go back to CuPy's pool and are written
     by every replay: nothing must be allocated between capture and the last replay.
     """
@@ -179,7 +181,8 @@ def graph_time_cupy(call, n_calls: int, trials: int = GRAPH_TRIALS) -> tuple[flo
         times = []
         for _ in range(trials):
             e0, e1 = cupy.cuda.Event(), cupy.cuda.Event()
-            hold_stream(stream.ptr)
+            if hold:
+                hold_stream(stream.ptr)
             e0.record(stream)
             graph.launch(stream)
             e1.record(stream)

@@ -1,9 +1,10 @@
 """Does the host's graph-launch latency land inside the timed interval? (development tool)
 
-Times the same graphs three ways: events around one graph launch on an idle stream (the
-benchmark's protocol), the same with 4x the calls per graph, and with the stream held busy by a
-spin kernel while the events and the graph are queued (the GPU then reaches e0 with the graph
-already submitted). Also the read-ceiling probe: one launch per event pair vs held graphs.
+Times the same graphs four ways: events around one graph launch on an idle stream (the
+benchmark's protocol before v11), the same with 4x the calls per graph, and both with the stream
+held busy by bench.hold_stream's spin kernel while the events and the graph are queued (the GPU
+then reaches e0 with the graph already submitted). Also the read-ceiling probe: one launch per
+event pair (the bench before v11) vs graphs, idle and held.
 """
 import sys
 
@@ -13,40 +14,12 @@ import numpy as np
 sys.path.insert(0, ".")
 sys.path.insert(0, "scripts")
 import cupydecode as cd  # noqa: E402
-from cupydecode.bench import _stats, measure_read_ceiling  # noqa: E402
+from cupydecode.bench import graph_time_cupy, measure_read_ceiling, stream_time_cupy  # noqa: E402
 from tune import make_sets  # noqa: E402
-
-SPIN = cp.RawKernel(r'''
-extern "C" __global__ void spin(unsigned long long ns) {
-    unsigned long long t0, t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
-    do { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); } while (t - t0 < ns);
-}''', "spin")
 
 
 def graph_us(call, n_calls, hold, trials=20):
-    stream = cp.cuda.Stream(non_blocking=True)
-    with stream:
-        for i in range(n_calls):
-            call(i)
-        stream.synchronize()
-        stream.begin_capture()
-        for i in range(n_calls):
-            call(i)
-        graph = stream.end_capture()
-        graph.launch(stream)
-        stream.synchronize()
-        times = []
-        for _ in range(trials):
-            if hold:
-                SPIN((1,), (1,), (np.uint64(200_000),), stream=stream)
-            e0, e1 = cp.cuda.Event(), cp.cuda.Event()
-            e0.record(stream)
-            graph.launch(stream)
-            e1.record(stream)
-            e1.synchronize()
-            times.append(cp.cuda.get_elapsed_time(e0, e1) * 1e3 / n_calls)
-    return _stats(times)
+    return graph_time_cupy(call, n_calls, trials, hold=hold)
 
 
 def main():
@@ -63,7 +36,7 @@ def main():
              graph_us(call, n, True)[0], graph_us(call, 4 * n, True)[0]]
         print(f"b{b}x{L // 1024}k".ljust(10) + "".join(f" {x:9.2f}" for x in r), flush=True)
     ceil = measure_read_ceiling()
-    print("ceiling (bench, 1 launch per event pair):", ceil)
+    print("ceiling (bench since v11: graphs of 3 launches, held):", ceil)
     from cupydecode._kernels import get_function, launch
     from cupydecode.decode import _sm_count
     nbytes = ceil["nbytes"]
@@ -73,6 +46,8 @@ def main():
         grid = _sm_count(cp.cuda.Device().id) * bps
         args = (buf, np.uint64(nbytes // 16), cp.empty(grid, cp.uint32))
         call = lambda i: launch(kernel, (grid, 1, 1), (512, 1, 1), args)  # noqa: E731
+        us = stream_time_cupy(call, 1, 10)[0]  # the bench's probe timing before v11
+        print(f"  probe {bps}/SM one launch per event pair: {us:.1f} us = {nbytes / us / 1e3:.0f} GB/s")
         for n, hold in ((1, False), (1, True), (3, True)):
             us = graph_us(call, n, hold, trials=10)[0]
             print(f"  probe {bps}/SM graph of {n} hold={hold}: {us:.1f} us = {nbytes / us / 1e3:.0f} GB/s")
