@@ -136,7 +136,7 @@ def hold_stream(stream_ptr: int) -> None:
     Every graph timing here records its start event behind this kernel. On an idle stream the
     event would fire as soon as the host submits it, and the host's latency to submit the graph
     launch would count as GPU time (measured on the H200, docs/PERFORMANCE.md v11: 0.2 µs per
-    call at batch 1 × 16k in graphs of 10 calls; 1.6–2.4% of the read-ceiling probe timed one launch
+    call at batch 1 × 16k in graphs of 10 calls; 1.6–2.5% of the read-ceiling probe timed one launch
     per event pair, which made every % of floor read that much high).
     """
     import cupy
