@@ -129,22 +129,39 @@ def _stats(times_us) -> tuple[float, float, float]:
     return float(np.median(a)), float(np.percentile(a, 20)), float(np.percentile(a, 80))
 
 
-def hold_stream(stream_ptr: int) -> None:
-    """Start kernels/hold.cu (a ~0.2 ms spin) on the raw CUDA stream ``stream_ptr`` (CuPy's or
-    torch's), so that what the host queues next starts only once it is all queued.
+def hold_stream(stream) -> None:
+    """Start kernels/hold.cu (a ~0.2 ms spin) on the CuPy ``stream`` (or an ExternalStream
+    around torch's), so that what the host queues next starts only once it is all queued.
 
     Every graph timing here records its start event behind this kernel. On an idle stream the
     event would fire as soon as the host submits it, and the host's latency to submit the graph
     launch would count as GPU time (measured on the H200, docs/PERFORMANCE.md v11: 0.2 µs per
-    call at batch 1 × 16k in graphs of 10 calls; 1.6–2.5% of the read-ceiling probe timed one launch
-    per event pair, which made every % of floor read that much high).
+    call at batch 1 × 16k in graphs of 10 calls; 1.6–2.5% of the read-ceiling probe timed one
+    launch per event pair, which made every % of floor read that much high).
     """
-    import cupy
-
     from ._kernels import get_function
 
     kernel = get_function("hold.cu", "cd_hold", {})  # kernels/hold.cu
-    kernel((1,), (1,), (np.uint64(HOLD_NS),), stream=cupy.cuda.ExternalStream(stream_ptr))
+    kernel((1,), (1,), (np.uint64(HOLD_NS),), stream=stream)
+
+
+def _event_times(run, stream, n_calls: int, trials: int, hold: bool) -> tuple[float, float, float]:
+    """GPU µs per call of ``run()``, which queues ``n_calls`` calls on ``stream``: (median, p20,
+    p80) over ``trials`` event pairs on ``stream``, each queued behind :func:`hold_stream` if
+    ``hold``. The one timing loop of every GPU time the benchmark reports, ours and the peers'."""
+    import cupy
+
+    times = []
+    for _ in range(trials):
+        e0, e1 = cupy.cuda.Event(), cupy.cuda.Event()
+        if hold:
+            hold_stream(stream)
+        e0.record(stream)
+        run()
+        e1.record(stream)
+        e1.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(e0, e1) * 1e3 / n_calls)
+    return _stats(times)
 
 
 def graph_time_cupy(call, n_calls: int, trials: int = GRAPH_TRIALS,
@@ -178,18 +195,9 @@ def graph_time_cupy(call, n_calls: int, trials: int = GRAPH_TRIALS,
         graph = stream.end_capture()
         graph.launch(stream)
         stream.synchronize()
-        times = []
-        for _ in range(trials):
-            e0, e1 = cupy.cuda.Event(), cupy.cuda.Event()
-            if hold:
-                hold_stream(stream.ptr)
-            e0.record(stream)
-            graph.launch(stream)
-            e1.record(stream)
-            e1.synchronize()
-            times.append(cupy.cuda.get_elapsed_time(e0, e1) * 1e3 / n_calls)
+        stats = _event_times(lambda: graph.launch(stream), stream, n_calls, trials, hold)
     del graph
-    return _stats(times)
+    return stats
 
 
 def stream_time_cupy(call, n_calls: int, trials: int = GRAPH_TRIALS) -> tuple[float, float, float]:
@@ -201,19 +209,13 @@ def stream_time_cupy(call, n_calls: int, trials: int = GRAPH_TRIALS) -> tuple[fl
     import cupy
 
     stream = cupy.cuda.get_current_stream()
-    for i in range(n_calls):
-        call(i)
-    stream.synchronize()
-    times = []
-    for _ in range(trials):
-        e0, e1 = cupy.cuda.Event(), cupy.cuda.Event()
-        e0.record(stream)
+
+    def run():
         for i in range(n_calls):
             call(i)
-        e1.record(stream)
-        e1.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(e0, e1) * 1e3 / n_calls)
-    return _stats(times)
+    run()
+    stream.synchronize()
+    return _event_times(run, stream, n_calls, trials, hold=False)
 
 
 def _warmed_up(call):
@@ -335,6 +337,8 @@ def flashinfer_available() -> str | None:
 def _torch_graph_time(torch, call, n_calls: int, trials: int = GRAPH_TRIALS):
     """Like :func:`graph_time_cupy` (held stream too) with torch.cuda.CUDAGraph; returns
     (stats, first output)."""
+    import cupy
+
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -347,19 +351,12 @@ def _torch_graph_time(torch, call, n_calls: int, trials: int = GRAPH_TRIALS):
         outs = [call(i) for i in range(n_calls)]
     graph.replay()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(trials):
-        e0 = torch.cuda.Event(enable_timing=True)
-        e1 = torch.cuda.Event(enable_timing=True)
-        hold_stream(torch.cuda.current_stream().cuda_stream)
-        e0.record()
-        graph.replay()
-        e1.record()
-        e1.synchronize()
-        times.append(e0.elapsed_time(e1) * 1e3 / n_calls)
+    # events on the stream torch replays on, through the same loop as ours
+    stream = cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
+    stats = _event_times(graph.replay, stream, n_calls, trials, hold=True)
     first = outs[0].clone()
     del graph, outs
-    return _stats(times), first
+    return stats, first
 
 
 def _torch_views(torch, sets):
