@@ -180,11 +180,7 @@ class StructLaunch:
     def _slot(self):
         slot = getattr(self._local, "slot", None)
         if slot is None:
-            # A thread that has made no CUDA runtime call that needs a context has none current,
-            # and cuLaunchKernel would fail there; cudaFree(0) binds the device's context.
-            import cupy
-
-            cupy.cuda.runtime.free(0)
+            bind_context()  # cuLaunchKernel needs a context current in the launching thread
             buf = (ctypes.c_uint64 * (-(-self._layout.size // 8)))()   # 8-byte aligned
             base = ctypes.addressof(buf)
             argv = (ctypes.c_void_p * len(self._offsets))(*(base + o for o in self._offsets))
@@ -196,6 +192,18 @@ class StructLaunch:
         buf, _, argv = self._slot()
         self._layout.pack_into(buf, 0, *values)
         self._driver.launchKernel(self._func, *self._dims, stream_ptr, argv, 0)
+
+
+def bind_context() -> None:
+    """Make the current device's context current in the calling thread.
+
+    A thread that has made no CUDA runtime call that needs a context has none current, and the
+    driver calls made here directly (cuLaunchKernel, the occupancy query, function attributes)
+    would fail there with CUDA_ERROR_INVALID_CONTEXT; cudaFree(0) binds the device's context.
+    """
+    import cupy
+
+    cupy.cuda.runtime.free(0)
 
 
 # (id(fn), bytes, device) → fn: holding fn keeps its id from being reused by another function

@@ -118,6 +118,7 @@ class DecodePlan:
         self.head_tiles = _policy.head_tiles(self.group)
         rows_per_block = min(self.group, _policy.ROWS)  # query rows of one split block
         self.device_id = cupy.cuda.Device().id
+        _kernels.bind_context()  # the driver calls below (occupancy, attributes) need it
         smem_optin = _smem_per_block(self.device_id)
         smem_need = max(c.smem_bytes for c in _policy.split_kernel_configs(self.dtype, self.head_dim))
         if 0 < smem_optin < smem_need:

@@ -10,6 +10,7 @@ import numpy as np
 sys.path.insert(0, ".")
 import cupydecode as cd  # noqa: E402
 from cupydecode import _validate as V  # noqa: E402
+from cupydecode import decode as _decode  # noqa: E402
 from cupydecode.bench import host_time_cupy  # noqa: E402
 
 
@@ -29,6 +30,7 @@ v = k.copy()
 plan = cd.DecodePlan(b, H, Hkv, D, L, dtype)
 print(f"{model} {dtype} b{b} x {L}: {plan.num_splits} splits, merge {plan.merge}")
 out = cp.empty((b, H, D), dtype)
+_stream = cp.cuda.get_current_stream().ptr
 scale = 1 / np.sqrt(D)
 rows = {
     "flash_decode": lambda: cd.flash_decode(q, k, v),
@@ -38,10 +40,15 @@ rows = {
     "check_decode_inputs": lambda: V.check_decode_inputs(q, k, v),
     "cupy.empty": lambda: cp.empty((b, H, D), dtype),
     "get_current_stream().ptr": lambda: cp.cuda.get_current_stream().ptr,
+    "q.strides": lambda: q.strides,
+    "q.data.ptr": lambda: q.data.ptr,
+    "runtime.getDevice()": lambda: cp.cuda.runtime.getDevice(),
+    "seqlens+scale+splits": lambda: (V.check_seqlens(None, b, L), V.check_scale(None, D),
+                                     V.check_splits(None, None)),
+    "_cached_plan": lambda: _decode._cached_plan(plan._shape, dtype, None, None, 0, _stream),
 }
 _vals = (q.data.ptr, k.data.ptr, v.data.ptr, 0, *plan._part_ptrs, out.data.ptr, 0,
          plan._counter_ptr, *([0] * 10), L, *plan._static, 0.1)
-_stream = cp.cuda.get_current_stream().ptr
 rows["struct pack + driver launch"] = lambda: plan._split_launch(_stream, *_vals)
 triv3 = cp.RawKernel('extern "C" __global__ void t3(float* a, int n, float s) {}', "t3")
 args27 = ", ".join(f"long long a{i}" for i in range(24))

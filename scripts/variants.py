@@ -10,6 +10,7 @@ splits; then (unless --kernels-only) partials without the merge and fixed split 
 Usage: python scripts/variants.py [BxL,BxL,...] [--shapes WxS,...] [--head-dim D] [--kernels-only]
   --shapes 8x3,4x6   also time those block shapes (warps x stages) in place of the policy's
   --sub 'LABEL|OLD|NEW'   also time the shipped source with OLD replaced by NEW (repeatable)
+  --dir LABEL=PATH   also time the kernels of folder PATH (as a .prev*/ folder; repeatable)
 """
 
 import sys
@@ -66,6 +67,9 @@ if "--shapes" in sys.argv:  # e.g. 8x3,4x6
         w, st = (int(x) for x in ws.split("x"))
         VARIANTS[f"{w} warps x {st} stages"] = ({}, (w, st))
 for k, arg in enumerate(sys.argv):
+    if arg == "--dir":  # e.g. 'k then v=variant_kv' (a plain folder travels where .prev* may not)
+        label, path = sys.argv[k + 1].split("=", 1)
+        VARIANTS[label] = ({"@dir": str(Path(path).resolve())}, None)
     if arg == "--sub":  # e.g. 'evict normal|L2::evict_first.b64|L2::evict_normal.b64'
         label, old, new = sys.argv[k + 1].split("|")
         VARIANTS[label] = ({old: new}, None)

@@ -211,6 +211,38 @@ def test_plan_on_its_own_stream_many_replays(cupy, rng, seed):
     assert_lse_close(plan.lse, ref_lse, LSE_TOL["float16"], ctx)
 
 
+def test_fused_merge_many_launches_changing_lengths(cupy, rng, seed):
+    """The fused merge over many launches whose lengths change every time (splits past a length
+    sit idle), with the partials poisoned before each launch: a merging block that read a partial
+    before it was written, or a counter that did not come back to 0, would show. Every result is
+    bit-identical to that length's first one, which matches the reference."""
+    batch, num_heads, num_kv_heads, head_dim, max_seqlen, splits = 2, 8, 2, 64, 1024, 8
+    ctx = context(seed)
+    hq, hk, hv = decode_inputs(rng, batch, num_heads, num_kv_heads, head_dim, max_seqlen, "float16")
+    q, k, v = to_device(hq), to_device(hk), to_device(hv)
+    plan = cupydecode.DecodePlan(batch, num_heads, num_kv_heads, head_dim, max_seqlen, "float16",
+                                 num_splits=splits, merge="fused")
+    assert plan.merge == "fused", repr(plan)
+    lengths = (1024, 130, 1, 1000, 0, 640)  # 8, 2, 1, 8, 0 and 5 live splits of 128 tokens
+    first = {}
+    mismatches = []
+    for i in range(20 * len(lengths) + 1):
+        length = lengths[i % len(lengths)]
+        plan.o_part.fill(np.nan)  # a partial read before it is written would show
+        plan.lse_part.fill(np.nan)
+        out, lse = plan.run(q, k, v, length)
+        if length not in first:
+            ref_out, ref_lse = R.decode_attention(hq, hk, hv, length)
+            assert_out_close(out, ref_out, OUT_TOL["float16"], f"length={length} {ctx}")
+            assert_lse_close(lse, ref_lse, LSE_TOL["float16"], f"length={length} {ctx}")
+            first[length] = (out.copy(), lse.copy())
+        elif not (cupy.array_equal(out.view(cupy.uint16), first[length][0].view(cupy.uint16))
+                  and cupy.array_equal(lse.view(cupy.uint32), first[length][1].view(cupy.uint32))):
+            mismatches.append((i, length))
+    assert not mismatches, f"launches (index, length) that differ from the first: {mismatches[:10]} {ctx}"
+    assert not plan._counters.any(), ctx  # every counter back at 0 for the next launch
+
+
 def test_first_cuda_work_of_a_new_thread(cupy, rng, seed):
     """A thread whose first CUDA work is a launch (no context bound to it yet) still computes."""
     import threading
@@ -237,6 +269,44 @@ def test_first_cuda_work_of_a_new_thread(cupy, rng, seed):
     ref_out, _ = R.decode_attention(hq, hk, hv)
     assert_out_close(got["plan"], ref_out, OUT_TOL["float16"], f"plan.run {ctx}")
     assert_out_close(got["eager"], ref_out, OUT_TOL["float16"], f"flash_decode {ctx}")
+
+
+def test_plan_built_in_a_new_thread(cupy, rng, seed):
+    """A thread whose first CUDA work is building a plan with automatic splits (an occupancy
+    query and a shared-memory opt-in: driver calls that need a context bound to the thread),
+    or an eager call of a shape not seen before, still computes."""
+    import threading
+
+    from cupydecode import _kernels
+    from cupydecode import decode as D
+
+    ctx = context(seed)
+    hq, hk, hv = decode_inputs(rng, 1, 12, 3, 64, 777, "bfloat16")
+    q, k, v = to_device(hq), to_device(hk), to_device(hv)
+    cupy.cuda.Device().synchronize()
+    got = {}
+
+    def worker(kind):
+        try:  # the thread's first CUDA work:
+            if kind == "plan":
+                out = cupydecode.DecodePlan(1, 12, 3, 64, 777, "bfloat16").run(q, k, v)[0]
+            else:
+                out = cupydecode.flash_decode(q, k, v)
+            got[kind] = cupy.asnumpy(out)
+        except BaseException as exc:  # reported in the main thread
+            got[f"{kind} error"] = exc
+
+    for kind in ("plan", "eager"):
+        D._blocks_per_sm.cache_clear()  # so that the thread makes these driver calls itself
+        D._PLAN_CACHE.clear()
+        _kernels._smem_opted_in.clear()
+        t = threading.Thread(target=worker, args=(kind,))
+        t.start()
+        t.join()
+    assert not [k for k in got if "error" in k], repr(got)
+    ref_out, _ = R.decode_attention(hq, hk, hv)
+    assert_out_close(got["plan"], ref_out, OUT_TOL["bfloat16"], f"plan {ctx}")
+    assert_out_close(got["eager"], ref_out, OUT_TOL["bfloat16"], f"flash_decode {ctx}")
 
 
 def test_eager_plans_are_not_shared_across_per_thread_default_streams(cupy):
