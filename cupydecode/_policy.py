@@ -15,7 +15,7 @@ DTYPE_IDS = {"float16": 0, "bfloat16": 1, "float32": 2}
 ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 
-ROWS = 16     # query rows per block: a tile of the G query heads that share one KV head
+ROWS = 16     # query rows per M-tile (one mma M dimension) of the G query heads of a KV head
 TILE_N = 16   # tokens per warp tile
 SPLIT_GRANULE = 64   # chunk lengths are multiples of this (one 16-token tile per warp of a 4-warp block)
 MIN_CHUNK = 64       # one tile per warp: a split sweep on the H200 found 64-token chunks fastest at
@@ -50,17 +50,27 @@ class SplitKernelConfig:
     head_dim: int
     num_warps: int
     stages: int
+    m_tiles: int = 1  # M-tiles of 16 query rows per block; the warps are slots × m_tiles
 
     @property
     def threads(self) -> int:
         return 32 * self.num_warps
 
     @property
+    def slots(self) -> int:
+        """Token slots: K/V rings, each read by the slot's m_tiles warps."""
+        return self.num_warps // self.m_tiles
+
+    @property
+    def block_rows(self) -> int:
+        return ROWS * self.m_tiles
+
+    @property
     def smem_bytes(self) -> int:
         """Dynamic shared memory; mirrors SMEM_BYTES in decode_split.cu (checked there)."""
         es = ITEMSIZE[self.dtype]
-        q = ROWS * self.head_dim * es
-        pipe = self.num_warps * self.stages * 2 * TILE_N * self.head_dim * es
+        q = self.block_rows * self.head_dim * es
+        pipe = self.slots * self.stages * 2 * TILE_N * self.head_dim * es
         acc = self.num_warps * ROWS * (self.head_dim + 8) * 4  # rows padded (ACC_STRIDE)
         ml = 2 * self.num_warps * ROWS * 4
         return q + max(pipe, acc) + ml
@@ -73,6 +83,7 @@ class SplitKernelConfig:
             "STAGES": self.stages,
             "ROWS": ROWS,
             "TILE_N": TILE_N,
+            "MTILES": self.m_tiles,
         }
 
 
@@ -80,8 +91,37 @@ class SplitKernelConfig:
 LONG_CHUNK = 2048
 
 
-def split_kernel_config(dtype: str, head_dim: int, chunk_tokens: int = 0) -> SplitKernelConfig:
-    """Block shape for one specialisation: about 128 KB of K/V ring per block, one block per SM.
+# G > 16 query heads per KV head, 16-bit types: (token slots, most M-tiles, stages) per head_dim.
+# A block holds up to that many M-tiles of 16 rows, each computed by its own warp in every slot on
+# the slot's shared K/V tiles, so one block reads the KV head's chunk once for all its query
+# heads; the warps' register budget (one block of slots × M-tiles warps per SM) sets the most.
+# Measured on the H200 (docs/PERFORMANCE.md, v12): falcon-7b (71/1/64) b16 × 64k 201.9 µs with
+# one M-tile per block → 132.5 µs with 3 slots × 6 stages (166.4 with 2 × 8); 48/1/128 b16 × 16k
+# 58.2 → 44.0 µs with 2 × 4 (51.5 with 3 × 4).
+MTILE_SHAPES = {64: (3, 5, 6), 128: (2, 4, 4), 256: (1, 4, 4)}
+# A block of m M-tiles does m times the tile math of a one-M-tile block on each K/V tile (the
+# math, not the bytes, sets its pace), so it pays only where each block streams long enough for
+# that to outweigh spreading the head tiles' math over m times more SMs: with shorter chunks the
+# plan keeps one M-tile per block (falcon-7b b1 × 16k: 10.0 µs that way, 26 splits × 5 head
+# tiles; 11.0 with M-tiles, 128 splits of 128 tokens; b1 × 64k, 512 tokens: 18.6 vs 17.9).
+MTILE_MIN_CHUNK = 512
+
+
+def m_tiles(dtype: str, head_dim: int, group: int) -> int:
+    """M-tiles per block for ``group`` query heads per KV head: as few blocks per KV head as the
+    most M-tiles allow, their M-tiles spread evenly (e.g. G = 71 at head_dim 64: one block of 5).
+    A plan falls back to 1 where its chunks are shorter than MTILE_MIN_CHUNK."""
+    units = -(-group // ROWS)
+    if dtype == "float32" or units <= 1:
+        return 1
+    most = MTILE_SHAPES[head_dim][1]
+    return -(-units // -(-units // most))
+
+
+def split_kernel_config(dtype: str, head_dim: int, chunk_tokens: int = 0,
+                        m_tiles: int = 1) -> SplitKernelConfig:
+    """Block shape for one specialisation: about 128 KB of K/V ring per block, one block per SM
+    (with ``m_tiles`` > 1, 16-bit types only: the M-tile shape of MTILE_SHAPES).
 
     Each warp keeps STAGES-1 tiles of K and V in flight; 4 warps × 3 tile pairs of 8 KB (16-bit
     types, head_dim 128) is 96 KB in flight per SM, about 2× what covers HBM latency at an SM's
@@ -103,6 +143,12 @@ def split_kernel_config(dtype: str, head_dim: int, chunk_tokens: int = 0) -> Spl
         raise ValueError(f"unsupported dtype {dtype!r}")
     if head_dim not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"unsupported head_dim {head_dim}")
+    if m_tiles > 1:
+        slots, most, stages = MTILE_SHAPES.get(head_dim, (0, 0, 0))
+        if dtype == "float32" or m_tiles > most:
+            raise ValueError(f"no block shape of {m_tiles} M-tiles for {dtype} head_dim {head_dim}")
+        return SplitKernelConfig(dtype, head_dim, num_warps=slots * m_tiles, stages=stages,
+                                 m_tiles=m_tiles)
     if dtype == "float32":
         warps, stages = {64: (4, 4), 128: (4, 2), 256: (2, 2)}[head_dim]
     elif chunk_tokens >= LONG_CHUNK and head_dim in LONG_SHAPES:
@@ -118,12 +164,14 @@ LONG_SHAPES = {128: (8, 2)}
 
 def split_kernel_configs(dtype: str, head_dim: int) -> list[SplitKernelConfig]:
     """Every block shape a plan of this dtype and head_dim can use (for compile checks)."""
-    return list(dict.fromkeys(split_kernel_config(dtype, head_dim, c) for c in (0, LONG_CHUNK)))
+    most = 1 if dtype == "float32" else MTILE_SHAPES.get(head_dim, (0, 1, 0))[1]
+    return list(dict.fromkeys(split_kernel_config(dtype, head_dim, c, m)
+                              for m in range(1, most + 1) for c in (0, LONG_CHUNK)))
 
 
-def head_tiles(group: int) -> int:
-    """Blocks per KV head: one per 16 query heads of the group (1 for every G ≤ 16)."""
-    return -(-group // ROWS)
+def head_tiles(group: int, m_tiles: int = 1) -> int:
+    """Blocks per KV head: one per ``m_tiles`` · 16 query heads of the group."""
+    return -(-group // (ROWS * m_tiles))
 
 
 def chunk_for_splits(max_seqlen: int, num_splits: int) -> int:
@@ -189,7 +237,8 @@ def merge_cost_bytes(num_splits: int, rows_per_block: int, head_dim: int, num_wa
 def choose_num_splits(work_blocks: int, max_seqlen: int, num_sms: int, blocks_per_sm: int,
                       rows_per_block: int = ROWS, head_dim: int = 128, kv_itemsize: int = 2,
                       min_chunk: int = MIN_CHUNK, merge_warps: int = 4,
-                      merge: str = "auto", dtype: str | None = None) -> tuple[int, int]:
+                      merge: str = "auto", dtype: str | None = None,
+                      m_tiles: int = 1) -> tuple[int, int]:
     """Split count and chunk length for a grid of ``work_blocks`` (batch × kv_heads × head tiles).
 
     Returns ``(num_splits, chunk_tokens)``. Chunks are multiples of SPLIT_GRANULE tokens and at
@@ -201,8 +250,8 @@ def choose_num_splits(work_blocks: int, max_seqlen: int, num_sms: int, blocks_pe
     partials are written and read once: work_blocks · s · rows · (head_dim + 1) · 4 · 2 bytes,
     and the merge (fused or a second kernel, as merge_mode picks it for ``merge``) costs a fixed
     tail plus its serial L2 trips beyond the first. With ``dtype``, the fused merge's warps are
-    those of the block shape each candidate's chunk length selects (split_kernel_config);
-    without it, ``merge_warps``.
+    those of the block shape each candidate's chunk length (and ``m_tiles``) selects
+    (split_kernel_config); without it, ``merge_warps``.
     The smallest s within 3% of the best estimate wins (fewer partials, shorter merge).
 
     Worked example (H200: 132 SMs, 1 block/SM → 132 slots; llama-3-8b: 8 KV heads, G = 4):
@@ -232,7 +281,8 @@ def choose_num_splits(work_blocks: int, max_seqlen: int, num_sms: int, blocks_pe
         blocks = work_blocks * s
         eff = blocks / (math.ceil(blocks / slots) * slots)
         partial = 0 if s == 1 else work_blocks * s * rows_per_block * (head_dim + 1) * 8
-        warps = merge_warps if dtype is None else split_kernel_config(dtype, head_dim, chunk).num_warps
+        warps = (merge_warps if dtype is None
+                 else split_kernel_config(dtype, head_dim, chunk, m_tiles).num_warps)
         cost = (kv_bytes + partial) / eff + merge_cost_bytes(s, rows_per_block, head_dim, warps, merge)
         best.append((cost, s, chunk))
     if not best:

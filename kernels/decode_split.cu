@@ -14,13 +14,19 @@
 // (one token's heads are adjacent in memory: 2 KB rows at 8 heads × 128 × fp16) — measured 4–8%
 // faster than splits-fastest on large batches (docs/PERFORMANCE.md). Sibling head tiles of one KV
 // head (G > 16) are adjacent too, so they share the chunk through L2.
-// A block owns ROWS (16) query rows: query heads kv_head·G + head_tile·16 + r, r < 16 and < G.
-// All query heads of a KV head are in the block (for G ≤ 16), so each K/V byte is read once.
+// A block owns MTILES M-tiles of ROWS (16) query rows, BLOCK_ROWS in all: query heads
+// kv_head·G + head_tile·BLOCK_ROWS + r, r < BLOCK_ROWS and < G. All query heads of a KV head are
+// in the block where G ≤ BLOCK_ROWS (the host makes it so up to its largest MTILES), so each K/V
+// byte is read once.
 //
-// Block: NUM_WARPS warps. The chunk is cut into tiles of TILE_N tokens; warp w takes tiles
-// w, w + NUM_WARPS, ... (so the block streams contiguous memory), each through its own
-// STAGES-deep cp.async ring of K and V tiles in shared memory, and keeps its own online-softmax
-// state. The warps' states are merged once at the end (the same merge as kernel 2).
+// Block: NUM_WARPS warps = SLOTS token slots × MTILES M-tiles; warp w has M-tile w % MTILES and
+// slot w / MTILES. The chunk is cut into tiles of TILE_N tokens; slot t takes tiles t, t + SLOTS,
+// ... (so the block streams contiguous memory), each through its slot's STAGES-deep cp.async ring
+// of K and V tiles in shared memory. Every warp keeps its own online-softmax state for its
+// M-tile's 16 rows over its slot's tiles; the warps' states are merged once at the end (the same
+// merge as kernel 2). MTILES = 1 (G ≤ 16): each warp is a slot with a ring of its own. MTILES > 1
+// (G > 16): the slot's first warp loads each tile once and the slot's MTILES warps all compute
+// on it, meeting at a named barrier per tile.
 //
 // Two compute paths on the same pipeline:
 //   float16 / bfloat16: tensor cores (mma.m16n8k16, fp32 accumulate). S = Q·Kᵀ with the 16 query
@@ -44,19 +50,21 @@
 //   partials only (`counters` null): merge_states.cu runs next as a second kernel.
 //
 // Compile-time constants (prepended by cupydecode/_kernels.py, chosen by cupydecode/_policy.py):
-//   DTYPE_ID (0 f16, 1 bf16, 2 f32), HEAD_DIM, NUM_WARPS, STAGES, ROWS (16), TILE_N (16).
+//   DTYPE_ID (0 f16, 1 bf16, 2 f32), HEAD_DIM, NUM_WARPS, STAGES, ROWS (16), TILE_N (16), MTILES.
 #include "common.cuh"
 
 typedef cd_elem<DTYPE_ID> E;
 typedef E::storage elem_t;
 
 #define NUM_THREADS (NUM_WARPS * 32)
+#define SLOTS (NUM_WARPS / MTILES)          // token slots, each with its K/V ring
+#define BLOCK_ROWS (ROWS * MTILES)          // query rows of one block
 #define ES ((int)sizeof(elem_t))
 #define CPR (HEAD_DIM * ES / 16)            // 16-byte chunks per K/V/Q row
 #define EPC (16 / ES)                       // elements per 16-byte chunk
-#define TILE_BYTES (TILE_N * HEAD_DIM * ES) // one K (or V) tile of one warp
-#define Q_BYTES (ROWS * HEAD_DIM * ES)
-#define PIPE_BYTES (NUM_WARPS * STAGES * 2 * TILE_BYTES)
+#define TILE_BYTES (TILE_N * HEAD_DIM * ES) // one K (or V) tile of one slot
+#define Q_BYTES (BLOCK_ROWS * HEAD_DIM * ES)
+#define PIPE_BYTES (SLOTS * STAGES * 2 * TILE_BYTES)
 // Per-warp accumulators in shared memory, rows padded by 8 floats: the mma-layout float2 stores
 // (lanes g = 0..7 write rows g) would otherwise hit the same banks 8 times.
 #define ACC_STRIDE (HEAD_DIM + 8)
@@ -70,6 +78,12 @@ typedef E::storage elem_t;
 #endif
 #if ROWS != 16 || TILE_N != 16
 #error "the mma fragment layouts below assume ROWS == TILE_N == 16"
+#endif
+#if MTILES < 1 || NUM_WARPS % MTILES != 0 || SLOTS > 15 || STAGES < 2
+#error "NUM_WARPS must be a multiple of MTILES, with at most 15 slots (named barriers 1..15) and 2+ stages"
+#endif
+#if DTYPE_ID == 2 && MTILES != 1
+#error "the float32 path holds one M-tile per block"
 #endif
 
 // Rows of 128+ bytes put every row's chunk c in the same banks; XOR-ing the chunk index with
@@ -105,6 +119,11 @@ __device__ __forceinline__ void cp_async_commit() {
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" :: "n"(N) : "memory");
+}
+
+// The MTILES warps of token slot `slot` meet here (named barrier 1 + slot; 0 is __syncthreads').
+__device__ __forceinline__ void slot_barrier(int slot) {
+    asm volatile("bar.sync %0, %1;" :: "r"(1 + slot), "n"(32 * MTILES) : "memory");
 }
 
 __device__ __forceinline__ float warp_max16(float x) {  // over lanes sharing lane>>4
@@ -200,8 +219,9 @@ cd_decode_split(const cd_decode_params p) {
     const int split = blockIdx.y, head_tile = blockIdx.x % head_tiles;
     const int kv_head = blockIdx.x / head_tiles, b = blockIdx.z, batch = gridDim.z;
     const int num_kv_heads = gridDim.x / head_tiles, num_splits = gridDim.y;
-    const int row0 = head_tile * ROWS;                     // first row of this tile in the group
-    const int rows = min(ROWS, group - row0);              // live query rows in this block
+    const int row0 = head_tile * BLOCK_ROWS;               // first row of this tile in the group
+    const int rows = min(BLOCK_ROWS, group - row0);        // live query rows in this block
+    const int mt = warp % MTILES, slot = warp / MTILES;    // this warp's M-tile and token slot
     const int h0 = kv_head * group + row0;                 // first query head
 
     // The host sizes dynamic shared memory from the same constants; a mismatch must not
@@ -224,15 +244,16 @@ cd_decode_split(const cd_decode_params p) {
 
     if (chunk_start < chunk_end) {
         elem_t* sq = reinterpret_cast<elem_t*>(smem);
-        // ---------------------------------------------------------------- per-warp K/V ring
-        unsigned char* ring = smem + Q_BYTES + warp * (STAGES * 2 * TILE_BYTES);
+        // ---------------------------------------------------------------- per-slot K/V ring
+        unsigned char* ring = smem + Q_BYTES + slot * (STAGES * 2 * TILE_BYTES);
         const u32 ring_u32 = smem_u32(ring);
         const elem_t* kbase = k + b * k_sb + (long long)kv_head * k_sh;
         const elem_t* vbase = v + b * v_sb + (long long)kv_head * v_sh;
         const int n_tiles = (chunk_end - chunk_start + TILE_N - 1) / TILE_N;
-        const int my_tiles = warp < n_tiles ? (n_tiles - warp + NUM_WARPS - 1) / NUM_WARPS : 0;
+        const int my_tiles = slot < n_tiles ? (n_tiles - slot + SLOTS - 1) / SLOTS : 0;
+        const bool loader = mt == 0;  // the slot's warp that copies its tiles
 
-        auto tile_start = [&](int i) { return chunk_start + (warp + i * NUM_WARPS) * TILE_N; };
+        auto tile_start = [&](int i) { return chunk_start + (slot + i * SLOTS) * TILE_N; };
         const unsigned long long policy = l2_evict_first_policy();
         // Each lane copies the same slots of every tile: rows r0, r0 + RSTEP, … of 16-byte column
         // c0. A whole tile is then one 64-bit pointer step per copy, with no per-row index math or
@@ -245,8 +266,8 @@ cd_decode_split(const cd_decode_params p) {
                       "the walking copy needs whole rows per 32 lanes and whole steps per tile");
         const int r0 = lane / CPR, c0 = lane % CPR;
         const long long k_rows = (long long)RSTEP * k_ss, v_rows = (long long)RSTEP * v_ss;
-        const long long k_tiles = (long long)NUM_WARPS * TILE_N * k_ss;  // from a warp's tile to its next
-        const long long v_tiles = (long long)NUM_WARPS * TILE_N * v_ss;
+        const long long k_tiles = (long long)SLOTS * TILE_N * k_ss;  // from a slot's tile to its next
+        const long long v_tiles = (long long)SLOTS * TILE_N * v_ss;
         const elem_t* k_lane = kbase + (long long)(tile_start(0) + r0) * k_ss + c0 * EPC;  // tile 0
         const elem_t* v_lane = vbase + (long long)(tile_start(0) + r0) * v_ss + c0 * EPC;
         auto load_tile = [&](int i, int stage) {
@@ -280,13 +301,15 @@ cd_decode_split(const cd_decode_params p) {
 
         // Start streaming K/V first: the Q load and its barrier then overlap the first
         // tiles' latency instead of delaying it.
+        if (loader) {
 #pragma unroll
-        for (int i = 0; i < STAGES - 1; ++i) {
-            if (i < my_tiles) load_tile(i, i);
-            cp_async_commit();
+            for (int i = 0; i < STAGES - 1; ++i) {
+                if (i < my_tiles) load_tile(i, i);
+                cp_async_commit();
+            }
         }
         // ---------------------------------------------------------------- Q tile → shared
-        for (int i = tid; i < ROWS * CPR; i += NUM_THREADS) {
+        for (int i = tid; i < BLOCK_ROWS * CPR; i += NUM_THREADS) {
             const int r = i / CPR, c = i % CPR;
             uint4 val = make_uint4(0u, 0u, 0u, 0u);
             if (r < rows)
@@ -298,6 +321,24 @@ cd_decode_split(const cd_decode_params p) {
 #endif
         }
         __syncthreads();
+
+        // Tile i is in the ring for every warp of the slot when this returns, and the stage tile
+        // i + STAGES − 1 goes to (read in iteration i − 1) is free again, so it is loaded here.
+        auto next_tile = [&](int i) {
+            if constexpr (MTILES == 1) {  // the warp's own ring: load ahead, then wait; program order frees
+                if (i + STAGES - 1 < my_tiles) load_tile(i + STAGES - 1, (i + STAGES - 1) % STAGES);
+                cp_async_commit();
+                cp_async_wait<STAGES - 1>();
+                __syncwarp();
+            } else {  // shared by the slot's warps: the barrier shows the tile and frees the stage
+                if (loader) cp_async_wait<STAGES - 2>();
+                slot_barrier(slot);
+                if (loader) {
+                    if (i + STAGES - 1 < my_tiles) load_tile(i + STAGES - 1, (i + STAGES - 1) % STAGES);
+                    cp_async_commit();
+                }
+            }
+        };
 
 #if DTYPE_ID != 2
         // ================================================================ tensor-core path
@@ -319,15 +360,11 @@ cd_decode_split(const cd_decode_params p) {
 #pragma unroll
         for (int kk = 0; kk < HEAD_DIM / 16; ++kk)
             ldsm_x4(qf[kk][0], qf[kk][1], qf[kk][2], qf[kk][3],
-                    sq_u32 + swz(rowA, 2 * kk + offA) * 16);
+                    sq_u32 + swz(mt * ROWS + rowA, 2 * kk + offA) * 16);
 #endif
 
         for (int i = 0; i < my_tiles; ++i) {
-            if (i + STAGES - 1 < my_tiles) load_tile(i + STAGES - 1, (i + STAGES - 1) % STAGES);
-            cp_async_commit();
-            cp_async_wait<STAGES - 1>();
-            __syncwarp();
-
+            next_tile(i);
             const u32 ks = ring_u32 + (i % STAGES) * 2 * TILE_BYTES;
             const u32 vs = ks + TILE_BYTES;
             // S = Q·Kᵀ for 16 rows × 16 tokens: two n-tiles of 8 tokens.
@@ -341,7 +378,7 @@ cd_decode_split(const cd_decode_params p) {
                 mma16816(s[1], qf[kk], b2, b3);
 #else
                 u32 qa[4];
-                ldsm_x4(qa[0], qa[1], qa[2], qa[3], sq_u32 + swz(rowA, 2 * kk + offA) * 16);
+                ldsm_x4(qa[0], qa[1], qa[2], qa[3], sq_u32 + swz(mt * ROWS + rowA, 2 * kk + offA) * 16);
                 mma16816(s[0], qa, b0, b1);
                 mma16816(s[1], qa, b2, b3);
 #endif
@@ -395,7 +432,7 @@ cd_decode_split(const cd_decode_params p) {
                 mma16816(acc[2 * jj], pa, b0, b1);
                 mma16816(acc[2 * jj + 1], pa, b2, b3);
             }
-            __syncwarp();
+            if (MTILES == 1) __syncwarp();
         }
         cp_async_wait<0>();
         __syncthreads();  // every warp is done with the ring before it becomes sm_acc
@@ -431,11 +468,7 @@ cd_decode_split(const cd_decode_params p) {
             for (int i = 0; i < HEAD_DIM / 64; ++i) acc[r][i][0] = acc[r][i][1] = 0.f;
         }
         for (int i = 0; i < my_tiles; ++i) {
-            if (i + STAGES - 1 < my_tiles) load_tile(i + STAGES - 1, (i + STAGES - 1) % STAGES);
-            cp_async_commit();
-            cp_async_wait<STAGES - 1>();
-            __syncwarp();
-
+            next_tile(i);
             const float4* ks = reinterpret_cast<const float4*>(ring + (i % STAGES) * 2 * TILE_BYTES);
             const float* vs = reinterpret_cast<const float*>(ring + (i % STAGES) * 2 * TILE_BYTES + TILE_BYTES);
             float s[ROWS];
@@ -489,7 +522,7 @@ cd_decode_split(const cd_decode_params p) {
                     }
                 }
             }
-            __syncwarp();
+            __syncwarp();  // (MTILES is 1 here)
         }
         cp_async_wait<0>();
         __syncthreads();
@@ -514,24 +547,28 @@ cd_decode_split(const cd_decode_params p) {
     __syncthreads();
 
     // ---------------------------------------------------------------- merge the warps, write
-    // One thread per row turns the warps' (m, l) into final weights, in place: sm_l[w][r] becomes
-    // 2^(m_w − m) / l (0 for an empty row) and sm_m[0][r] the row's LSE (natural log).
+    // Block row R is row R % 16 of M-tile R / 16, held by that M-tile's warp in every slot:
+    // warps R / 16 + MTILES·t, t < SLOTS (the index of (warp, row) in sm_m, sm_l, sm_acc is below).
+    // One thread per row turns those warps' (m, l) into final weights, in place: sm_l[w][r]
+    // becomes 2^(m_w − m) / l (0 for an empty row) and s_lse[R] the row's LSE (natural log).
+    __shared__ float s_lse[BLOCK_ROWS];
+    auto wrow = [](int R, int t) { return (R / ROWS + t * MTILES) * ROWS + R % ROWS; };
     if (tid < rows) {
-        const int r = tid;
+        const int R = tid;
         float mmax = CD_NEG_INF;
 #pragma unroll
-        for (int w = 0; w < NUM_WARPS; ++w) mmax = fmaxf(mmax, sm_m[w * ROWS + r]);
+        for (int t = 0; t < SLOTS; ++t) mmax = fmaxf(mmax, sm_m[wrow(R, t)]);
         const float ref = (mmax == CD_NEG_INF) ? 0.f : mmax;
-        float sc[NUM_WARPS], l = 0.f;
+        float sc[SLOTS], l = 0.f;
 #pragma unroll
-        for (int w = 0; w < NUM_WARPS; ++w) {
-            sc[w] = cd_exp2(sm_m[w * ROWS + r] - ref);
-            l += sm_l[w * ROWS + r] * sc[w];
+        for (int t = 0; t < SLOTS; ++t) {
+            sc[t] = cd_exp2(sm_m[wrow(R, t)] - ref);
+            l += sm_l[wrow(R, t)] * sc[t];
         }
         const float inv = l > 0.f ? 1.f / l : 0.f;
 #pragma unroll
-        for (int w = 0; w < NUM_WARPS; ++w) sm_l[w * ROWS + r] = sc[w] * inv;
-        sm_m[r] = l > 0.f ? (mmax + log2f(l)) * CD_LN2 : CD_NEG_INF;
+        for (int t = 0; t < SLOTS; ++t) sm_l[wrow(R, t)] = sc[t] * inv;
+        s_lse[R] = l > 0.f ? (mmax + log2f(l)) * CD_LN2 : CD_NEG_INF;
     }
     __syncthreads();
     const long long bh0 = (long long)b * num_heads + h0;
@@ -540,29 +577,29 @@ cd_decode_split(const cd_decode_params p) {
             const int r = i / HEAD_DIM, d = i % HEAD_DIM;
             float o = 0.f;
 #pragma unroll
-            for (int w = 0; w < NUM_WARPS; ++w) {
-                const float wt = sm_l[w * ROWS + r];
-                o = wt != 0.f ? fmaf(wt, sm_acc[(w * ROWS + r) * ACC_STRIDE + d], o) : o;
+            for (int t = 0; t < SLOTS; ++t) {
+                const float wt = sm_l[wrow(r, t)];
+                o = wt != 0.f ? fmaf(wt, sm_acc[wrow(r, t) * ACC_STRIDE + d], o) : o;
             }
             out[b * out_sb + (long long)(h0 + r) * out_sh + d] = E::from_float(o);
-            if (lse_out && d == 0) lse_out[bh0 + r] = sm_m[r];
+            if (lse_out && d == 0) lse_out[bh0 + r] = s_lse[r];
         }
     } else {  // partials (float32, 16-byte aligned workspace): four elements per thread
         for (int i = tid; i < rows * (HEAD_DIM / 4); i += NUM_THREADS) {
             const int r = i / (HEAD_DIM / 4), d = (i % (HEAD_DIM / 4)) * 4;
             float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
-            for (int w = 0; w < NUM_WARPS; ++w) {
-                const float wt = sm_l[w * ROWS + r];
+            for (int t = 0; t < SLOTS; ++t) {
+                const float wt = sm_l[wrow(r, t)];
                 if (wt != 0.f) {
-                    const float4 a = *reinterpret_cast<const float4*>(sm_acc + (w * ROWS + r) * ACC_STRIDE + d);
+                    const float4 a = *reinterpret_cast<const float4*>(sm_acc + wrow(r, t) * ACC_STRIDE + d);
                     o.x = fmaf(wt, a.x, o.x); o.y = fmaf(wt, a.y, o.y);
                     o.z = fmaf(wt, a.z, o.z); o.w = fmaf(wt, a.w, o.w);
                 }
             }
             const long long row = (long long)split * batch * num_heads + bh0 + r;
             *reinterpret_cast<float4*>(o_part + row * HEAD_DIM + d) = o;
-            if (d == 0) lse_part[row] = sm_m[r];
+            if (d == 0) lse_part[row] = s_lse[r];
         }
     }
     if (!o_part || !counters) return;

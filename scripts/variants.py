@@ -49,8 +49,8 @@ def use(subs, shape):
             src = src.replace(old, new)
         return src
 
-    def config(dt, hd, chunk=0):
-        cfg = _orig_config(dt, hd, chunk)
+    def config(dt, hd, chunk=0, m_tiles=1):
+        cfg = _orig_config(dt, hd, chunk, m_tiles)
         return cfg if shape is None else _policy.SplitKernelConfig(dt, hd, *shape)
 
     _kernels.program_source = source

@@ -345,6 +345,37 @@ def test_gqa_and_mqa_layouts(cupy, rng, seed, dtype, num_heads, num_kv_heads):
     splits_match_reference(cupy, q, k, v, seqlens, ref_out, ref_lse, dtype, ctx)
 
 
+MTILE_LAYOUTS = [  # (num_heads, num_kv_heads, head_dim), G > 16: several M-tiles per block
+    (32, 1, 64), (71, 1, 64), (100, 1, 64), (48, 1, 128), (71, 1, 128), (40, 2, 256), (71, 1, 256),
+]
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", MTILE_LAYOUTS)
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_m_tile_layouts(cupy, rng, seed, dtype, num_heads, num_kv_heads, head_dim):
+    """More than 16 query heads per KV head: one block computes several M-tiles on shared K/V
+    tiles (one or two blocks per KV head, a partly or wholly padded last M-tile), direct output,
+    fused merge and merge kernel, ragged ends and an empty sequence."""
+    from cupydecode import _policy
+
+    batch, max_seqlen = 3, 3000
+    lens = [max_seqlen, 0, 1537]
+    group = num_heads // num_kv_heads
+    ctx = context(seed, dtype=dtype, heads=f"{num_heads}/{num_kv_heads}", head_dim=head_dim)
+    assert _policy.m_tiles(dtype, head_dim, group) > 1, ctx
+    # 1 and 3 splits stream ≥ MTILE_MIN_CHUNK tokens per block (M-tiles), 17 fewer (one M-tile)
+    shapes = [cupydecode.DecodePlan(batch, num_heads, num_kv_heads, head_dim, max_seqlen, dtype,
+                                    num_splits=s).m_tiles for s in (1, 3, 17)]
+    assert shapes[0] > 1 and shapes[1] > 1 and shapes[2] == 1, (shapes, ctx)
+    q, k, v = decode_inputs(rng, batch, num_heads, num_kv_heads, head_dim, max_seqlen, dtype)
+    k, v = nan_tail(k, lens), nan_tail(v, lens)
+    ref_out, ref_lse = R.decode_attention(q, k, v, lens)
+    seqlens = cupy.asarray(np.asarray(lens, np.int32))
+    for got, lse in splits_match_reference(cupy, q, k, v, seqlens, ref_out, ref_lse, dtype, ctx,
+                                           splits=(1, 3, 17, None)):
+        assert not cupy.any(got[1]) and bool(cupy.all(cupy.isneginf(lse[1]))), ctx
+
+
 def test_many_forced_splits(cupy, rng, seed):
     """More splits than tokens: most splits are empty and must merge to nothing."""
     q, k, v = decode_inputs(rng, 2, 8, 2, 64, 100, "float16")

@@ -108,6 +108,37 @@ def test_head_tiles():
 
 @pytest.mark.parametrize("dtype", list(P.DTYPE_IDS))
 @pytest.mark.parametrize("head_dim", P.SUPPORTED_HEAD_DIMS)
+def test_m_tiles(dtype, head_dim):
+    """G > 16: the fewest blocks per KV head the most M-tiles allow, the M-tiles spread evenly
+    over them, every query head in exactly one; float32 keeps one M-tile per block."""
+    most = 1 if dtype == "float32" else P.MTILE_SHAPES[head_dim][1]
+    for g in range(1, 300):
+        mt = P.m_tiles(dtype, head_dim, g)
+        tiles = P.head_tiles(g, mt)
+        units = -(-g // P.ROWS)
+        assert 1 <= mt <= most and tiles == -(-units // most), (g, mt, tiles)
+        assert (tiles - 1) * mt * P.ROWS < g <= tiles * mt * P.ROWS, (g, mt, tiles)
+        assert tiles * mt - units < tiles, (g, mt, tiles)  # no block has a spare M-tile to give
+        cfg = P.split_kernel_config(dtype, head_dim, m_tiles=mt)
+        assert cfg.m_tiles == mt and cfg.num_warps % mt == 0, (g, cfg)
+        assert cfg in P.split_kernel_configs(dtype, head_dim), (g, cfg)
+        if mt > 1:
+            assert cfg.threads <= 1024 and cfg.stages >= 2 and cfg.slots <= 15, cfg
+            assert cfg.smem_bytes <= SMEM_PER_BLOCK_MAX, cfg
+            assert P.split_kernel_config(dtype, head_dim, P.LONG_CHUNK, mt) == cfg
+    if dtype == "float32":
+        with pytest.raises(ValueError):
+            P.split_kernel_config(dtype, head_dim, m_tiles=2)
+    else:
+        with pytest.raises(ValueError):
+            P.split_kernel_config(dtype, head_dim, m_tiles=P.MTILE_SHAPES[head_dim][1] + 1)
+    if dtype != "float32" and head_dim == 64:
+        assert P.m_tiles(dtype, 64, 71) == 5 and P.head_tiles(71, 5) == 1  # falcon-7b: one block
+    assert P.m_tiles(dtype, head_dim, 16) == 1 and P.m_tiles(dtype, head_dim, 8) == 1
+
+
+@pytest.mark.parametrize("dtype", list(P.DTYPE_IDS))
+@pytest.mark.parametrize("head_dim", P.SUPPORTED_HEAD_DIMS)
 def test_split_kernel_config(dtype, head_dim):
     cfg = P.split_kernel_config(dtype, head_dim)
     assert cfg.dtype == dtype and cfg.head_dim == head_dim
@@ -138,7 +169,7 @@ def test_long_chunk_config(dtype, head_dim):
     ring = lambda c: c.num_warps * c.stages  # noqa: E731  (tiles of K and V per block)
     assert ring(long) == ring(short) and long.stages >= 2
     assert long.smem_bytes <= SMEM_PER_BLOCK_MAX
-    assert set(P.split_kernel_configs(dtype, head_dim)) == {short, long}
+    assert {c for c in P.split_kernel_configs(dtype, head_dim) if c.m_tiles == 1} == {short, long}
     if dtype != "float32" and head_dim == 128:
         assert (long.num_warps, long.stages) == (8, 2)
 
