@@ -252,6 +252,12 @@ cd_decode_split(const cd_decode_params p) {
         const int n_tiles = (chunk_end - chunk_start + TILE_N - 1) / TILE_N;
         const int my_tiles = slot < n_tiles ? (n_tiles - slot + SLOTS - 1) / SLOTS : 0;
         const bool loader = mt == 0;  // the slot's warp that copies its tiles
+        // With MTILES > 1, a slot with fewer tiles than the first meets its named barrier once
+        // more after its loop (an idle turn), so that every slot meets its barrier equally often.
+        // Each slot only ever waits for its own warps, so the synchronisation does not need it;
+        // compute-sanitizer's racecheck does: with unequal counts it reported hazards between
+        // accesses that a __syncthreads() separates (docs/PERFORMANCE.md, v12).
+        const int loop_tiles = MTILES == 1 ? my_tiles : (n_tiles + SLOTS - 1) / SLOTS;
 
         auto tile_start = [&](int i) { return chunk_start + (slot + i * SLOTS) * TILE_N; };
         const unsigned long long policy = l2_evict_first_policy();
@@ -434,6 +440,7 @@ cd_decode_split(const cd_decode_params p) {
             }
             if (MTILES == 1) __syncwarp();
         }
+        for (int i = my_tiles; i < loop_tiles; ++i) next_tile(i);  // the idle turn (MTILES > 1)
         cp_async_wait<0>();
         __syncthreads();  // every warp is done with the ring before it becomes sm_acc
 

@@ -5,14 +5,16 @@ layout's head tiles then each stream the chunk, as before M-tiles); graph replay
 Usage: python scripts/mtiles.py MODEL|H/HKV/D DTYPE BxL[,BxL...] [SLOTSxSTAGES,...] [--splits S,S,...]
   e.g. python scripts/mtiles.py falcon-7b float16 1x16384,16x16384 1x8,3x6 --splits 16,64
   (--splits: also each forced split count, for every shape)
+  --dir LABEL=PATH: also time the shipped shape with PATH/decode_split.cu (headers from kernels/)
 """
 
 import sys
+from pathlib import Path
 
 sys.path.insert(0, ".")
 sys.path.insert(0, "scripts")
 import cupydecode as cd  # noqa: E402
-from cupydecode import _policy  # noqa: E402
+from cupydecode import _kernels, _policy  # noqa: E402
 from cupydecode import decode as _decode  # noqa: E402
 from cupydecode.workloads import MODELS  # noqa: E402
 from tune import graph_time, make_sets  # noqa: E402
@@ -26,6 +28,11 @@ def main():
         H, Hkv, D = (int(x) for x in spec.split("/"))
     points = [tuple(int(x) for x in p.split("x")) for p in sys.argv[3].split(",")]
     args = sys.argv[4:]
+    dirs = []
+    while "--dir" in args:
+        k = args.index("--dir")
+        dirs.append(tuple(args[k + 1].split("=", 1)))
+        del args[k:k + 2]
     forced = []
     if "--splits" in args:
         forced = [int(x) for x in args[args.index("--splits") + 1].split(",")]
@@ -34,11 +41,23 @@ def main():
     shipped, m_tiles = _policy.MTILE_SHAPES[D], _policy.m_tiles
     variants = [("shipped", None)] + [(f"{a} slots x {b} stages", (a, b)) for a, b in shapes]
     variants.append(("one M-tile per block", "one"))
+    variants += [(label, ("dir", path)) for label, path in dirs]
+    shipped_source = _kernels.program_source
     data = {p: make_sets(*p, H, Hkv, D, dtype) for p in points}
     print(f"{spec} ({H}/{Hkv}/{D}) {dtype}: cells = us (splits, merge, m_tiles x head_tiles)")
     for label, v in variants:
         _policy.MTILE_SHAPES[D], _policy.m_tiles = shipped, m_tiles
-        if v == "one":
+        _kernels.program_source, _kernels._compiled = shipped_source, {}
+        if isinstance(v, tuple) and v[0] == "dir":
+            def source(filename, defines, path=v[1]):
+                if filename != "decode_split.cu":
+                    return shipped_source(filename, defines)
+                head = "".join(f"#define {k} {int(x)}\n" for k, x in sorted(defines.items()))
+                src = (Path(path) / filename).read_text()
+                return head + src.replace('#include "common.cuh"',
+                                          (_kernels.kernel_dir() / "common.cuh").read_text())
+            _kernels.program_source = source
+        elif v == "one":
             _policy.m_tiles = lambda *a: 1
         elif v is not None:
             _policy.MTILE_SHAPES[D] = (v[0], shipped[1], v[1])
@@ -54,6 +73,7 @@ def main():
                                                           f"{p.m_tiles}x{p.head_tiles})"))
         print(f"{label:22s} " + "  ".join(cells), flush=True)
     _policy.MTILE_SHAPES[D], _policy.m_tiles = shipped, m_tiles
+    _kernels.program_source = shipped_source
 
 
 if __name__ == "__main__":
