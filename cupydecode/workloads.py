@@ -193,7 +193,7 @@ def default_check_matrix() -> list[Workload]:
     """The built-in list run by ``cupydecode check``.
 
     Covers fp16 / bf16 / fp32; head_dim 64, 128, 256; GQA groups 1 (MHA), 2, 4, 7, 8 and MQA
-    (71 query heads on one KV head); lengths 1, 17, 255, 257, 4097 and 65536; variable lengths
+    (71 or 48 query heads on one KV head, also with blocks of several M-tiles); lengths 1, 17, 255, 257, 4097 and 65536; variable lengths
     with an empty sequence; forced 1 and 3 splits and automatic splits; and logits of ±1e4.
     Sizes are kept small enough that the float64 reference stays cheap (the whole list runs
     in seconds on an H200, most of it compilation on the first run).
@@ -209,6 +209,7 @@ def default_check_matrix() -> list[Workload]:
         W(2, 4097, 28, 4, 128, "float16", None, name="GQA 7"),
         W(2, 4097, 28, 4, 128, "float16", 3, name="GQA 7"),
         W(1, 4097, 71, 1, 64, "float16", None, name="MQA 71"),
+        W(2, 4097, 71, 1, 64, "float16", 3, name="MQA 71, M-tiles"),
         W(3, 257, 12, 12, 64, "float16", 3, name="MHA"),
         W(2, 4097, 16, 8, 256, "float16", None, name="head_dim 256"),
         W(1, 65536, 32, 8, 128, "float16", None, name="len 65536"),
@@ -220,6 +221,7 @@ def default_check_matrix() -> list[Workload]:
         W(3, 257, 28, 4, 128, "bfloat16", 1, name="GQA 7"),
         W(2, 17, 16, 8, 256, "bfloat16", 3, name="head_dim 256"),
         W(2, 255, 71, 1, 64, "bfloat16", None, name="MQA 71"),
+        W(2, 2000, 48, 1, 128, "bfloat16", 1, name="MQA 48, M-tiles"),
         W(3, 4097, 28, 4, 128, "bfloat16", 3, (4097, 0, 257), name="varlen + empty"),
         W(1, 65536, 8, 1, 128, "bfloat16", 3, name="len 65536"),
     ]

@@ -7,6 +7,7 @@ import re
 import numpy as np
 import pytest
 
+from cupydecode import _policy as P
 from cupydecode import cli, explain
 from cupydecode.workloads import MODELS, Workload, default_check_matrix, random_lengths
 
@@ -166,6 +167,10 @@ def test_default_matrix_covers_the_contract():
     assert any(w.lengths is not None and 0 in w.lengths for w in m)
     assert {1, 3, None} <= {w.num_splits for w in m}
     assert any(w.q_scale > 1000 for w in m)
+    # blocks of several M-tiles (G > 16, chunks of at least MTILE_MIN_CHUNK) in both 16-bit types
+    assert {w.dtype for w in m if w.num_splits
+            and P.m_tiles(w.dtype, w.head_dim, w.group) > 1
+            and P.chunk_for_splits(w.seqlen, w.num_splits) >= P.MTILE_MIN_CHUNK} == {"float16", "bfloat16"}
     # keep the float64 reference cheap: no cache above ~70M elements
     assert max(w.batch * w.seqlen * w.num_kv_heads * w.head_dim for w in m) <= 70_000_000
     for w in m:
