@@ -95,15 +95,15 @@ LONG_CHUNK = 2048
 # A block holds up to that many M-tiles of 16 rows, each computed by its own warp in every slot on
 # the slot's shared K/V tiles, so one block reads the KV head's chunk once for all its query
 # heads; the warps' register budget (one block of slots × M-tiles warps per SM) sets the most.
-# Measured on the H200 (docs/PERFORMANCE.md, v12): falcon-7b (71/1/64) b16 × 64k 201.9 µs with
-# one M-tile per block → 132.5 µs with 3 slots × 6 stages (166.4 with 2 × 8); 48/1/128 b16 × 16k
-# 58.2 → 44.0 µs with 2 × 4 (51.5 with 3 × 4).
+# Measured on the H200 (docs/PERFORMANCE.md, v12; automatic splits): falcon-7b (71/1/64)
+# b16 × 64k 201.9 µs with one M-tile per block → 133.3 µs with 3 slots × 6 stages (166.5 with
+# 2 × 8); 48/1/128 b16 × 16k 58.3 → 44.2 µs with 2 × 4 (51.6 with 3 × 4).
 MTILE_SHAPES = {64: (3, 5, 6), 128: (2, 4, 4), 256: (1, 4, 4)}
 # A block of m M-tiles does m times the tile math of a one-M-tile block on each K/V tile (the
 # math, not the bytes, sets its pace), so it pays only where each block streams long enough for
 # that to outweigh spreading the head tiles' math over m times more SMs: with shorter chunks the
 # plan keeps one M-tile per block (falcon-7b b1 × 16k: 10.0 µs that way, 26 splits × 5 head
-# tiles; 11.0 with M-tiles, 128 splits of 128 tokens; b1 × 64k, 512 tokens: 18.6 vs 17.9).
+# tiles; 11.1 with M-tiles, 128 splits of 128 tokens; b1 × 64k, 512 tokens: 18.6 vs 18.0).
 MTILE_MIN_CHUNK = 512
 
 
@@ -121,7 +121,8 @@ def m_tiles(dtype: str, head_dim: int, group: int) -> int:
 def split_kernel_config(dtype: str, head_dim: int, chunk_tokens: int = 0,
                         m_tiles: int = 1) -> SplitKernelConfig:
     """Block shape for one specialisation: about 128 KB of K/V ring per block, one block per SM
-    (with ``m_tiles`` > 1, 16-bit types only: the M-tile shape of MTILE_SHAPES).
+    (with ``m_tiles`` > 1, 16-bit types only: the M-tile shape of MTILE_SHAPES, 64–72 KB of ring;
+    the driver's occupancy calculator says how many such blocks an SM holds).
 
     Each warp keeps STAGES-1 tiles of K and V in flight; 4 warps × 3 tile pairs of 8 KB (16-bit
     types, head_dim 128) is 96 KB in flight per SM, about 2× what covers HBM latency at an SM's

@@ -139,7 +139,7 @@ class DecodePlan:
             if num_splits is not None:
                 self.num_splits = num_splits
                 self.chunk_tokens = _policy.chunk_for_splits(self.max_seqlen, num_splits)
-            elif split_size is None:  # occupancy of the shape (every shape fills an SM's smem)
+            elif split_size is None:  # from the occupancy of that block shape (the driver's)
                 default = _policy.split_kernel_config(self.dtype, self.head_dim, m_tiles=self.m_tiles)
                 self.num_splits, self.chunk_tokens = _policy.choose_num_splits(
                     self.batch * self.num_kv_heads * self.head_tiles, self.max_seqlen,
@@ -153,6 +153,8 @@ class DecodePlan:
         # The block shape depends on how long each block streams.
         self.config = _policy.split_kernel_config(self.dtype, self.head_dim, self.chunk_tokens,
                                                   self.m_tiles)
+        # the kernel maps head tiles to rows by its MTILES: the grid must be built for the same
+        assert self.config.m_tiles == self.m_tiles, (self.config, self.m_tiles)
         self.merge = _policy.merge_mode(self.num_splits, rows_per_block, self.head_dim,
                                         self.config.num_warps, merge)
         rows = self.batch * self.num_heads

@@ -79,8 +79,8 @@ typedef E::storage elem_t;
 #if ROWS != 16 || TILE_N != 16
 #error "the mma fragment layouts below assume ROWS == TILE_N == 16"
 #endif
-#if MTILES < 1 || NUM_WARPS % MTILES != 0 || SLOTS > 15 || STAGES < 2
-#error "NUM_WARPS must be a multiple of MTILES, with at most 15 slots (named barriers 1..15) and 2+ stages"
+#if MTILES < 1 || NUM_WARPS % MTILES != 0 || (MTILES > 1 && SLOTS > 15) || STAGES < 2
+#error "NUM_WARPS must be a multiple of MTILES, with 2+ stages and, for MTILES > 1, at most 15 slots (named barriers 1..15)"
 #endif
 #if DTYPE_ID == 2 && MTILES != 1
 #error "the float32 path holds one M-tile per block"
@@ -195,9 +195,10 @@ struct cd_decode_params {
 // (Fields are in falling alignment order, so there is no interior padding to drift.)
 static_assert(sizeof(cd_decode_params) == 184, "cd_decode_params: 184 bytes expected");
 
-// One block per SM by design (its shared memory alone fills most of an SM), so the register
-// budget is the whole SM's: stated as minBlocks = 1, ptxas no longer caps 256-thread shapes at
-// 128 registers (head_dim 64 spilled 24 bytes there) or spills the float32 path.
+// One block per SM by design for G ≤ 16 (its shared memory alone fills most of an SM), so the
+// register budget is the whole SM's: stated as minBlocks = 1, ptxas no longer caps 256-thread
+// shapes at 128 registers (head_dim 64 spilled 24 bytes there) or spills the float32 path. (Some
+// M-tile shapes leave room for a second block; the host asks the driver's occupancy calculator.)
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
 cd_decode_split(const cd_decode_params p) {
     const elem_t* __restrict__ q = p.q;

@@ -16,7 +16,9 @@ from tune import graph_time, make_sets  # noqa: E402
 b, L = int(sys.argv[1]), int(sys.argv[2])
 nw, st = int(sys.argv[3]), int(sys.argv[4])
 mode = sys.argv[5] if len(sys.argv) > 5 else "time"
-_policy.split_kernel_config = lambda dt, hd, chunk=0, m_tiles=1: _policy.SplitKernelConfig(dt, hd, nw, st)
+_orig_config = _policy.split_kernel_config
+_policy.split_kernel_config = lambda dt, hd, chunk=0, m_tiles=1: (  # M-tile shapes: the policy's
+    _orig_config(dt, hd, chunk, m_tiles) if m_tiles > 1 else _policy.SplitKernelConfig(dt, hd, nw, st))
 H, Hkv, D = 32, 8, 128
 nbytes, sets = make_sets(b, L, H, Hkv, D, "float16")
 if mode == "ncu":

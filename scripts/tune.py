@@ -46,8 +46,9 @@ def main():
         floor = nbytes / ceil_gbs / 1e3
         row = [f"b{b:<3d} L{L:<6d} floor {floor:6.1f}us"]
         for (nw, st) in [(4, 2), (4, 3), (4, 4), (8, 2), (8, 3), (2, 4)]:
-            _policy.split_kernel_config = (
-                lambda dt, hd, chunk=0, m_tiles=1, nw=nw, st=st: _policy.SplitKernelConfig(dt, hd, nw, st))
+            _policy.split_kernel_config = (  # the M-tile shapes (G > 16) stay the policy's
+                lambda dt, hd, chunk=0, m_tiles=1, nw=nw, st=st: orig(dt, hd, chunk, m_tiles)
+                if m_tiles > 1 else _policy.SplitKernelConfig(dt, hd, nw, st))
             try:
                 plans = [cd.DecodePlan(b, H, Hkv, D, L, dtype) for _ in sets]
                 us = graph_time([lambda p=p, s=s: p.run(*s) for p, s in zip(plans, sets)])

@@ -51,7 +51,7 @@ def use(subs, shape):
 
     def config(dt, hd, chunk=0, m_tiles=1):
         cfg = _orig_config(dt, hd, chunk, m_tiles)
-        return cfg if shape is None else _policy.SplitKernelConfig(dt, hd, *shape)
+        return cfg if shape is None or m_tiles > 1 else _policy.SplitKernelConfig(dt, hd, *shape)
 
     _kernels.program_source = source
     _policy.split_kernel_config = config

@@ -43,7 +43,7 @@ def _check_cubin(cubin: bytes):
 
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("cfg", SPLIT_CASES,
-                         ids=lambda c: f"{c.dtype}-D{c.head_dim}-{c.num_warps}w{c.stages}s")
+                         ids=lambda c: f"{c.dtype}-D{c.head_dim}-{c.num_warps}w{c.stages}s-m{c.m_tiles}")
 def test_split_kernel_compiles(nvrtc, cfg, arch):
     _check_cubin(_kernels.compile_for_arch("decode_split.cu", cfg.defines(), arch))
 

@@ -345,6 +345,25 @@ def test_gqa_and_mqa_layouts(cupy, rng, seed, dtype, num_heads, num_kv_heads):
     splits_match_reference(cupy, q, k, v, seqlens, ref_out, ref_lse, dtype, ctx)
 
 
+def test_m_tiles_chosen_automatically(cupy, rng, seed):
+    """Automatic splits pick blocks of several M-tiles where the chunks are long enough (falcon-7b
+    at batch 8 × 16k tokens: one block of 5 M-tiles per split) and one M-tile per block where
+    they are not (batch 1 × 16k); both match the reference."""
+    from cupydecode import _policy
+
+    ctx = context(seed)
+    for batch, want in ((8, 5), (1, 1)):
+        q, k, v = decode_inputs(rng, batch, 71, 1, 64, 16384, "float16")
+        plan = cupydecode.DecodePlan(batch, 71, 1, 64, 16384, "float16")
+        assert plan.m_tiles == want and plan.head_tiles == -(-71 // (16 * want)), (plan, ctx)
+        assert (plan.chunk_tokens >= _policy.MTILE_MIN_CHUNK) == (want > 1), (plan, ctx)
+        out = cupy.full(q.shape, np.nan, dtype=q.dtype)
+        got, lse = plan.run(to_device(q), to_device(k), to_device(v), out=out)
+        ref_out, ref_lse = R.decode_attention(q, k, v)
+        assert_out_close(got, ref_out, OUT_TOL["float16"], f"batch={batch} {ctx}")
+        assert_lse_close(lse, ref_lse, LSE_TOL["float16"], f"batch={batch} {ctx}")
+
+
 MTILE_LAYOUTS = [  # (num_heads, num_kv_heads, head_dim), G > 16: several M-tiles per block
     (32, 1, 64), (71, 1, 64), (100, 1, 64), (48, 1, 128), (71, 1, 128), (40, 2, 256), (71, 1, 256),
 ]
@@ -359,7 +378,7 @@ def test_m_tile_layouts(cupy, rng, seed, dtype, num_heads, num_kv_heads, head_di
     from cupydecode import _policy
 
     batch, max_seqlen = 3, 3000
-    lens = [max_seqlen, 0, 1537]
+    lens = [max_seqlen, 0, 2005]  # with 3 splits, 2005 leaves the third split 5 tokens: 1 tile
     group = num_heads // num_kv_heads
     ctx = context(seed, dtype=dtype, heads=f"{num_heads}/{num_kv_heads}", head_dim=head_dim)
     assert _policy.m_tiles(dtype, head_dim, group) > 1, ctx

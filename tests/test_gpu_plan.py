@@ -47,11 +47,13 @@ def test_plan_matches_flash_decode(cupy, rng, seed, dtype, splits):
 
 
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,splits",
-                         [(32, 8, 128, 7), (8, 1, 256, 40), (16, 2, 64, 20), (28, 4, 128, 33)])
+                         [(32, 8, 128, 7), (8, 1, 256, 40), (16, 2, 64, 20), (28, 4, 128, 33),
+                          (71, 1, 64, 3), (48, 1, 128, 3)])
 def test_merge_modes_agree(cupy, rng, seed, num_heads, num_kv_heads, head_dim, splits):
     """The fused last-block merge and the separate merge kernel give the same result: one and
     two passes of head_dim per row, one and several groups of 16 splits (several warps per row
-    in the kernel, several trips per warp in the fused merge)."""
+    in the kernel, several trips per warp in the fused merge), and blocks of several M-tiles
+    (G > 16: up to 80 rows merged by one block)."""
     batch, max_seqlen = 2, 5000
     ctx = context(seed, layout=(num_heads, num_kv_heads, head_dim), splits=splits)
     q, k, v = decode_inputs(rng, batch, num_heads, num_kv_heads, head_dim, max_seqlen, "bfloat16")
@@ -59,6 +61,8 @@ def test_merge_modes_agree(cupy, rng, seed, num_heads, num_kv_heads, head_dim, s
     plans = {m: cupydecode.DecodePlan(batch, num_heads, num_kv_heads, head_dim, max_seqlen,
                                       "bfloat16", num_splits=splits, merge=m) for m in MERGES}
     assert [plans[m].merge for m in MERGES] == list(MERGES), ctx
+    want_m_tiles = _policy.m_tiles("bfloat16", head_dim, num_heads // num_kv_heads)
+    assert all(p.m_tiles == want_m_tiles for p in plans.values()), ctx  # 5000 / splits ≥ 512
     refs = {}
     for length in (5000, 4321, 1, 0, 5000):  # repeated runs: the fused counters reset themselves
         if length not in refs:
