@@ -102,23 +102,27 @@ def compiled_specialisations() -> list[str]:
     return rows
 
 
-def compile_for_arch(filename: str, defines: dict[str, int], arch: str) -> bytes:
+def compile_for_arch(filename: str, defines: dict[str, int], arch: str,
+                     ptxas_info: bool = False) -> tuple[bytes, str]:
     """Compile one specialisation with NVRTC for ``arch`` (e.g. "sm_90") without any GPU.
 
-    Used by the tests to prove every kernel builds on a machine that has only NVRTC.
+    Returns ``(cubin, log)``: the compiler's log holds its warnings and, with ``ptxas_info``,
+    ptxas's resource use of each kernel (registers, spill bytes). Used by the tests to prove
+    every kernel builds, without warnings or register spills, on a machine that has only NVRTC.
     Raises RuntimeError with the compiler log on failure.
     """
     from cupy_backends.cuda.libs import nvrtc
 
     src = program_source(filename, defines)
     prog = nvrtc.createProgram(src, filename, [], [])
+    options = [f"-arch={arch}", *COMPILE_OPTIONS, *(("-Xptxas", "-v") if ptxas_info else ())]
     try:
         try:
-            nvrtc.compileProgram(prog, [f"-arch={arch}", *COMPILE_OPTIONS])
+            nvrtc.compileProgram(prog, options)
         except Exception as exc:  # nvrtc.NVRTCError carries no log
             raise RuntimeError(f"NVRTC failed for {filename} {defines} ({arch}):\n"
                                f"{nvrtc.getProgramLog(prog)}") from exc
-        return nvrtc.getCUBIN(prog)
+        return nvrtc.getCUBIN(prog), nvrtc.getProgramLog(prog)
     finally:
         nvrtc.destroyProgram(prog)
 

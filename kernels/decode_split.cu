@@ -463,6 +463,7 @@ cd_decode_split(const cd_decode_params p) {
         }
 #else
         // ================================================================ float32 path
+        (void)loop_tiles;  // one M-tile per block here: no slot ever idles
         // Scores: lane owns token (lane & 15) and half (lane >> 4) of the head dimension.
         // P·V: lane owns dims 2·lane + 64·i (float2), i < HEAD_DIM / 64.
         const int tn = lane & 15, hf = lane >> 4;

@@ -37,28 +37,40 @@ SPLIT_CASES = [cfg for dt in _policy.DTYPE_IDS for d in _policy.SUPPORTED_HEAD_D
 MERGE_CASES = list(itertools.product(range(3), range(3), (1, 4)))
 
 
-def _check_cubin(cubin: bytes):
+# Register spills ptxas is known to make (bytes of spill stores), by (arch, dtype, head_dim) of the
+# split kernel: the float32 head_dim-256 shape on sm_90 (docs/PERFORMANCE.md, v9). Any other spill
+# is a regression: the decode kernels run at the memory's pace only while they keep up.
+KNOWN_SPILLS = {("sm_90", "float32", 256): 8}
+
+
+def _check_build(result, allowed_spill: int = 0):
+    """A cubin, a log without compiler warnings, and no more spill bytes than allowed."""
+    cubin, log = result
     assert isinstance(cubin, (bytes, bytearray)) and cubin[:4] == b"\x7fELF"
+    assert "warning" not in log.lower(), log
+    spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", log)]
+    assert spills and max(spills) <= allowed_spill, log  # (ptxas reports every kernel)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("cfg", SPLIT_CASES,
                          ids=lambda c: f"{c.dtype}-D{c.head_dim}-{c.num_warps}w{c.stages}s-m{c.m_tiles}")
 def test_split_kernel_compiles(nvrtc, cfg, arch):
-    _check_cubin(_kernels.compile_for_arch("decode_split.cu", cfg.defines(), arch))
+    _check_build(_kernels.compile_for_arch("decode_split.cu", cfg.defines(), arch, ptxas_info=True),
+                 KNOWN_SPILLS.get((arch, cfg.dtype, cfg.head_dim), 0))
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("in_dtype,out_dtype,vec", MERGE_CASES)
 def test_merge_kernel_compiles(nvrtc, in_dtype, out_dtype, vec, arch):
     defines = {"IN_DTYPE": in_dtype, "OUT_DTYPE": out_dtype, "VEC": vec}
-    _check_cubin(_kernels.compile_for_arch("merge_states.cu", defines, arch))
+    _check_build(_kernels.compile_for_arch("merge_states.cu", defines, arch, ptxas_info=True))
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("filename", ["read_ceiling.cu", "hold.cu"])
 def test_benchmark_kernels_compile(nvrtc, filename, arch):
-    _check_cubin(_kernels.compile_for_arch(filename, {}, arch))
+    _check_build(_kernels.compile_for_arch(filename, {}, arch, ptxas_info=True))
 
 
 def test_compile_error_carries_the_log(nvrtc):
