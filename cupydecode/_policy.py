@@ -300,6 +300,30 @@ def fixed_split_size(max_seqlen: int, split_size: int) -> tuple[int, int]:
     return max(1, -(-max_seqlen // split_size)), split_size
 
 
+def plan_shape(dtype: str, head_dim: int, group: int, batch: int, num_kv_heads: int,
+               max_seqlen: int, num_sms: int, blocks_per_sm, num_splits: int | None = None,
+               split_size: int | None = None, merge: str = "auto") -> tuple[int, int, int]:
+    """``(m_tiles, num_splits, chunk_tokens)`` of a plan: the split count forced, fixed by
+    ``split_size``, or chosen by :func:`choose_num_splits` for the block shape of each candidate
+    ``m_tiles`` (``blocks_per_sm(config)``: resident blocks of that shape per SM, from the
+    driver). G > 16 takes several M-tiles per block (:func:`m_tiles`) where each block then
+    streams at least MTILE_MIN_CHUNK tokens, and one M-tile per block otherwise."""
+    for mt in dict.fromkeys((m_tiles(dtype, head_dim, group), 1)):
+        if num_splits is not None:
+            splits, chunk = num_splits, chunk_for_splits(max_seqlen, num_splits)
+        elif split_size is not None:
+            splits, chunk = fixed_split_size(max_seqlen, split_size)
+        else:
+            splits, chunk = choose_num_splits(
+                batch * num_kv_heads * head_tiles(group, mt), max_seqlen, num_sms,
+                blocks_per_sm(split_kernel_config(dtype, head_dim, m_tiles=mt)),
+                rows_per_block=min(group, ROWS * mt), head_dim=head_dim,
+                kv_itemsize=ITEMSIZE[dtype], merge=merge, dtype=dtype, m_tiles=mt)
+        if mt == 1 or chunk >= MTILE_MIN_CHUNK:
+            return mt, splits, chunk
+    raise AssertionError("unreachable: m_tiles 1 always returns")
+
+
 def merge_vec(head_dim: int) -> int:
     """Elements per thread in kernels/merge_states.cu."""
     return 4 if head_dim % 4 == 0 else 1

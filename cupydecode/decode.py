@@ -124,37 +124,20 @@ class DecodePlan:
                 f"cupydecode needs {smem_need} bytes of shared memory per block for "
                 f"{self.dtype} head_dim {self.head_dim}, but GPU {self.device_id} allows "
                 f"{smem_optin}: supported are GPUs with >= 160 KB per block (A100, H100, H200, B200)")
-        if split_size is not None:
-            self.num_splits, self.chunk_tokens = _policy.fixed_split_size(self.max_seqlen, split_size)
-            if self.num_splits > _policy.MAX_SPLITS:
-                V.fail(ValueError, "split_size",
-                       f"at least max_seqlen / {_policy.MAX_SPLITS} = "
-                       f"{-(-self.max_seqlen // _policy.MAX_SPLITS)}", split_size)
+        if (split_size is not None
+                and _policy.fixed_split_size(self.max_seqlen, split_size)[0] > _policy.MAX_SPLITS):
+            V.fail(ValueError, "split_size", f"at least max_seqlen / {_policy.MAX_SPLITS} = "
+                   f"{-(-self.max_seqlen // _policy.MAX_SPLITS)}", split_size)
 
-        # G > 16: several M-tiles per block where each block streams long enough (_policy.m_tiles,
-        # MTILE_MIN_CHUNK); the split count is chosen for the blocks of that shape.
-        for self.m_tiles in dict.fromkeys((_policy.m_tiles(self.dtype, self.head_dim, self.group), 1)):
-            self.head_tiles = _policy.head_tiles(self.group, self.m_tiles)
-            rows_per_block = min(self.group, _policy.ROWS * self.m_tiles)  # query rows of a block
-            if num_splits is not None:
-                self.num_splits = num_splits
-                self.chunk_tokens = _policy.chunk_for_splits(self.max_seqlen, num_splits)
-            elif split_size is None:  # from the occupancy of that block shape (the driver's)
-                default = _policy.split_kernel_config(self.dtype, self.head_dim, m_tiles=self.m_tiles)
-                self.num_splits, self.chunk_tokens = _policy.choose_num_splits(
-                    self.batch * self.num_kv_heads * self.head_tiles, self.max_seqlen,
-                    _sm_count(self.device_id), _blocks_per_sm(default, self.device_id),
-                    rows_per_block=rows_per_block, head_dim=self.head_dim,
-                    kv_itemsize=_policy.ITEMSIZE[self.dtype], merge=merge, dtype=self.dtype,
-                    m_tiles=self.m_tiles)
-            if self.m_tiles == 1 or self.chunk_tokens >= _policy.MTILE_MIN_CHUNK:
-                break
-
+        self.m_tiles, self.num_splits, self.chunk_tokens = _policy.plan_shape(
+            self.dtype, self.head_dim, self.group, self.batch, self.num_kv_heads, self.max_seqlen,
+            _sm_count(self.device_id), lambda cfg: _blocks_per_sm(cfg, self.device_id),
+            num_splits, split_size, merge)
+        self.head_tiles = _policy.head_tiles(self.group, self.m_tiles)
+        rows_per_block = min(self.group, _policy.ROWS * self.m_tiles)  # query rows of a block
         # The block shape depends on how long each block streams.
         self.config = _policy.split_kernel_config(self.dtype, self.head_dim, self.chunk_tokens,
                                                   self.m_tiles)
-        # the kernel maps head tiles to rows by its MTILES: the grid must be built for the same
-        assert self.config.m_tiles == self.m_tiles, (self.config, self.m_tiles)
         self.merge = _policy.merge_mode(self.num_splits, rows_per_block, self.head_dim,
                                         self.config.num_warps, merge)
         rows = self.batch * self.num_heads

@@ -137,6 +137,23 @@ def test_m_tiles(dtype, head_dim):
     assert P.m_tiles(dtype, head_dim, 16) == 1 and P.m_tiles(dtype, head_dim, 8) == 1
 
 
+def test_plan_shape_takes_m_tiles_only_where_chunks_are_long():
+    one = lambda cfg: 1  # noqa: E731  (blocks per SM of any shape)
+    # falcon-7b (71/1/64): batch 1 × 16k would give 128-token chunks to blocks of 5 M-tiles
+    assert P.plan_shape("float16", 64, 71, 1, 1, 16384, 132, one)[0] == 1
+    mt, _, chunk = P.plan_shape("float16", 64, 71, 16, 1, 16384, 132, one)
+    assert mt == 5 and chunk >= P.MTILE_MIN_CHUNK
+    # forced split counts and split sizes: their chunk length decides
+    assert P.plan_shape("float16", 64, 71, 2, 1, 3000, 132, one, num_splits=3) == (5, 3, 1000)
+    assert P.plan_shape("float16", 64, 71, 2, 1, 3000, 132, one, num_splits=17)[0] == 1
+    assert P.plan_shape("bfloat16", 128, 48, 2, 1, 3000, 132, one, split_size=128) == (1, 24, 128)
+    assert P.plan_shape("bfloat16", 128, 48, 2, 1, 3000, 132, one, split_size=1024) == (3, 3, 1024)
+    # G ≤ 16, and float32 at any G: one M-tile and choose_num_splits' split count
+    assert P.plan_shape("float16", 128, 4, 1, 8, 16384, 132, one) == (
+        1, *P.choose_num_splits(8, 16384, 132, 1, rows_per_block=4, dtype="float16"))
+    assert P.plan_shape("float32", 64, 71, 16, 1, 16384, 132, one)[0] == 1
+
+
 @pytest.mark.parametrize("dtype", list(P.DTYPE_IDS))
 @pytest.mark.parametrize("head_dim", P.SUPPORTED_HEAD_DIMS)
 def test_split_kernel_config(dtype, head_dim):
