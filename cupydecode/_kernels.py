@@ -41,24 +41,35 @@ def kernel_dir() -> Path:
     )
 
 
-def _inline(path: Path, seen: set[Path]) -> str:
+def _find(name: str, directories: tuple[Path, ...]) -> Path:
+    """The first of ``directories`` that holds the file ``name`` (the last one if none does)."""
+    return next((d / name for d in directories if (d / name).is_file()), directories[-1] / name)
+
+
+def _inline(path: Path, seen: set[Path], directories: tuple[Path, ...]) -> str:
     text = path.read_text()
 
     def repl(match: re.Match) -> str:
-        inc = (path.parent / match.group(1)).resolve()
+        inc = _find(match.group(1), directories).resolve()
         if inc in seen:
             return ""  # #pragma once semantics
         seen.add(inc)
-        return f"// ---- begin {match.group(1)}\n{_inline(inc, seen)}\n// ---- end {match.group(1)}"
+        return (f"// ---- begin {match.group(1)}\n{_inline(inc, seen, directories)}\n"
+                f"// ---- end {match.group(1)}")
 
     return _INCLUDE.sub(repl, text)
 
 
-def program_source(filename: str, defines: dict[str, int]) -> str:
-    """The complete source of one specialisation: defines, then the file with headers inlined."""
-    path = kernel_dir() / filename
+def program_source(filename: str, defines: dict[str, int], folder: Path | str | None = None) -> str:
+    """The complete source of one specialisation: defines, then the file with headers inlined.
+
+    With ``folder`` (for A/B of kernel variants), each file of the program that ``folder`` holds
+    is read from there, the others from :func:`kernel_dir`.
+    """
+    directories = (*([Path(folder)] if folder is not None else []), kernel_dir())
+    path = _find(filename, directories)
     head = "".join(f"#define {k} {int(v)}\n" for k, v in sorted(defines.items()))
-    return head + _inline(path, {path.resolve()})
+    return head + _inline(path, {path.resolve()}, directories)
 
 
 def source_digest(filename: str, defines: dict[str, int]) -> str:

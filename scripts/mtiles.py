@@ -5,11 +5,10 @@ layout's head tiles then each stream the chunk, as before M-tiles); graph replay
 Usage: python scripts/mtiles.py MODEL|H/HKV/D DTYPE BxL[,BxL...] [SLOTSxSTAGES,...] [--splits S,S,...]
   e.g. python scripts/mtiles.py falcon-7b float16 1x16384,16x16384 1x8,3x6 --splits 16,64
   (--splits: also each forced split count, for every shape)
-  --dir LABEL=PATH: also time the shipped shape with PATH/decode_split.cu (headers from kernels/)
+  --dir LABEL=PATH: also time the shipped shape with the kernel files PATH holds (others shipped)
 """
 
 import sys
-from pathlib import Path
 
 sys.path.insert(0, ".")
 sys.path.insert(0, "scripts")
@@ -48,15 +47,9 @@ def main():
     for label, v in variants:
         _policy.MTILE_SHAPES[D], _policy.m_tiles = shipped, m_tiles
         _kernels.program_source, _kernels._compiled = shipped_source, {}
-        if isinstance(v, tuple) and v[0] == "dir":
-            def source(filename, defines, path=v[1]):
-                if filename != "decode_split.cu":
-                    return shipped_source(filename, defines)
-                head = "".join(f"#define {k} {int(x)}\n" for k, x in sorted(defines.items()))
-                src = (Path(path) / filename).read_text()
-                return head + src.replace('#include "common.cuh"',
-                                          (_kernels.kernel_dir() / "common.cuh").read_text())
-            _kernels.program_source = source
+        if isinstance(v, tuple) and v[0] == "dir":  # the files PATH has, the shipped ones else
+            _kernels.program_source = (
+                lambda filename, defines, path=v[1]: shipped_source(filename, defines, path))
         elif v == "one":
             _policy.m_tiles = lambda *a: 1
         elif v is not None:

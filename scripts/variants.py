@@ -35,16 +35,12 @@ for PREV in sorted(Path(".").glob(".prev*")):
 
 def use(subs, shape):
     def source(filename, defines):
-        path = Path(subs.get("@dir", "")) / filename
-        if "@dir" in subs and path.is_file():  # this file of the program from another directory
-            head = "".join(f"#define {k} {int(v)}\n" for k, v in sorted(defines.items()))
-            return head + _kernels._inline(path, {path.resolve()})
+        if "@dir" in subs:  # the program's files from another directory, where it has them
+            return _orig_source(filename, defines, subs["@dir"])
         src = _orig_source(filename, defines)
         if filename != "decode_split.cu":  # substitutions edit the split kernel's program only
             return src
         for old, new in subs.items():
-            if old == "@dir":  # a file the other directory does not have: the shipped one
-                continue
             assert old in src, old
             src = src.replace(old, new)
         return src

@@ -91,6 +91,22 @@ def test_program_source_inlines_headers(filename):
         assert f"#define {name} {value}\n" in src
 
 
+def test_program_source_from_another_folder(tmp_path):
+    """A/B variants: the files a folder holds replace the shipped ones, the rest stay shipped."""
+    defines = _policy.split_kernel_config("float16", 128).defines()
+    shipped = _kernels.program_source("decode_split.cu", defines)
+    head = "".join(f"#define {k} {v}\n" for k, v in sorted(defines.items()))
+    split = (_kernels.kernel_dir() / "decode_split.cu").read_text()
+    (tmp_path / "decode_split.cu").write_text("// variant\n" + split)  # its header stays shipped
+    assert (_kernels.program_source("decode_split.cu", defines, tmp_path)
+            == head + "// variant\n" + shipped[len(head):])
+    common = (_kernels.kernel_dir() / "common.cuh").read_text()
+    (tmp_path / "common.cuh").write_text(common.replace("#pragma once", "#pragma once // variant"))
+    src = _kernels.program_source("decode_split.cu", defines, tmp_path)
+    assert "#pragma once // variant" in src and "#pragma once // variant" not in shipped
+    assert _kernels.program_source("hold.cu", {}, tmp_path) == _kernels.program_source("hold.cu", {})
+
+
 def test_source_digest_tracks_defines():
     cfg = _policy.split_kernel_config("float16", 128)
     base = _kernels.source_digest("decode_split.cu", cfg.defines())
