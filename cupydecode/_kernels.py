@@ -162,6 +162,57 @@ def launch(fn, grid: tuple[int, int, int], block: tuple[int, int, int], args: tu
     fn(grid, block, args, shared_mem=shared_mem)
 
 
+# Programmatic dependent launch: a kernel launched with the driver's programmatic-stream-
+# serialization attribute may start before the kernel ahead of it in the stream has ended, once
+# every block of that kernel has run griddepcontrol.launch_dependents, and waits in
+# griddepcontrol.wait before it reads what that kernel wrote (kernels/common.cuh). Needs compute
+# capability 9.0 and a driver of CUDA 12.3 or later (stream capture then keeps the dependency as
+# a programmatic graph edge). The launch goes through cuLaunchKernelEx, which CuPy does not bind.
+_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+PROGRAMMATIC_MIN_CC = 9
+PROGRAMMATIC_MIN_DRIVER = 12030
+
+
+class _LaunchAttribute(ctypes.Structure):
+    """CUlaunchAttribute: the id, 4 bytes of padding, a 64-byte value union (an int here)."""
+
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_int), ("value", ctypes.c_int),
+                ("rest", ctypes.c_char * 60)]
+
+
+class _LaunchConfig(ctypes.Structure):
+    """CUlaunchConfig."""
+
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3),
+                ("shared_mem", ctypes.c_uint), ("stream", ctypes.c_void_p),
+                ("attrs", ctypes.c_void_p), ("num_attrs", ctypes.c_uint)]
+
+
+@functools.lru_cache(maxsize=None)
+def _launch_kernel_ex():
+    """The driver's cuLaunchKernelEx, or None where the driver library or the entry is missing."""
+    import sys
+
+    try:
+        fn = ctypes.CDLL("nvcuda.dll" if sys.platform == "win32" else "libcuda.so.1").cuLaunchKernelEx
+    except (OSError, AttributeError):
+        return None
+    fn.restype = ctypes.c_int
+    fn.argtypes = (ctypes.c_void_p,) * 4
+    return fn
+
+
+@functools.lru_cache(maxsize=None)
+def programmatic_launch_supported(device_id: int) -> bool:
+    """Whether kernels on GPU ``device_id`` can be launched as programmatic dependents."""
+    import cupy
+
+    major = cupy.cuda.runtime.getDeviceProperties(device_id)["major"]
+    return (major >= PROGRAMMATIC_MIN_CC
+            and cupy.cuda.runtime.driverGetVersion() >= PROGRAMMATIC_MIN_DRIVER
+            and _launch_kernel_ex() is not None)
+
+
 class StructLaunch:
     """A prepared launch: every kernel parameter packed into one buffer, then ``cuLaunchKernel``.
 
@@ -175,10 +226,15 @@ class StructLaunch:
 
     Each thread packs into its own buffer, so concurrent launches from several threads cannot
     mix their parameters (the driver copies the parameters before ``cuLaunchKernel`` returns).
+
+    With ``programmatic`` (where :func:`programmatic_launch_supported`), the launch is a
+    programmatic dependent of the kernel before it in the stream, through ``cuLaunchKernelEx``;
+    the kernel must then wait (``cd_wait_prerequisites``) before it reads that kernel's output.
     """
 
     def __init__(self, fn, grid: tuple[int, int, int], block: tuple[int, int, int],
-                 shared_mem: int, layout, offsets: tuple[int, ...] = (0,)):
+                 shared_mem: int, layout, offsets: tuple[int, ...] = (0,),
+                 programmatic: bool = False):
         from cupy_backends.cuda.api import driver
 
         if any(o < 0 or o >= layout.size for o in offsets):
@@ -191,6 +247,12 @@ class StructLaunch:
         self._layout = layout       # a struct.Struct matching the kernel's parameters
         self._offsets = tuple(offsets)
         self._local = threading.local()
+        self._launch_ex = _launch_kernel_ex() if programmatic else None
+
+    @property
+    def programmatic(self) -> bool:
+        """Whether this launch is a programmatic dependent of the kernel before it."""
+        return self._launch_ex is not None
 
     def _slot(self):
         slot = getattr(self._local, "slot", None)
@@ -199,14 +261,27 @@ class StructLaunch:
             buf = (ctypes.c_uint64 * (-(-self._layout.size // 8)))()   # 8-byte aligned
             base = ctypes.addressof(buf)
             argv = (ctypes.c_void_p * len(self._offsets))(*(base + o for o in self._offsets))
-            slot = self._local.slot = (buf, argv, ctypes.addressof(argv))
+            config = None
+            if self._launch_ex is not None:  # the launch's configuration, per thread as well
+                attr = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
+                config = _LaunchConfig(self._dims[:3], self._dims[3:6], self._dims[6], None,
+                                       ctypes.addressof(attr), 1)
+                config._attr = attr  # kept alive with the configuration that points at it
+            slot = self._local.slot = (buf, argv, ctypes.addressof(argv), config,
+                                       0 if config is None else ctypes.addressof(config))
         return slot
 
     def __call__(self, stream_ptr: int, *values) -> None:
         """Pack ``values`` with the layout and launch on the stream ``stream_ptr``."""
-        buf, _, argv = self._slot()
+        buf, _, argv, config, config_ptr = self._slot()
         self._layout.pack_into(buf, 0, *values)
-        self._driver.launchKernel(self._func, *self._dims, stream_ptr, argv, 0)
+        if config is None:
+            self._driver.launchKernel(self._func, *self._dims, stream_ptr, argv, 0)
+            return
+        config.stream = stream_ptr
+        status = self._launch_ex(config_ptr, self._func, argv, None)
+        if status:
+            raise self._driver.CUDADriverError(status)
 
 
 def bind_context() -> None:

@@ -151,9 +151,12 @@ class DecodePlan:
             if self.merge == "kernel":
                 blocks, threads, warps_per_item = _policy.merge_launch(rows, self.head_dim,
                                                                        self.num_splits)
+                # launched as a programmatic dependent of the split kernel where the GPU allows:
+                # its blocks are then resident and waiting when the split kernel ends
                 self._merge_call = _kernels.StructLaunch(
                     _merge_function("float32", self.dtype, self.head_dim), (blocks, 1, 1),
-                    (threads, 1, 1), 0, _MERGE_PARAMS, _MERGE_OFFSETS)
+                    (threads, 1, 1), 0, _MERGE_PARAMS, _MERGE_OFFSETS,
+                    programmatic=_kernels.programmatic_launch_supported(self.device_id))
                 self._merge_static = (self.num_splits, rows, self.head_dim, warps_per_item)
             else:
                 # Arrival counters of the fused merge; the last arrival wraps its own back to 0,

@@ -96,6 +96,23 @@ __device__ __forceinline__ unsigned cd_atomic_inc_acq_rel(unsigned* p, unsigned 
     return old;
 }
 
+// Programmatic dependent launch (Hopper and later; both are no-ops on older GPUs, and for a grid
+// launched without the launch attribute). A plan launches its merge kernel with that attribute
+// right after the split kernel: the merge grid may then be started, and its blocks made resident,
+// once every split block has run cd_launch_dependents — instead of being launched only when the
+// split grid has ended — and each merge block waits in cd_wait_prerequisites until the split grid
+// has completed and its memory writes are visible, before it reads any partial.
+__device__ __forceinline__ void cd_launch_dependents() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void cd_wait_prerequisites() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 // Kernel 2's math (DESIGN.md, natural-log LSE in and out):
 //   LSE = max_i LSE_i + log Σ_i exp(LSE_i − max_i LSE_i),  w_i = exp(LSE_i − LSE),  O = Σ_i w_i Õ_i
 // done by warps, each on one PASS of a row: the 32·NV elements [pass·32·NV, +32·NV) of head_dim,

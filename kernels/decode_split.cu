@@ -224,6 +224,9 @@ cd_decode_split(const cd_decode_params p) {
     const int rows = min(BLOCK_ROWS, group - row0);        // live query rows in this block
     const int mt = warp % MTILES, slot = warp / MTILES;    // this warp's M-tile and token slot
     const int h0 = kv_head * group + row0;                 // first query head
+    // Once every block of this grid has passed here (so none is left to be scheduled), a merge
+    // kernel launched after it may start and wait on the SMs for this grid's end (common.cuh).
+    cd_launch_dependents();
 
     // The host sizes dynamic shared memory from the same constants; a mismatch must not
     // silently scribble past the allocation.

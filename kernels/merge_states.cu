@@ -42,6 +42,7 @@ cd_merge_states(const cd_elem<IN_DTYPE>::storage* __restrict__ o_parts,
     const bool mine = d0 < head_dim;
     cd_merge_state<VEC> st;
     st.clear();
+    cd_wait_prerequisites();  // a plan's merge may start before the split kernel ends (common.cuh)
     if (valid)
         cd_merge_fold<cd_elem<IN_DTYPE>, VEC>(o_parts + row * head_dim, rows * head_dim,
                                              lse_parts + row, rows, num_states, sub,

@@ -80,6 +80,55 @@ def test_merge_modes_agree(cupy, rng, seed, num_heads, num_kv_heads, head_dim, s
         assert_lse_close(results["fused"][1], results["kernel"][1], LSE_TOL["bfloat16"], ctx)
 
 
+@pytest.mark.parametrize("merge", MERGES)
+def test_merge_reads_partials_only_after_the_split_kernel(cupy, rng, seed, merge):
+    """The merge kernel is launched as a programmatic dependent of the split kernel where the GPU
+    allows it (compute capability 9.0), so its blocks start while the split kernel still runs,
+    and it must still read every partial only after the split kernel wrote it. Here the split
+    kernel runs long (4 blocks of 8192 tokens each), eagerly and in graph replay; the workspace
+    is poisoned with NaN before each run and each run has fresh inputs, so an early read shows as
+    NaN or as the previous run's result. (Reads moved before the wait fail this test on the
+    H200; docs/PERFORMANCE.md, v13.)"""
+    from cupydecode import _kernels
+
+    batch, num_heads, num_kv_heads, head_dim, max_seqlen = 1, 8, 1, 256, 32768
+    ctx = context(seed, merge=merge)
+    plan = cupydecode.DecodePlan(batch, num_heads, num_kv_heads, head_dim, max_seqlen,
+                                 "bfloat16", num_splits=4, merge=merge)
+    if merge == "kernel":
+        hopper = int(cupy.cuda.Device().compute_capability) >= 90
+        assert plan._merge_call.programmatic == _kernels.programmatic_launch_supported(
+            plan.device_id), ctx
+        assert plan._merge_call.programmatic or not hopper, ctx  # the path is exercised on Hopper
+    q = cupy.zeros((batch, num_heads, head_dim), np_dtype("bfloat16"))
+    k = cupy.zeros((batch, max_seqlen, num_kv_heads, head_dim), q.dtype)
+    v = cupy.zeros_like(k)
+    out = cupy.empty(q.shape, q.dtype)
+    lse = cupy.empty((batch, num_heads), cupy.float32)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        plan.run(q, k, v, out=out, lse=lse)  # compile before the capture
+        stream.begin_capture()
+        plan.run(q, k, v, out=out, lse=lse)
+        graph = stream.end_capture()
+    for run in range(4):
+        hq, hk, hv = decode_inputs(rng, batch, num_heads, num_kv_heads, head_dim, max_seqlen,
+                                   "bfloat16")
+        with stream:
+            q[...], k[...], v[...] = to_device(hq), to_device(hk), to_device(hv)
+            for a in (plan.o_part, plan.lse_part, out, lse):
+                a.fill(np.nan)
+            if run % 2:
+                graph.launch(stream)
+            else:
+                plan.run(q, k, v, out=out, lse=lse)
+        stream.synchronize()
+        ref_out, ref_lse = R.decode_attention(hq, hk, hv)
+        step = f"run {run} ({'graph' if run % 2 else 'eager'}) {ctx}"
+        assert_out_close(out, ref_out, OUT_TOL["bfloat16"], step)
+        assert_lse_close(lse, ref_lse, LSE_TOL["bfloat16"], step)
+
+
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,splits,mode",
                          [(32, 8, 128, 16, "fused"), (28, 4, 128, 16, "kernel"),
                           (8, 1, 256, 128, "kernel"), (8, 1, 256, 3, "kernel"),

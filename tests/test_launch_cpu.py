@@ -105,3 +105,52 @@ def test_struct_launch_points_each_parameter_at_its_offset(monkeypatch):
     assert len(_MERGE_OFFSETS) == len(ctypes_of)
     with pytest.raises(ValueError, match="offsets"):
         _kernels.StructLaunch(_FakeKernel(), (1, 1, 1), (32, 1, 1), 0, _MERGE_PARAMS, (0, 56))
+
+
+def test_programmatic_launch_passes_config_attribute_and_parameters(monkeypatch):
+    """A programmatic launch (a plan's merge kernel on Hopper) goes through cuLaunchKernelEx: the
+    CUlaunchConfig it receives holds the grid, block, shared memory and stream, and one
+    attribute, programmatic stream serialization (id 6) set to 1, laid out as cuda.h has them;
+    kernelParams points at the packed parameters. A failed launch raises."""
+    import cupy
+    from cupydecode.decode import _MERGE_OFFSETS, _MERGE_PARAMS
+
+    seen = []
+
+    def fake_launch_ex(config_ptr, func, kernel_params, extra):
+        u32 = [ctypes.c_uint32.from_address(config_ptr + 4 * i).value for i in range(7)]
+        stream, attrs = (ctypes.c_uint64.from_address(config_ptr + o).value for o in (32, 40))
+        num_attrs = ctypes.c_uint32.from_address(config_ptr + 48).value
+        attr = [ctypes.c_int32.from_address(attrs + o).value for o in (0, 8)]
+        argv = ctypes.cast(kernel_params, ctypes.POINTER(ctypes.c_void_p))
+        nums = ctypes.c_int32.from_address(argv[4]).value, ctypes.c_int64.from_address(argv[5]).value
+        seen.append((u32, stream, num_attrs, attr, func, nums, extra))
+        return 1 if stream == 0xBAD else 0
+
+    monkeypatch.setattr(_kernels, "_launch_kernel_ex", lambda: fake_launch_ex)
+    monkeypatch.setattr(cupy.cuda.runtime, "free", lambda ptr: None)
+    launch = _kernels.StructLaunch(_FakeKernel(), (3, 2, 1), (256, 1, 1), 1024, _MERGE_PARAMS,
+                                   _MERGE_OFFSETS, programmatic=True)
+    assert launch.programmatic
+    values = (1, 2, 3, 0, 37, (1 << 33) + 5, 128, 4)
+    launch(0x5151, *values)
+    launch(0x6262, *values[:4], 5, 7, 64, 1)
+    assert seen == [([3, 2, 1, 256, 1, 1, 1024], 0x5151, 1, [6, 1], 0xABC0, (37, (1 << 33) + 5), None),
+                    ([3, 2, 1, 256, 1, 1, 1024], 0x6262, 1, [6, 1], 0xABC0, (5, 7), None)]
+    from cupy_backends.cuda.api import driver
+
+    monkeypatch.setattr(driver, "CUDADriverError", lambda status: RuntimeError(f"status {status}"))
+    with pytest.raises(RuntimeError, match="status 1"):
+        launch(0xBAD, *values)
+    plain = _kernels.StructLaunch(_FakeKernel(), (1, 1, 1), (32, 1, 1), 0, _MERGE_PARAMS,
+                                  _MERGE_OFFSETS)
+    assert not plain.programmatic
+
+
+def test_launch_structures_match_cuda_h():
+    """CUlaunchAttribute is 72 bytes (value union at 8); CUlaunchConfig is 56 (stream at 32)."""
+    assert ctypes.sizeof(_kernels._LaunchAttribute) == 72
+    assert _kernels._LaunchAttribute.value.offset == 8
+    assert ctypes.sizeof(_kernels._LaunchConfig) == 56
+    assert (_kernels._LaunchConfig.stream.offset, _kernels._LaunchConfig.attrs.offset,
+            _kernels._LaunchConfig.num_attrs.offset) == (32, 40, 48)
