@@ -33,7 +33,9 @@ MERGE_OVERHEAD_BYTES = 8 * 2**20
 # trip. The fused merge (the last block of a KV head) has only that block's warps, so it is used
 # only where it takes one trip per warp (merge_mode); otherwise merge_states.cu runs as a second
 # kernel, which spreads rows, passes and groups of 16 partials over many warps (one trip each up
-# to 16 · MERGE_WARPS splits) at the cost of a second launch (~1 µs in a graph).
+# to 16 · MERGE_WARPS splits) at the cost of a second launch (~1 µs in a graph; on Hopper the
+# merge kernel is launched as a programmatic dependent of the split kernel, measured 0.7–0.9 µs
+# faster, docs/PERFORMANCE.md v13; these costs are not yet recalibrated for that).
 MERGE_TRIP_BYTES = 5 * 2**20
 MERGE_KERNEL_BYTES = 4 * 2**20
 MERGE_STATES_PER_TRIP = 16   # CD_MERGE_GROUP in kernels/common.cuh
