@@ -537,6 +537,11 @@ def info(ctx, compile_all):
     click.echo(header[0])
     free, total = cupy.cuda.runtime.memGetInfo()
     click.echo(f"memory: {free / 2**30:.1f} GiB free of {total / 2**30:.1f} GiB")
+    pdl = _safe(lambda: _kernels.programmatic_launch_supported(cupy.cuda.Device().id))
+    click.echo("merge kernel launch: " + (
+        "programmatic (it starts while the split kernel runs)" if pdl is True else
+        "plain (programmatic needs compute capability 9.0 and a CUDA 12.3 driver)" if pdl is False
+        else pdl))
     if compile_all:
         _compile_all()
     specs = _kernels.compiled_specialisations()

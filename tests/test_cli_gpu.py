@@ -99,6 +99,11 @@ def test_info_names_the_gpu(runner, cupy):
     result = runner.invoke(cli.main, ["info"])
     assert result.exit_code == 0, result.output
     assert name in result.output
+    from cupydecode import _kernels
+
+    programmatic = _kernels.programmatic_launch_supported(cupy.cuda.Device().id)
+    assert ("merge kernel launch: programmatic" in result.output) == programmatic, result.output
+    assert ("merge kernel launch: plain" in result.output) != programmatic, result.output
 
 
 def test_info_compile_builds_every_specialisation(runner, cupy):
