@@ -228,7 +228,8 @@ class StructLaunch:
     mix their parameters (the driver copies the parameters before ``cuLaunchKernel`` returns).
 
     With ``programmatic`` (where :func:`programmatic_launch_supported`), the launch is a
-    programmatic dependent of the kernel before it in the stream, through ``cuLaunchKernelEx``;
+    programmatic dependent of the kernel before it in the stream, through ``cuLaunchKernelEx``
+    (if the driver refuses it, that launch and the later ones are plain ``cuLaunchKernel``s);
     the kernel must then wait (``cd_wait_prerequisites``) before it reads that kernel's output.
     """
 
@@ -275,13 +276,16 @@ class StructLaunch:
         """Pack ``values`` with the layout and launch on the stream ``stream_ptr``."""
         buf, _, argv, config, config_ptr = self._slot()
         self._layout.pack_into(buf, 0, *values)
-        if config is None:
-            self._driver.launchKernel(self._func, *self._dims, stream_ptr, argv, 0)
-            return
-        config.stream = stream_ptr
-        status = self._launch_ex(config_ptr, self._func, argv, None)
-        if status:
-            raise self._driver.CUDADriverError(status)
+        launch_ex = self._launch_ex  # (a slot has a configuration whenever this is set)
+        if launch_ex is not None:
+            config.stream = stream_ptr
+            if not launch_ex(config_ptr, self._func, argv, None):
+                return
+            # Refused (e.g. by a driver that does not take the attribute here): the kernel's wait
+            # does nothing in a plain launch, so launch it plainly, now and from now on; an error
+            # that is not about the attribute raises from the plain launch.
+            self._launch_ex = None
+        self._driver.launchKernel(self._func, *self._dims, stream_ptr, argv, 0)
 
 
 def bind_context() -> None:

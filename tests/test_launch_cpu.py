@@ -111,7 +111,8 @@ def test_programmatic_launch_passes_config_attribute_and_parameters(monkeypatch)
     """A programmatic launch (a plan's merge kernel on Hopper) goes through cuLaunchKernelEx: the
     CUlaunchConfig it receives holds the grid, block, shared memory and stream, and one
     attribute, programmatic stream serialization (id 6) set to 1, laid out as cuda.h has them;
-    kernelParams points at the packed parameters. A failed launch raises."""
+    kernelParams points at the packed parameters. A refused launch is made plainly instead
+    (cuLaunchKernel), with the same parameters, and so are the later ones."""
     import cupy
     from cupydecode.decode import _MERGE_OFFSETS, _MERGE_PARAMS
 
@@ -139,9 +140,19 @@ def test_programmatic_launch_passes_config_attribute_and_parameters(monkeypatch)
                     ([3, 2, 1, 256, 1, 1, 1024], 0x6262, 1, [6, 1], 0xABC0, (5, 7), None)]
     from cupy_backends.cuda.api import driver
 
-    monkeypatch.setattr(driver, "CUDADriverError", lambda status: RuntimeError(f"status {status}"))
-    with pytest.raises(RuntimeError, match="status 1"):
-        launch(0xBAD, *values)
+    plain_calls = []
+
+    def fake_launch(func, gx, gy, gz, bx, by, bz, smem, stream, kernel_params, extra):
+        argv = ctypes.cast(kernel_params, ctypes.POINTER(ctypes.c_void_p))
+        plain_calls.append(((func, gx, gy, gz, bx, by, bz, smem, stream),
+                            ctypes.c_int32.from_address(argv[4]).value))
+
+    monkeypatch.setattr(driver, "launchKernel", fake_launch)
+    launch(0xBAD, *values)  # refused: launched plainly
+    launch(0x7373, *values[:4], 9, 7, 64, 1)  # and plainly from then on
+    assert not launch.programmatic and len(seen) == 3
+    assert plain_calls == [((0xABC0, 3, 2, 1, 256, 1, 1, 1024, 0xBAD), 37),
+                           ((0xABC0, 3, 2, 1, 256, 1, 1, 1024, 0x7373), 9)]
     plain = _kernels.StructLaunch(_FakeKernel(), (1, 1, 1), (32, 1, 1), 0, _MERGE_PARAMS,
                                   _MERGE_OFFSETS)
     assert not plain.programmatic
