@@ -19,14 +19,13 @@ def per_call(fn, n=40, batches=25):
     return host_time_cupy(lambda i: fn(), n=n, batches=batches)
 
 
-from cupydecode.workloads import MODELS  # noqa: E402
+from cupydecode.workloads import make_inputs, workload_for_model  # noqa: E402
 
 model, dtype, L = (sys.argv[1], sys.argv[2], int(sys.argv[3])) if len(sys.argv) > 3 else (
     "llama-3-8b", "float16", 1024)
-b, H, Hkv, D = 1, MODELS[model].num_heads, MODELS[model].num_kv_heads, MODELS[model].head_dim
-q = cp.random.standard_normal((b, H, D), dtype=cp.float32).astype(dtype)
-k = cp.random.standard_normal((b, L, Hkv, D), dtype=cp.float32).astype(dtype)
-v = k.copy()
+w = workload_for_model(model, 1, L, dtype)
+b, H, Hkv, D = w.batch, w.num_heads, w.num_kv_heads, w.head_dim
+q, k, v, _ = make_inputs(w)
 plan = cd.DecodePlan(b, H, Hkv, D, L, dtype)
 print(f"{model} {dtype} b{b} x {L}: {plan.num_splits} splits, merge {plan.merge}")
 out = cp.empty((b, H, D), dtype)
@@ -45,7 +44,8 @@ rows = {
     "runtime.getDevice()": lambda: cp.cuda.runtime.getDevice(),
     "seqlens+scale+splits": lambda: (V.check_seqlens(None, b, L), V.check_scale(None, D),
                                      V.check_splits(None, None)),
-    "_cached_plan": lambda: _decode._cached_plan(plan._shape, dtype, None, None, 0, _stream),
+    "_cached_plan": lambda: _decode._cached_plan(plan._shape, dtype, None, None,
+                                                          q.data.device_id, _stream),
 }
 _vals = (q.data.ptr, k.data.ptr, v.data.ptr, 0, *plan._part_ptrs, out.data.ptr, 0,
          plan._counter_ptr, *([0] * 10), L, *plan._static, 0.1)

@@ -4,7 +4,6 @@ and every kernel torch launches per call. Development tool.
 
 Usage: python scripts/kernel_times.py MODEL BxL[,BxL...] [DTYPE] [SPLITS]
 """
-import dataclasses
 import json
 import statistics
 import sys
@@ -14,9 +13,11 @@ import time
 import cupy as cp
 
 sys.path.insert(0, ".")
+sys.path.insert(0, "scripts")
 import cupydecode as cd  # noqa: E402
-from cupydecode.bench import buffer_sets_needed  # noqa: E402
-from cupydecode.workloads import make_inputs, workload_for_model  # noqa: E402
+from cupydecode.bench import _torch_views  # noqa: E402
+from cupydecode.workloads import workload_for_model  # noqa: E402
+from tune import make_sets  # noqa: E402
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -26,8 +27,6 @@ from torch.profiler import ProfilerActivity, profile  # noqa: E402
 model, points = sys.argv[1], [tuple(map(int, p.split("x"))) for p in sys.argv[2].split(",")]
 dtype = sys.argv[3] if len(sys.argv) > 3 else "float16"
 splits = [int(s) for s in sys.argv[4].split(",")] if len(sys.argv) > 4 else [None]
-L2 = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["l2CacheSize"]
-N = 12
 
 
 def kernels(prof_fn):
@@ -53,8 +52,8 @@ def summarise(tag, ks, ncalls):
 
 for b, L in points:
     w = workload_for_model(model, b, L, dtype)
-    nsets = max(2, buffer_sets_needed(w, L2))
-    sets = [make_inputs(dataclasses.replace(w, seed=None))[:3] for _ in range(nsets)]
+    _, sets = make_sets(b, L, w.num_heads, w.num_kv_heads, w.head_dim, dtype)
+    nsets, N = len(sets), max(12, len(sets))  # N calls per graph: every set, at least 12
     stream = cp.cuda.Stream(non_blocking=True)
     lines = [f"== {model} {dtype} b{b} x {L}: {w.kv_bytes()/1e6:.0f} MB, {nsets} sets"]
     for s in splits:
@@ -76,8 +75,7 @@ for b, L in points:
                 g.launch(stream)
                 stream.synchronize()
         lines.append(summarise(f"cupydecode S={plan.num_splits} {plan.merge}", kernels(ours), 5 * N))
-    views = [(torch.from_dlpack(q).unsqueeze(2), torch.from_dlpack(k).permute(0, 2, 1, 3),
-              torch.from_dlpack(v).permute(0, 2, 1, 3)) for q, k, v in sets]
+    views = _torch_views(torch, sets)
     with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
         for t in views:
             F.scaled_dot_product_attention(*t, enable_gqa=w.group > 1)

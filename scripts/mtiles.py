@@ -16,7 +16,7 @@ import cupydecode as cd  # noqa: E402
 from cupydecode import _kernels, _policy  # noqa: E402
 from cupydecode import decode as _decode  # noqa: E402
 from cupydecode.workloads import MODELS  # noqa: E402
-from tune import graph_time, make_sets  # noqa: E402
+from tune import make_sets, time_plans  # noqa: E402
 
 
 def main():
@@ -58,9 +58,8 @@ def main():
         cells = []
         for (b, L), (_, sets) in data.items():
             for split in [None] + forced:
-                plans = [cd.DecodePlan(b, H, Hkv, D, L, dtype, num_splits=split) for _ in sets]
-                us = graph_time([lambda p=p, s=s: p.run(*s) for p, s in zip(plans, sets)])
-                p = plans[0]
+                us, p = time_plans(lambda: cd.DecodePlan(b, H, Hkv, D, L, dtype, num_splits=split),
+                                   sets)
                 cells.append(f"b{b}x{L // 1024}k{'' if split is None else ' S' + str(split)} "
                              f"{us:.2f}" + ("" if split else f" ({p.num_splits}, {p.merge}, "
                                                           f"{p.m_tiles}x{p.head_tiles})"))

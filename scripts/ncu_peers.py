@@ -8,6 +8,7 @@ import cupy as cp
 
 sys.path.insert(0, ".")
 import cupydecode as cd  # noqa: E402
+from cupydecode.bench import _torch_views  # noqa: E402
 from cupydecode.workloads import make_inputs, workload_for_model  # noqa: E402
 
 model, b, L = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
@@ -24,9 +25,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
-tq = torch.from_dlpack(q).unsqueeze(2)
-tk = torch.from_dlpack(k).permute(0, 2, 1, 3)
-tv = torch.from_dlpack(v).permute(0, 2, 1, 3)
+tq, tk, tv = _torch_views(torch, [(q, k, v, None)])[0]
 with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
     for _ in range(2):
         F.scaled_dot_product_attention(tq, tk, tv, enable_gqa=w.group > 1)

@@ -15,7 +15,7 @@ import cupy as cp  # noqa: E402
 import cupydecode as cd  # noqa: E402
 from cupydecode import _kernels  # noqa: E402
 from cupydecode.workloads import MODELS  # noqa: E402
-from tune import graph_time, make_sets  # noqa: E402
+from tune import make_sets, time_plans  # noqa: E402
 
 POINTS = [("llama-3-70b", "float16", 1, 16384), ("qwen2.5-7b", "bfloat16", 1, 16384),
           ("qwen2.5-7b", "bfloat16", 1, 65536), ("gemma-2b", "bfloat16", 1, 16384),
@@ -25,16 +25,18 @@ POINTS = [("llama-3-70b", "float16", 1, 16384), ("qwen2.5-7b", "bfloat16", 1, 16
 supported = _kernels.programmatic_launch_supported
 
 
-def time_plans(m, dtype, b, L, sets, merge, pdl):
+def timed(m, dtype, b, L, sets, merge, pdl):
+    """(µs, a plan) with the merge kernel launched programmatically or not (``pdl``)."""
     _kernels.programmatic_launch_supported = supported if pdl else (lambda device_id: False)
-    try:
-        plans = [cd.DecodePlan(b, m.num_heads, m.num_kv_heads, m.head_dim, L, dtype, merge=merge)
-                 for _ in sets]
+    try:  # (the plans consult it when they are built)
+        us, plan = time_plans(
+            lambda: cd.DecodePlan(b, m.num_heads, m.num_kv_heads, m.head_dim, L, dtype, merge=merge),
+            sets)
     finally:
         _kernels.programmatic_launch_supported = supported
-    call = plans[0]._merge_call
-    assert (call is not None and call.programmatic) == (pdl and plans[0].merge == "kernel")
-    return graph_time([lambda p=p, s=s: p.run(*s) for p, s in zip(plans, sets)]), plans[0]
+    call = plan._merge_call
+    assert (call is not None and call.programmatic) == (pdl and plan.merge == "kernel")
+    return us, plan
 
 
 def main():
@@ -43,15 +45,15 @@ def main():
     for model, dtype, b, L in POINTS:
         m = MODELS[model]
         _, sets = make_sets(b, L, m.num_heads, m.num_kv_heads, m.head_dim, dtype)
-        cells = {}
+        cells, plans = {}, {}
         for rep in range(2):
             order = [("auto", True), ("auto", False), ("kernel", True), ("kernel", False), ("fused", False)]
             for merge, pdl in (order if rep == 0 else order[::-1]):
-                us, plan = time_plans(m, dtype, b, L, sets, merge, pdl)
+                us, plans[merge, pdl] = timed(m, dtype, b, L, sets, merge, pdl)
                 cells.setdefault((merge, pdl), []).append(us)
         row = " ".join(f"{mg}{'+pdl' if pdl else ''}={'/'.join(f'{u:.2f}' for u in us)}"
                        for (mg, pdl), us in cells.items())
-        auto = cd.DecodePlan(b, m.num_heads, m.num_kv_heads, m.head_dim, L, dtype)
+        auto = plans["auto", True]
         print(f"{model} {dtype} b{b}x{L // 1024}k (S{auto.num_splits}, auto={auto.merge}): {row}",
               flush=True)
         del sets

@@ -11,14 +11,12 @@ sys.path.insert(0, ".")
 import cupydecode as cd  # noqa: E402
 from cupydecode import _policy  # noqa: E402
 sys.path.insert(0, "scripts")
-from tune import graph_time, make_sets  # noqa: E402
+from tune import force_shape, make_sets, time_plans  # noqa: E402
 
 b, L = int(sys.argv[1]), int(sys.argv[2])
 nw, st = int(sys.argv[3]), int(sys.argv[4])
 mode = sys.argv[5] if len(sys.argv) > 5 else "time"
-_orig_config = _policy.split_kernel_config
-_policy.split_kernel_config = lambda dt, hd, chunk=0, m_tiles=1: (  # M-tile shapes: the policy's
-    _orig_config(dt, hd, chunk, m_tiles) if m_tiles > 1 else _policy.SplitKernelConfig(dt, hd, nw, st))
+_policy.split_kernel_config = force_shape(nw, st)
 H, Hkv, D = 32, 8, 128
 nbytes, sets = make_sets(b, L, H, Hkv, D, "float16")
 if mode == "ncu":
@@ -29,7 +27,7 @@ if mode == "ncu":
 res = {}
 splits = cd.DecodePlan(b, H, Hkv, D, L, "float16").num_splits  # the same split count for both
 for merge in ("fused", "kernel"):
-    plans = [cd.DecodePlan(b, H, Hkv, D, L, "float16", num_splits=splits, merge=merge) for _ in sets]
-    res[merge] = graph_time([lambda p=p, s=s: p.run(*s) for p, s in zip(plans, sets)])
-print(f"b{b} L{L} w{nw}s{st} S={plans[0].num_splits}: fused {res['fused']:.1f} us, two kernels "
+    res[merge] = time_plans(
+        lambda: cd.DecodePlan(b, H, Hkv, D, L, "float16", num_splits=splits, merge=merge), sets)[0]
+print(f"b{b} L{L} w{nw}s{st} S={splits}: fused {res['fused']:.1f} us, two kernels "
       f"{res['kernel']:.1f} us, floor {nbytes/4.55e6:.1f} us", flush=True)

@@ -18,10 +18,6 @@ from cupydecode.bench import graph_time_cupy, measure_read_ceiling, stream_time_
 from tune import make_sets  # noqa: E402
 
 
-def graph_us(call, n_calls, hold, trials=20):
-    return graph_time_cupy(call, n_calls, trials, hold=hold)
-
-
 def main():
     H, Hkv, D = 32, 8, 128
     print(f"{'point':10s} {'10 calls':>9s} {'40 calls':>9s} {'10 held':>9s} {'40 held':>9s}")
@@ -32,8 +28,8 @@ def main():
         def call(i):
             plans[i % len(plans)].run(*sets[i % len(sets)])
         n = max(10, len(sets))
-        r = [graph_us(call, n, False)[0], graph_us(call, 4 * n, False)[0],
-             graph_us(call, n, True)[0], graph_us(call, 4 * n, True)[0]]
+        r = [graph_time_cupy(call, calls, hold=hold)[0]
+             for hold in (False, True) for calls in (n, 4 * n)]
         print(f"b{b}x{L // 1024}k".ljust(10) + "".join(f" {x:9.2f}" for x in r), flush=True)
     ceil = measure_read_ceiling()
     print("ceiling (bench since v11: graphs of 3 launches, held):", ceil)
@@ -49,7 +45,7 @@ def main():
         us = stream_time_cupy(call, 1, 10)[0]  # the bench's probe timing before v11
         print(f"  probe {bps}/SM one launch per event pair: {us:.1f} us = {nbytes / us / 1e3:.0f} GB/s")
         for n, hold in ((1, False), (1, True), (3, True)):
-            us = graph_us(call, n, hold, trials=10)[0]
+            us = graph_time_cupy(call, n, 10, hold=hold)[0]
             print(f"  probe {bps}/SM graph of {n} hold={hold}: {us:.1f} us = {nbytes / us / 1e3:.0f} GB/s")
 
 

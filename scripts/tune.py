@@ -35,6 +35,26 @@ def graph_time(fn_list, reps=10, trials=15):
     return graph_time_cupy(lambda i: fn_list[i % len(fn_list)](), n, trials)[0]
 
 
+def time_plans(make_plan, sets):
+    """(median GPU µs per call, first plan): one plan ``make_plan()`` per set, each running its
+    set, rotated by :func:`graph_time` (a plan's workspace is never shared by two sets)."""
+    plans = [make_plan() for _ in sets]
+    return graph_time([lambda p=p, s=s: p.run(*s) for p, s in zip(plans, sets)]), plans[0]
+
+
+def force_shape(num_warps, stages):
+    """A stand-in for ``_policy.split_kernel_config`` that gives one-M-tile plans the block shape
+    ``num_warps`` × ``stages`` (M-tile shapes, G > 16, stay the policy's). Assign it, then put
+    the original back."""
+    orig = _policy.split_kernel_config
+
+    def config(dt, hd, chunk=0, m_tiles=1):
+        return (orig(dt, hd, chunk, m_tiles) if m_tiles > 1
+                else _policy.SplitKernelConfig(dt, hd, num_warps, stages))
+
+    return config
+
+
 def main():
     quick = "--quick" in sys.argv
     ceil_gbs = measure_read_ceiling()["gbps"]
@@ -46,23 +66,20 @@ def main():
         floor = nbytes / ceil_gbs / 1e3
         row = [f"b{b:<3d} L{L:<6d} floor {floor:6.1f}us"]
         for (nw, st) in [(4, 2), (4, 3), (4, 4), (8, 2), (8, 3), (2, 4)]:
-            _policy.split_kernel_config = (  # the M-tile shapes (G > 16) stay the policy's
-                lambda dt, hd, chunk=0, m_tiles=1, nw=nw, st=st: orig(dt, hd, chunk, m_tiles)
-                if m_tiles > 1 else _policy.SplitKernelConfig(dt, hd, nw, st))
+            _policy.split_kernel_config = force_shape(nw, st)
             try:
-                plans = [cd.DecodePlan(b, H, Hkv, D, L, dtype) for _ in sets]
-                us = graph_time([lambda p=p, s=s: p.run(*s) for p, s in zip(plans, sets)])
-                row.append(f"w{nw}s{st}:{us:6.1f}({100*floor/us:3.0f}%,S{plans[0].num_splits})")
+                us, plan = time_plans(lambda: cd.DecodePlan(b, H, Hkv, D, L, dtype), sets)
+                row.append(f"w{nw}s{st}:{us:6.1f}({100*floor/us:3.0f}%,S{plan.num_splits})")
             except Exception as e:  # noqa: BLE001
                 row.append(f"w{nw}s{st}:ERR {type(e).__name__}")
             finally:
                 _policy.split_kernel_config = orig
         for S in ([] if quick else [1, 2, 4, 8, 16, 32, 64]):
-            plans = [cd.DecodePlan(b, H, Hkv, D, L, dtype, num_splits=S) for _ in sets]
-            row.append(f"S{S}:{graph_time([lambda p=p, s=s: p.run(*s) for p, s in zip(plans, sets)]):.1f}")
+            us = time_plans(lambda: cd.DecodePlan(b, H, Hkv, D, L, dtype, num_splits=S), sets)[0]
+            row.append(f"S{S}:{us:.1f}")
         w = Workload(batch=b, seqlen=L, num_heads=H, num_kv_heads=Hkv, head_dim=D, dtype=dtype)
         check = _subset_checker(w, *sets[0][:3])
-        for col, (us, note) in torch_sdpa_times(sets, w, D ** -0.5, 10, check).items():
+        for col, (us, note) in torch_sdpa_times(sets, w, D ** -0.5, max(10, len(sets)), check).items():
             row.append(f"{col}:{us:.1f}({100*floor/us:.0f}%)" if us else f"{col}: {note}")
         print("  ".join(row), flush=True)
         del sets

@@ -21,7 +21,7 @@ sys.path.insert(0, "scripts")
 import cupydecode as cd  # noqa: E402
 from cupydecode import _kernels, _policy  # noqa: E402
 from cupydecode import decode as _decode  # noqa: E402
-from tune import graph_time, make_sets  # noqa: E402
+from tune import force_shape, make_sets, time_plans  # noqa: E402
 
 _orig_source = _kernels.program_source
 _orig_config = _policy.split_kernel_config
@@ -45,12 +45,10 @@ def use(subs, shape):
             src = src.replace(old, new)
         return src
 
-    def config(dt, hd, chunk=0, m_tiles=1):
-        cfg = _orig_config(dt, hd, chunk, m_tiles)
-        return cfg if shape is None or m_tiles > 1 else _policy.SplitKernelConfig(dt, hd, *shape)
-
     _kernels.program_source = source
-    _policy.split_kernel_config = config
+    _policy.split_kernel_config = _orig_config  # (force_shape wraps what is there)
+    if shape is not None:
+        _policy.split_kernel_config = force_shape(*shape)
     _kernels._compiled.clear()
     _decode._blocks_per_sm.cache_clear()
 
@@ -84,8 +82,7 @@ def main():
             if skip(L):
                 cells.append(float("nan"))
                 continue
-            plans = [make_plan(b, L) for _ in sets]
-            cells.append(graph_time([lambda p=p, s=s: p.run(*s) for p, s in zip(plans, sets)]))
+            cells.append(time_plans(lambda: make_plan(b, L), sets)[0])
         print(f"{label:24s}" + "".join(f"  {c:7.2f}" for c in cells), flush=True)
 
     def partials_only(b, L):  # the split kernel writing partials, no merge at all
