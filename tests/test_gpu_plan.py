@@ -88,7 +88,8 @@ def test_merge_reads_partials_only_after_the_split_kernel(cupy, rng, seed, merge
     kernel runs long (4 blocks of 8192 tokens each), eagerly and in graph replay; the workspace
     is poisoned with NaN before each run and each run has fresh inputs, so an early read shows as
     NaN or as the previous run's result. (Reads moved before the wait fail this test on the
-    H200; docs/PERFORMANCE.md, v13.)"""
+    H200; docs/PERFORMANCE.md, v13.) merge="fused" runs the same steps as a control: one
+    launch, the last split block merging."""
     from cupydecode import _kernels
 
     batch, num_heads, num_kv_heads, head_dim, max_seqlen = 1, 8, 1, 256, 32768

@@ -36,6 +36,17 @@ def captured(monkeypatch):
     return calls
 
 
+# C types of cd_merge_states' parameters (kernels/merge_states.cu), in order
+_MERGE_CTYPES = [ctypes.c_uint64] * 4 + [ctypes.c_int32, ctypes.c_int64, ctypes.c_int32, ctypes.c_int32]
+
+
+def _merge_params(kernel_params) -> tuple:
+    """The merge kernel's parameters as a launch hands them to the driver: parameter i read
+    through kernelParams[i] with its C type."""
+    argv = ctypes.cast(kernel_params, ctypes.POINTER(ctypes.c_void_p))
+    return tuple(t.from_address(argv[i]).value for i, t in enumerate(_MERGE_CTYPES))
+
+
 def _values(seed: int) -> tuple:
     ptrs = tuple(0x7F0000000000 + 256 * (seed + i) for i in range(9))
     strides = tuple(-(seed + i) if i % 3 else seed + 1000 * i for i in range(10))
@@ -87,12 +98,10 @@ def test_struct_launch_points_each_parameter_at_its_offset(monkeypatch):
     import cupy
     from cupydecode.decode import _MERGE_OFFSETS, _MERGE_PARAMS
 
-    ctypes_of = [ctypes.c_uint64] * 4 + [ctypes.c_int32, ctypes.c_int64, ctypes.c_int32, ctypes.c_int32]
     seen = []
 
     def fake_launch(func, gx, gy, gz, bx, by, bz, smem, stream, kernel_params, extra):
-        argv = ctypes.cast(kernel_params, ctypes.POINTER(ctypes.c_void_p))
-        seen.append(tuple(t.from_address(argv[i]).value for i, t in enumerate(ctypes_of)))
+        seen.append(_merge_params(kernel_params))
 
     monkeypatch.setattr(driver, "launchKernel", fake_launch)
     monkeypatch.setattr(cupy.cuda.runtime, "free", lambda ptr: None)
@@ -102,7 +111,7 @@ def test_struct_launch_points_each_parameter_at_its_offset(monkeypatch):
     launch(0x99, *values)
     launch(0x99, *values[:4], 5, 7, 64, 1)
     assert seen == [values, values[:4] + (5, 7, 64, 1)]
-    assert len(_MERGE_OFFSETS) == len(ctypes_of)
+    assert len(_MERGE_OFFSETS) == len(_MERGE_CTYPES)
     with pytest.raises(ValueError, match="offsets"):
         _kernels.StructLaunch(_FakeKernel(), (1, 1, 1), (32, 1, 1), 0, _MERGE_PARAMS, (0, 56))
 
@@ -123,8 +132,7 @@ def test_programmatic_launch_passes_config_attribute_and_parameters(monkeypatch)
         stream, attrs = (ctypes.c_uint64.from_address(config_ptr + o).value for o in (32, 40))
         num_attrs = ctypes.c_uint32.from_address(config_ptr + 48).value
         attr = [ctypes.c_int32.from_address(attrs + o).value for o in (0, 8)]
-        argv = ctypes.cast(kernel_params, ctypes.POINTER(ctypes.c_void_p))
-        nums = ctypes.c_int32.from_address(argv[4]).value, ctypes.c_int64.from_address(argv[5]).value
+        nums = _merge_params(kernel_params)[4:6]
         seen.append((u32, stream, num_attrs, attr, func, nums, extra))
         return 1 if stream == 0xBAD else 0
 
@@ -143,9 +151,8 @@ def test_programmatic_launch_passes_config_attribute_and_parameters(monkeypatch)
     plain_calls = []
 
     def fake_launch(func, gx, gy, gz, bx, by, bz, smem, stream, kernel_params, extra):
-        argv = ctypes.cast(kernel_params, ctypes.POINTER(ctypes.c_void_p))
         plain_calls.append(((func, gx, gy, gz, bx, by, bz, smem, stream),
-                            ctypes.c_int32.from_address(argv[4]).value))
+                            _merge_params(kernel_params)[4]))
 
     monkeypatch.setattr(driver, "launchKernel", fake_launch)
     launch(0xBAD, *values)  # refused: launched plainly
