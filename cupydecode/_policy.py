@@ -53,6 +53,7 @@ class SplitKernelConfig:
     num_warps: int
     stages: int
     m_tiles: int = 1  # M-tiles of 16 query rows per block; the warps are slots × m_tiles
+    heads_as_n: bool = False  # the ≤ 8 query heads as the mma's N dimension (heads_as_n())
 
     @property
     def threads(self) -> int:
@@ -86,6 +87,7 @@ class SplitKernelConfig:
             "ROWS": ROWS,
             "TILE_N": TILE_N,
             "MTILES": self.m_tiles,
+            "HEADS_AS_N": int(self.heads_as_n),
         }
 
 
@@ -120,8 +122,21 @@ def m_tiles(dtype: str, head_dim: int, group: int) -> int:
     return -(-units // -(-units // most))
 
 
+# The tensor-core path with the group's query heads as the mma's N dimension (8 columns) and the
+# tile's tokens as M, instead of 16 query rows as M: for G ≤ 8 that path does half the mma,
+# exponentials and accumulator work per tile (kernels/decode_split.cu, HEADS_AS_N).
+HEADS_AS_N_MAX_GROUP = 8
+
+
+def heads_as_n(dtype: str, group: int | None, m_tiles: int = 1) -> bool:
+    """Whether a block of ``group`` query heads per KV head takes the heads-as-N path: 16-bit
+    types, one M-tile, G ≤ HEADS_AS_N_MAX_GROUP (``group`` None: unknown, the 16-row path)."""
+    return (dtype != "float32" and m_tiles == 1 and group is not None
+            and 1 <= group <= HEADS_AS_N_MAX_GROUP)
+
+
 def split_kernel_config(dtype: str, head_dim: int, chunk_tokens: int = 0,
-                        m_tiles: int = 1) -> SplitKernelConfig:
+                        m_tiles: int = 1, group: int | None = None) -> SplitKernelConfig:
     """Block shape for one specialisation: about 128 KB of K/V ring per block, one block per SM
     (with ``m_tiles`` > 1, 16-bit types only: the M-tile shape of MTILE_SHAPES, 64–72 KB of ring;
     the driver's occupancy calculator says how many such blocks an SM holds).
@@ -141,6 +156,9 @@ def split_kernel_config(dtype: str, head_dim: int, chunk_tokens: int = 0,
         4 × 4): 1–1.5% faster on long streams (b16 × 8k, b16 × 64k, b1 × 64k), slower on short
         ones (b1 × 16k, b16 × 1k), where the deeper ring's head start matters more.
       head_dim 256: 4 × 2 (8 warps would need a single stage).
+
+    ``group`` (query heads per KV head) selects the heads-as-N path where :func:`heads_as_n`
+    says so; the block shape is the same either way.
     """
     if dtype not in DTYPE_IDS:
         raise ValueError(f"unsupported dtype {dtype!r}")
@@ -158,7 +176,8 @@ def split_kernel_config(dtype: str, head_dim: int, chunk_tokens: int = 0,
         warps, stages = LONG_SHAPES[head_dim]
     else:
         warps, stages = {64: (8, 4), 128: (4, 4), 256: (4, 2)}[head_dim]
-    return SplitKernelConfig(dtype, head_dim, num_warps=warps, stages=stages)
+    return SplitKernelConfig(dtype, head_dim, num_warps=warps, stages=stages,
+                             heads_as_n=heads_as_n(dtype, group))
 
 
 # (warps, stages) of the long-chunk shape: the same ring bytes as the default shape.
@@ -168,8 +187,9 @@ LONG_SHAPES = {128: (8, 2)}
 def split_kernel_configs(dtype: str, head_dim: int) -> list[SplitKernelConfig]:
     """Every block shape a plan of this dtype and head_dim can use (for compile checks)."""
     most = 1 if dtype == "float32" else MTILE_SHAPES.get(head_dim, (0, 1, 0))[1]
-    return list(dict.fromkeys(split_kernel_config(dtype, head_dim, c, m)
-                              for m in range(1, most + 1) for c in (0, LONG_CHUNK)))
+    return list(dict.fromkeys(split_kernel_config(dtype, head_dim, c, m, g)
+                              for m in range(1, most + 1) for c in (0, LONG_CHUNK)
+                              for g in (None, 1)))
 
 
 def head_tiles(group: int, m_tiles: int = 1) -> int:
@@ -284,7 +304,7 @@ def choose_num_splits(work_blocks: int, max_seqlen: int, num_sms: int, blocks_pe
         blocks = work_blocks * s
         eff = blocks / (math.ceil(blocks / slots) * slots)
         partial = 0 if s == 1 else work_blocks * s * rows_per_block * (head_dim + 1) * 8
-        warps = (merge_warps if dtype is None
+        warps = (merge_warps if dtype is None  # (the heads-as-N choice keeps the shape)
                  else split_kernel_config(dtype, head_dim, chunk, m_tiles).num_warps)
         cost = (kv_bytes + partial) / eff + merge_cost_bytes(s, rows_per_block, head_dim, warps, merge)
         best.append((cost, s, chunk))
@@ -318,7 +338,7 @@ def plan_shape(dtype: str, head_dim: int, group: int, batch: int, num_kv_heads: 
         else:
             splits, chunk = choose_num_splits(
                 batch * num_kv_heads * head_tiles(group, mt), max_seqlen, num_sms,
-                blocks_per_sm(split_kernel_config(dtype, head_dim, m_tiles=mt)),
+                blocks_per_sm(split_kernel_config(dtype, head_dim, m_tiles=mt, group=group)),
                 rows_per_block=min(group, ROWS * mt), head_dim=head_dim,
                 kv_itemsize=ITEMSIZE[dtype], merge=merge, dtype=dtype, m_tiles=mt)
         if mt == 1 or chunk >= MTILE_MIN_CHUNK:

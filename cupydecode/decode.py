@@ -137,7 +137,7 @@ class DecodePlan:
         rows_per_block = min(self.group, _policy.ROWS * self.m_tiles)  # query rows of a block
         # The block shape depends on how long each block streams.
         self.config = _policy.split_kernel_config(self.dtype, self.head_dim, self.chunk_tokens,
-                                                  self.m_tiles)
+                                                  self.m_tiles, self.group)
         self.merge = _policy.merge_mode(self.num_splits, rows_per_block, self.head_dim,
                                         self.config.num_warps, merge)
         rows = self.batch * self.num_heads

@@ -29,9 +29,14 @@
 // on it, meeting at a named barrier per tile.
 //
 // Two compute paths on the same pipeline:
-//   float16 / bfloat16: tensor cores (mma.m16n8k16, fp32 accumulate). S = Q·Kᵀ with the 16 query
-//     rows as the M dimension (rows ≥ G are zero padding); P·V with P taken straight from the S
-//     accumulator registers. Few instructions per byte is what lets one SM keep up with HBM.
+//   float16 / bfloat16: tensor cores (mma.m16n8k16, fp32 accumulate). Few instructions per byte
+//     is what lets one SM keep up with HBM. Two fragment arrangements:
+//     HEADS_AS_N = 0: S = Q·Kᵀ with the 16 query rows as the M dimension (rows ≥ G are zero
+//       padding); P·V with P taken straight from the S accumulator registers.
+//     HEADS_AS_N = 1 (G ≤ 8, one M-tile): the transposed products Sᵀ = K·Qᵀ and Oᵀ = Vᵀ·Pᵀ, the
+//       tile's 16 tokens as M and the group's ≤ 8 query heads as N, so no mma works on padding
+//       rows: half the mma, exponentials and accumulator registers per tile. Pᵀ reaches the B
+//       operand of the second product through one register transpose (movmatrix) per 8 tokens.
 //   float32: CUDA cores, fp32 throughout (tensor-core tf32 would miss fp32 accuracy).
 //
 // Partial-state contract (consumed by cd_merge_fold, common.cuh):
@@ -50,7 +55,8 @@
 //   partials only (`counters` null): merge_states.cu runs next as a second kernel.
 //
 // Compile-time constants (prepended by cupydecode/_kernels.py, chosen by cupydecode/_policy.py):
-//   DTYPE_ID (0 f16, 1 bf16, 2 f32), HEAD_DIM, NUM_WARPS, STAGES, ROWS (16), TILE_N (16), MTILES.
+//   DTYPE_ID (0 f16, 1 bf16, 2 f32), HEAD_DIM, NUM_WARPS, STAGES, ROWS (16), TILE_N (16), MTILES,
+//   HEADS_AS_N (0 or 1).
 #include "common.cuh"
 
 typedef cd_elem<DTYPE_ID> E;
@@ -84,6 +90,9 @@ typedef E::storage elem_t;
 #endif
 #if DTYPE_ID == 2 && MTILES != 1
 #error "the float32 path holds one M-tile per block"
+#endif
+#if HEADS_AS_N && (DTYPE_ID == 2 || MTILES != 1)
+#error "HEADS_AS_N is a 16-bit tensor-core path of one M-tile per block"
 #endif
 
 // Rows of 128+ bytes put every row's chunk c in the same banks; XOR-ing the chunk index with
@@ -163,6 +172,13 @@ __device__ __forceinline__ void mma16816(float (&c)[4], const u32 (&a)[4], u32 b
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 #endif
+}
+// The 8×8 16-bit matrix held in mma fragment layout (lane g·4 + t: row g, columns 2t, 2t+1),
+// transposed in registers: the lane then holds row g, columns 2t, 2t+1 of the transpose.
+__device__ __forceinline__ u32 movmatrix_t(u32 x) {
+    u32 r;
+    asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(r) : "r"(x));
+    return r;
 }
 // (lo, hi) → one register of two 16-bit values, lo in the low half (the lower k index).
 __device__ __forceinline__ u32 pack2(float lo, float hi) {
@@ -359,6 +375,110 @@ cd_decode_split(const cd_decode_params p) {
         const int rowB = (lane & 7) + (lane >> 4) * 8, offB = (lane >> 3) & 1;
         const u32 sq_u32 = smem_u32(sq);
 
+#if HEADS_AS_N
+        // ---------------------------------------------------- heads as N: Sᵀ = K·Qᵀ, Oᵀ = Vᵀ·Pᵀ
+        // Here pattern A reads K as the A operand and pattern B reads Vᵀ (V transposed) as the A
+        // operand. The thread's query heads (columns of Sᵀ and Oᵀ) are 2t and 2t + 1.
+        // Qᵀ as B operands (k = head dims, n = query heads 0..7), in registers for the whole chunk:
+        // qb[kk] holds Q[g][16kk + 2t, +1] and Q[g][16kk + 8 + 2t, +1]. One ldmatrix.x4 reads the
+        // 16-byte chunks 4kk2 .. 4kk2 + 3 of query rows 0..7 (lanes 8j..8j+7 address chunk j).
+        u32 qb[HEAD_DIM / 16][2];
+#pragma unroll
+        for (int kk2 = 0; kk2 < HEAD_DIM / 32; ++kk2)
+            ldsm_x4(qb[2 * kk2][0], qb[2 * kk2][1], qb[2 * kk2 + 1][0], qb[2 * kk2 + 1][1],
+                    sq_u32 + swz(lane & 7, 4 * kk2 + (lane >> 3)) * 16);
+
+        float m2[2] = {CD_NEG_INF, CD_NEG_INF};  // running max (log2 units) of heads 2t, 2t+1
+        float l2[2] = {0.f, 0.f};                // this thread's share of their denominators
+        // Oᵀ accumulators: acc[d][e] is head dim 16d + g + 8·(e >> 1) of query head 2t + (e & 1).
+        float acc[HEAD_DIM / 16][4];
+#pragma unroll
+        for (int d = 0; d < HEAD_DIM / 16; ++d) acc[d][0] = acc[d][1] = acc[d][2] = acc[d][3] = 0.f;
+
+        for (int i = 0; i < my_tiles; ++i) {
+            next_tile(i);
+            const u32 ks = ring_u32 + (i % STAGES) * 2 * TILE_BYTES;
+            const u32 vs = ks + TILE_BYTES;
+            // Sᵀ for 16 tokens × 8 heads; two accumulators (even and odd k steps) so that two mma
+            // chains are in flight. s[e]: token g + 8·(e >> 1) of the tile, head 2t + (e & 1).
+            float s[4] = {0.f, 0.f, 0.f, 0.f}, s_odd[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+            for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
+                u32 a[4];
+                ldsm_x4(a[0], a[1], a[2], a[3], ks + swz(rowA, 2 * kk + offA) * 16);
+                if (kk % 2) mma16816(s_odd, a, qb[kk][0], qb[kk][1]);
+                else        mma16816(s, a, qb[kk][0], qb[kk][1]);
+            }
+            // Online softmax per head, one max and one rescale per tile: the head's 16 tokens are
+            // in the 8 lanes of its t (lane bits 2..4), two per lane.
+            const int t0 = tile_start(i);
+            float mx[2] = {CD_NEG_INF, CD_NEG_INF};
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const bool ok = t0 + g + 8 * (e >> 1) < chunk_end;
+                s[e] = ok ? (s[e] + s_odd[e]) * scale_log2 : CD_NEG_INF;
+                mx[e & 1] = fmaxf(mx[e & 1], s[e]);
+            }
+            float alpha[2], ref[2];
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 4));
+                mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 8));
+                mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 16));
+                const cd_rescale sc = cd_merge_scales(m2[h], mx[h]);
+                alpha[h] = sc.a;
+                m2[h] = sc.m;
+                ref[h] = (sc.m == CD_NEG_INF) ? 0.f : sc.m;
+            }
+            float rs[2] = {0.f, 0.f};
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                s[e] = cd_exp2(s[e] - ref[e & 1]);
+                rs[e & 1] += s[e];
+            }
+            l2[0] = l2[0] * alpha[0] + rs[0];
+            l2[1] = l2[1] * alpha[1] + rs[1];
+            if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
+#pragma unroll
+                for (int d = 0; d < HEAD_DIM / 16; ++d) {
+                    acc[d][0] *= alpha[0]; acc[d][1] *= alpha[1];
+                    acc[d][2] *= alpha[0]; acc[d][3] *= alpha[1];
+                }
+            }
+            // Pᵀ as the B operand (k = tokens, n = heads) is the transpose of the Sᵀ accumulator
+            // (tokens × heads) in fragment layout: one movmatrix per 8 tokens.
+            const u32 pb0 = movmatrix_t(pack2(s[0], s[1]));
+            const u32 pb1 = movmatrix_t(pack2(s[2], s[3]));
+#pragma unroll
+            for (int d = 0; d < HEAD_DIM / 16; ++d) {
+                u32 a[4];
+                ldsm_x4_t(a[0], a[1], a[2], a[3], vs + swz(rowB, 2 * d + offB) * 16);
+                mma16816(acc[d], a, pb0, pb1);
+            }
+            __syncwarp();
+        }
+        cp_async_wait<0>();
+        __syncthreads();  // every warp is done with the ring before it becomes sm_acc
+
+        // Warp state → shared: the eight lanes of a head sum their shares of l.
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            l2[h] += __shfl_xor_sync(0xffffffffu, l2[h], 4);
+            l2[h] += __shfl_xor_sync(0xffffffffu, l2[h], 8);
+            l2[h] += __shfl_xor_sync(0xffffffffu, l2[h], 16);
+        }
+        if (g == 0) {  // rows 8..15 (no query head here) are never read: rows ≤ 8
+            sm_m[warp * ROWS + 2 * t] = m2[0];     sm_l[warp * ROWS + 2 * t] = l2[0];
+            sm_m[warp * ROWS + 2 * t + 1] = m2[1]; sm_l[warp * ROWS + 2 * t + 1] = l2[1];
+        }
+        float* wacc = sm_acc + warp * ROWS * ACC_STRIDE;
+#pragma unroll
+        for (int d = 0; d < HEAD_DIM / 16; ++d)
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                wacc[(2 * t + (e & 1)) * ACC_STRIDE + 16 * d + g + 8 * (e >> 1)] = acc[d][e];
+        (void)loop_tiles;  // one M-tile per block here: no slot ever idles
+#else
         float m2[2] = {CD_NEG_INF, CD_NEG_INF};  // running max (log2 units) of rows g, g+8
         float l2[2] = {0.f, 0.f};                // this thread's share of the denominators
         float acc[HEAD_DIM / 8][4];
@@ -464,6 +584,7 @@ cd_decode_split(const cd_decode_params p) {
             *reinterpret_cast<float2*>(wacc + g * ACC_STRIDE + 8 * n + 2 * t) = make_float2(acc[n][0], acc[n][1]);
             *reinterpret_cast<float2*>(wacc + (g + 8) * ACC_STRIDE + 8 * n + 2 * t) = make_float2(acc[n][2], acc[n][3]);
         }
+#endif  // HEADS_AS_N
 #else
         // ================================================================ float32 path
         (void)loop_tiles;  // one M-tile per block here: no slot ever idles

@@ -48,9 +48,10 @@ def force_shape(num_warps, stages):
     the original back."""
     orig = _policy.split_kernel_config
 
-    def config(dt, hd, chunk=0, m_tiles=1):
-        return (orig(dt, hd, chunk, m_tiles) if m_tiles > 1
-                else _policy.SplitKernelConfig(dt, hd, num_warps, stages))
+    def config(dt, hd, chunk=0, m_tiles=1, group=None):
+        cfg = orig(dt, hd, chunk, m_tiles, group)
+        return (cfg if m_tiles > 1
+                else dataclasses.replace(cfg, num_warps=num_warps, stages=stages))
 
     return config
 

@@ -22,7 +22,7 @@ from helpers import (DTYPES, LSE_TOL, OUT_TOL, assert_lse_close, assert_out_clos
 pytestmark = pytest.mark.gpu
 
 HEAD_DIMS = (64, 128, 256)
-GROUPS = (1, 4, 7, 8)
+GROUPS = (1, 4, 7, 8, 12, 16)  # ≤ 8: the heads-as-N path; 12, 16: the 16-row path
 LENGTHS = (1, 2, 17, 255, 256, 257, 4097, 65536)
 BATCHES = (1, 3, 8)
 SPLITS = (1, 3, None)
@@ -169,8 +169,10 @@ def test_long_chunk_shape(cupy, rng, seed, dtype, group):
         plan = cupydecode.DecodePlan(batch, group * num_kv_heads, num_kv_heads, head_dim,
                                      max_seqlen, dtype, num_splits=splits)
         assert plan.chunk_tokens >= _policy.LONG_CHUNK, ctx
-        assert plan.config == _policy.split_kernel_config(dtype, head_dim, _policy.LONG_CHUNK)
-        assert plan.config != _policy.split_kernel_config(dtype, head_dim), ctx
+        assert plan.config == _policy.split_kernel_config(dtype, head_dim, _policy.LONG_CHUNK,
+                                                          1, group), ctx
+        assert plan.config.heads_as_n == (group <= 8), ctx
+        assert plan.config != _policy.split_kernel_config(dtype, head_dim, 0, 1, group), ctx
     ref_out, ref_lse = R.decode_attention(q, k, v, lens)
     seqlens = cupy.asarray(np.asarray(lens, np.int32))
     for got, lse in splits_match_reference(cupy, q, k, v, seqlens, ref_out, ref_lse, dtype, ctx,
@@ -343,6 +345,44 @@ def test_gqa_and_mqa_layouts(cupy, rng, seed, dtype, num_heads, num_kv_heads):
     ref_out, ref_lse = R.decode_attention(q, k, v, lens)
     seqlens = cupy.asarray(np.asarray(lens, np.int32))
     splits_match_reference(cupy, q, k, v, seqlens, ref_out, ref_lse, dtype, ctx)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_both_tensor_core_paths(cupy, rng, seed, monkeypatch, dtype, head_dim):
+    """G ≤ 8 runs the heads-as-N path (Sᵀ = K·Qᵀ, Oᵀ = Vᵀ·Pᵀ) by default; with it switched off
+    the same plans run the 16-row path. Both match the reference on the same inputs (every G up
+    to 8, direct output, fused merge and the merge kernel, ragged ends, a 1-token sequence and
+    an empty one), and they agree with each other."""
+    from cupydecode import _policy
+
+    batch, num_kv_heads, max_seqlen = 4, 2, 1500
+    lens = [max_seqlen, 1, 0, 1037]
+    for group in (1, 2, 3, 5, 8):
+        num_heads = group * num_kv_heads
+        ctx = context(seed, dtype=dtype, head_dim=head_dim, group=group, lens=lens)
+        q, k, v = decode_inputs(rng, batch, num_heads, num_kv_heads, head_dim, max_seqlen, dtype)
+        k, v = nan_tail(k, lens), nan_tail(v, lens)
+        ref_out, ref_lse = R.decode_attention(q, k, v, lens)
+        dq, dk, dv = to_device(q), to_device(k), to_device(v)
+        seqlens = cupy.asarray(np.asarray(lens, np.int32))
+        for splits, merge in ((1, "auto"), (3, "fused"), (3, "kernel")):
+            got = {}
+            for most in (_policy.HEADS_AS_N_MAX_GROUP, 0):
+                monkeypatch.setattr(_policy, "HEADS_AS_N_MAX_GROUP", most)
+                plan = cupydecode.DecodePlan(batch, num_heads, num_kv_heads, head_dim, max_seqlen,
+                                             dtype, num_splits=splits, merge=merge)
+                assert plan.config.heads_as_n == (most > 0), (plan.config, ctx)
+                out = cupy.full(q.shape, np.nan, dtype=dq.dtype)
+                lse = cupy.full(q.shape[:2], np.nan, dtype=cupy.float32)
+                plan.run(dq, dk, dv, seqlens, out=out, lse=lse)
+                what = f"heads_as_n={most > 0} splits={splits} merge={plan.merge} {ctx}"
+                assert_out_close(out, ref_out, OUT_TOL[dtype], what)
+                assert_lse_close(lse, ref_lse, LSE_TOL[dtype], what)
+                assert not cupy.any(out[2]) and bool(cupy.all(cupy.isneginf(lse[2]))), what
+                got[most > 0] = out
+            monkeypatch.undo()
+            assert_out_close(got[True], got[False], OUT_TOL[dtype], ctx, "heads-as-N vs 16 rows")
 
 
 def test_m_tiles_chosen_automatically(cupy, rng, seed):

@@ -186,9 +186,36 @@ def test_long_chunk_config(dtype, head_dim):
     ring = lambda c: c.num_warps * c.stages  # noqa: E731  (tiles of K and V per block)
     assert ring(long) == ring(short) and long.stages >= 2
     assert long.smem_bytes <= SMEM_PER_BLOCK_MAX
-    assert {c for c in P.split_kernel_configs(dtype, head_dim) if c.m_tiles == 1} == {short, long}
+    narrow = {P.split_kernel_config(dtype, head_dim, c, 1, 4) for c in (0, P.LONG_CHUNK)}
+    assert {c for c in P.split_kernel_configs(dtype, head_dim) if c.m_tiles == 1} == {short, long} | narrow
     if dtype != "float32" and head_dim == 128:
         assert (long.num_warps, long.stages) == (8, 2)
+
+
+@pytest.mark.parametrize("dtype", list(P.DTYPE_IDS))
+@pytest.mark.parametrize("head_dim", P.SUPPORTED_HEAD_DIMS)
+def test_heads_as_n_only_for_small_groups(dtype, head_dim):
+    """The heads-as-N path takes 16-bit blocks of one M-tile with G ≤ 8 (the mma's N), with the
+    block shape of the 16-row path; G > 8, float32 and M-tile blocks keep the 16-row path."""
+    for chunk in (0, P.LONG_CHUNK):
+        rows16 = P.split_kernel_config(dtype, head_dim, chunk)
+        assert not rows16.heads_as_n and rows16.defines()["HEADS_AS_N"] == 0
+        for g in range(1, 40):
+            cfg = P.split_kernel_config(dtype, head_dim, chunk, 1, g)
+            assert cfg.heads_as_n == (dtype != "float32" and g <= 8), (g, cfg)
+            assert cfg.defines()["HEADS_AS_N"] == int(cfg.heads_as_n)
+            assert (cfg.num_warps, cfg.stages, cfg.smem_bytes) == (
+                rows16.num_warps, rows16.stages, rows16.smem_bytes)
+            assert cfg in P.split_kernel_configs(dtype, head_dim), cfg
+    if dtype != "float32":
+        mt = P.split_kernel_config(dtype, head_dim, 0, 2, 8)
+        assert mt.m_tiles == 2 and not mt.heads_as_n
+    # the plan's block: llama-3-8b (G = 4) takes it, llama-3-405b (G = 16) does not
+    one = lambda cfg: 1  # noqa: E731
+    for g, want in ((4, True), (8, True), (16, False)):
+        mt, _, chunk = P.plan_shape(dtype, head_dim, g, 1, 8, 16384, 132, one)
+        cfg = P.split_kernel_config(dtype, head_dim, chunk, mt, g)
+        assert cfg.heads_as_n == (want and dtype != "float32"), (g, cfg)
 
 
 @pytest.mark.parametrize("dtype,head_dim", [("float64", 128), ("int32", 128), ("bf16", 128),

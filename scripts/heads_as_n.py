@@ -1,0 +1,65 @@
+"""The split kernel's two tensor-core paths for G ≤ 8 query heads per KV head, side by side
+(development tool): the heads-as-N path (Sᵀ = K·Qᵀ, Oᵀ = Vᵀ·Pᵀ, the default) against the 16-row
+path (S = Q·Kᵀ with 16 query rows as M), same plan shape, GPU µs per call by graph replay over
+rotated buffer sets, in one process, each cell timed twice in alternating order.
+
+Usage: python scripts/heads_as_n.py [MODEL:DTYPE:BxL ...]   (default: the points below)
+"""
+
+import sys
+
+sys.path.insert(0, ".")
+sys.path.insert(0, "scripts")
+import cupydecode as cd  # noqa: E402
+from cupydecode import _policy  # noqa: E402
+from cupydecode.bench import measure_read_ceiling  # noqa: E402
+from cupydecode.workloads import MODELS  # noqa: E402
+from tune import make_sets, time_plans  # noqa: E402
+
+POINTS = ["llama-3-8b:float16:1x1024", "llama-3-8b:float16:1x16384", "llama-3-8b:float16:1x65536",
+          "llama-3-8b:float16:4x8192", "llama-3-8b:float16:16x8192", "llama-3-8b:float16:16x65536",
+          "llama-3-70b:float16:1x16384", "llama-3-70b:float16:16x16384",
+          "qwen2.5-7b:bfloat16:1x65536", "gemma-2b:bfloat16:1x65536", "gemma-2b:bfloat16:16x16384",
+          "gemma-2-9b:float16:1x16384", "gpt-2:bfloat16:1x65536", "llama-2-7b:float16:1x16384"]
+ON = _policy.HEADS_AS_N_MAX_GROUP
+
+
+def timed(m, dtype, b, L, sets, on):
+    """(µs, a plan) with the heads-as-N path allowed (``on``) or not."""
+    _policy.HEADS_AS_N_MAX_GROUP = ON if on else 0
+    try:  # (the plans consult it when they are built)
+        us, plan = time_plans(
+            lambda: cd.DecodePlan(b, m.num_heads, m.num_kv_heads, m.head_dim, L, dtype), sets)
+    finally:
+        _policy.HEADS_AS_N_MAX_GROUP = ON
+    assert plan.config.heads_as_n == (on and plan.group <= ON), plan.config
+    return us, plan
+
+
+def main():
+    ceiling = measure_read_ceiling()["gbps"]
+    print(f"read ceiling {ceiling:.0f} GB/s", flush=True)
+    for spec in sys.argv[1:] or POINTS:
+        model, dtype, bl = spec.split(":")
+        b, L = (int(x) for x in bl.split("x"))
+        m = MODELS[model]
+        nbytes, sets = make_sets(b, L, m.num_heads, m.num_kv_heads, m.head_dim, dtype)
+        cells, plans = {True: [], False: []}, {}
+        for rep in range(2):
+            for on in ((True, False) if rep == 0 else (False, True)):
+                us, plans[on] = timed(m, dtype, b, L, sets, on)
+                cells[on].append(us)
+        floor = nbytes / ceiling / 1e3
+        best = {on: min(us) for on, us in cells.items()}
+        p = plans[True]
+        print(f"{model} {dtype} b{b}x{L // 1024}k (S{p.num_splits}, {p.merge}, "
+              f"{p.config.num_warps}x{p.config.stages}): heads-as-N "
+              f"{'/'.join(f'{u:.2f}' for u in cells[True])} ({100 * floor / best[True]:.1f}%)  "
+              f"16 rows {'/'.join(f'{u:.2f}' for u in cells[False])} "
+              f"({100 * floor / best[False]:.1f}%)  delta {best[True] - best[False]:+.2f} us",
+              flush=True)
+        del sets
+
+
+if __name__ == "__main__":
+    main()
