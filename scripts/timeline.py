@@ -75,7 +75,8 @@ def instrumented_source(filename, defines):
         return src
     for anchor, text, where in INJECT:
         assert anchor in src, anchor
-        src = src.replace(anchor, text + anchor if where == "before" else anchor + text, 1)
+        # (every occurrence: the end-of-stream anchor is in both tensor-core paths)
+        src = src.replace(anchor, text + anchor if where == "before" else anchor + text)
     return src
 
 
