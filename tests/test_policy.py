@@ -285,3 +285,13 @@ def test_one_kv_head_fills_the_machine():
 def test_short_caches_split_to_64_token_chunks():
     # batch 1 × 1024 tokens, 8 KV heads: 16 splits of 64 tokens (measured fastest on the H200).
     assert P.choose_num_splits(8, 1024, 132, 1, rows_per_block=4) == (16, 64)
+
+
+def test_one_wave_counts_whole_chunks():
+    """In one wave the longest block sets the end, so s chunks cost s · chunk tokens, not the
+    cache's: qwen2.5-7b (4 KV heads, G = 7) at batch 1 takes 32 chunks of 2048 tokens (128
+    blocks) over 31 of 2176 for 65536 tokens (measured 1.0 µs faster on the H200), and 32 of
+    1024 over 31 of 1088 for 32768."""
+    for max_seqlen, want in ((65536, (32, 2048)), (32768, (32, 1024))):
+        assert P.choose_num_splits(4, max_seqlen, 132, 1, rows_per_block=7,
+                                   dtype="bfloat16") == want, max_seqlen
