@@ -33,15 +33,30 @@ MERGE_OVERHEAD_BYTES = 8 * 2**20
 # trip. The fused merge (the last block of a KV head) has only that block's warps, so it is used
 # only where it takes one trip per warp (merge_mode); otherwise merge_states.cu runs as a second
 # kernel, which spreads rows, passes and groups of 16 partials over many warps (one trip each up
-# to 16 · MERGE_WARPS splits) at the cost of a second launch (~1 µs in a graph; on Hopper the
-# merge kernel is launched as a programmatic dependent of the split kernel, measured 0.7–0.9 µs
-# faster, docs/PERFORMANCE.md v13; these costs are not yet recalibrated for that).
+# to 16 · MERGE_WARPS splits) at the cost of a second launch (~1 µs in a graph). Where the merge
+# kernel is launched as a programmatic dependent of the split kernel (Hopper on; 0.7–0.9 µs
+# faster, docs/PERFORMANCE.md v13), it is charged 3 MB instead of 4: lower, the split count
+# moves to many-wave plans measured no faster at several points (llama-3-8b b4 × 256k 33
+# splits 934.3 µs vs 4 fused 929.3; qwen2.5-7b b2 × 256k 236.5 vs 235.2) and, for G = 7 and 8
+# at batch 1 × 1k, to 8 fused splits (0.3–0.4 µs slower than 16 with the kernel); at 3 MB the
+# plans that change are ones measured as fast or faster (docs/PERFORMANCE.md, v14).
 MERGE_TRIP_BYTES = 5 * 2**20
 MERGE_KERNEL_BYTES = 4 * 2**20
+MERGE_KERNEL_BYTES_PROGRAMMATIC = 3 * 2**20
 MERGE_STATES_PER_TRIP = 16   # CD_MERGE_GROUP in kernels/common.cuh
 MERGE_WARPS = 8              # CD_MERGE_MAX_WARPS in kernels/merge_states.cu: warps per merge block
 FUSED_PASS = 128             # elements of head_dim per warp pass in the fused merge (4 per lane)
 MERGE_MODES = ("auto", "fused", "kernel")
+# Where the merge kernel is launched as a programmatic dependent (Hopper on), merge="auto" fuses
+# the merge only where the merging block folds at most this many partial states (its rows × the
+# splits): it fetches them all through its one SM, while the kernel spreads them over many.
+# Measured on the H200, blocks of 8 warps, one fused trip per warp (fused vs kernel µs, states):
+# llama-3-70b b1 × 4k 10.0 vs 9.7, b1 × 16k 21.0 vs 20.8, b1 × 64k 65.1 vs 64.9 (8 rows × 16
+# splits = 128 states); b1 × 1k 7.2 vs 6.8 (8 × 8 = 64); b4 × 8k 35.7 vs 35.8, b4 × 16k 65.2 vs
+# 65.4 (32); qwen2.5-7b b4 × 8k 21.1 vs 21.0 (56), b16 × 4k 35.7 vs 36.0, b16 × 16k 123.6 vs
+# 124.1 (14); llama-3-8b b1 × 16k 20.5 vs 20.5 (64), b4 × 8k 35.5 vs 36.1 (16)
+# (docs/PERFORMANCE.md, v14).
+FUSED_MAX_STATES_PROGRAMMATIC = 64
 
 
 @dataclass(frozen=True)
@@ -170,18 +185,24 @@ def split_kernel_config(dtype: str, head_dim: int, chunk_tokens: int = 0,
             raise ValueError(f"no block shape of {m_tiles} M-tiles for {dtype} head_dim {head_dim}")
         return SplitKernelConfig(dtype, head_dim, num_warps=slots * m_tiles, stages=stages,
                                  m_tiles=m_tiles)
+    narrow = heads_as_n(dtype, group)
     if dtype == "float32":
         warps, stages = {64: (4, 4), 128: (4, 2), 256: (2, 2)}[head_dim]
-    elif chunk_tokens >= LONG_CHUNK and head_dim in LONG_SHAPES:
+    elif (chunk_tokens >= (HEADS_AS_N_LONG_CHUNK if narrow else LONG_CHUNK)
+          and head_dim in LONG_SHAPES):
         warps, stages = LONG_SHAPES[head_dim]
     else:
         warps, stages = {64: (8, 4), 128: (4, 4), 256: (4, 2)}[head_dim]
-    return SplitKernelConfig(dtype, head_dim, num_warps=warps, stages=stages,
-                             heads_as_n=heads_as_n(dtype, group))
+    return SplitKernelConfig(dtype, head_dim, num_warps=warps, stages=stages, heads_as_n=narrow)
 
 
 # (warps, stages) of the long-chunk shape: the same ring bytes as the default shape.
 LONG_SHAPES = {128: (8, 2)}
+# The heads-as-N path does half the tile math, so its blocks take the long-chunk shape from the
+# chunk on where each of its 8 warps has a tile (measured on the H200, fp16 32/8/128, 8 × 2
+# against 4 × 4: b1 × 2k −0.14 µs, b1 × 4k −0.28, b1 × 16k −0.30, b4 × 1k −0.30, b16 × 1k −0.50;
+# with 64-token chunks, b1 × 1k, +0.24: half the warps idle).
+HEADS_AS_N_LONG_CHUNK = 8 * TILE_N
 
 
 def split_kernel_configs(dtype: str, head_dim: int) -> list[SplitKernelConfig]:
@@ -215,16 +236,20 @@ def fused_merge_trips(num_splits: int, rows_per_block: int, head_dim: int, num_w
 
 
 def merge_mode(num_splits: int, rows_per_block: int, head_dim: int, num_warps: int,
-               merge: str = "auto") -> str:
+               merge: str = "auto", programmatic: bool = False) -> str:
     """How a plan merges its splits: ``"none"`` (one split), or ``merge`` when forced, else
     ``"fused"`` where the fused merge takes one trip per warp and ``"kernel"`` where it would take
     more (measured on the H200: 7 rows × 16 splits on 4 warps, 18.6 µs with the kernel vs 20.0
     fused at qwen2.5-7b b1 × 16k; 8 rows of head_dim 256 × 64 splits, 26.6 vs 39.3 µs at
-    gemma-2b b1 × 16k, even with the kernel's former one warp per row; docs/PERFORMANCE.md v9)."""
+    gemma-2b b1 × 16k, even with the kernel's former one warp per row; docs/PERFORMANCE.md v9).
+    With ``programmatic`` (the merge kernel launched as a programmatic dependent), merges of more
+    than FUSED_MAX_STATES_PROGRAMMATIC states per block (rows × splits) take the kernel too."""
     if num_splits <= 1:
         return "none"
     if merge != "auto":
         return merge
+    if programmatic and rows_per_block * num_splits > FUSED_MAX_STATES_PROGRAMMATIC:
+        return "kernel"
     return "fused" if fused_merge_trips(num_splits, rows_per_block, head_dim, num_warps) <= 1 else "kernel"
 
 
@@ -244,9 +269,9 @@ def merge_launch(rows: int, head_dim: int, num_states: int) -> tuple[int, int, i
 
 
 def merge_cost_bytes(num_splits: int, rows_per_block: int, head_dim: int, num_warps: int,
-                     merge: str = "auto") -> int:
+                     merge: str = "auto", programmatic: bool = False) -> int:
     """The merge's estimated tail in bytes of streaming at full speed (0 for one split)."""
-    mode = merge_mode(num_splits, rows_per_block, head_dim, num_warps, merge)
+    mode = merge_mode(num_splits, rows_per_block, head_dim, num_warps, merge, programmatic)
     if mode == "none":
         return 0
     if mode == "fused":
@@ -254,14 +279,16 @@ def merge_cost_bytes(num_splits: int, rows_per_block: int, head_dim: int, num_wa
             fused_merge_trips(num_splits, rows_per_block, head_dim, num_warps) - 1)
     warps_per_item = merge_launch(1, head_dim, num_splits)[2]  # one group each per trip
     trips = -(-merge_groups(num_splits) // warps_per_item)
-    return MERGE_OVERHEAD_BYTES + MERGE_KERNEL_BYTES + MERGE_TRIP_BYTES * (trips - 1)
+    launch = MERGE_KERNEL_BYTES_PROGRAMMATIC if programmatic else MERGE_KERNEL_BYTES
+    return MERGE_OVERHEAD_BYTES + launch + MERGE_TRIP_BYTES * (trips - 1)
 
 
 def choose_num_splits(work_blocks: int, max_seqlen: int, num_sms: int, blocks_per_sm: int,
                       rows_per_block: int = ROWS, head_dim: int = 128, kv_itemsize: int = 2,
                       min_chunk: int = MIN_CHUNK, merge_warps: int = 4,
                       merge: str = "auto", dtype: str | None = None,
-                      m_tiles: int = 1) -> tuple[int, int]:
+                      m_tiles: int = 1, group: int | None = None,
+                      programmatic: bool = False) -> tuple[int, int]:
     """Split count and chunk length for a grid of ``work_blocks`` (batch × kv_heads × head tiles).
 
     Returns ``(num_splits, chunk_tokens)``. Chunks are multiples of SPLIT_GRANULE tokens and at
@@ -274,10 +301,11 @@ def choose_num_splits(work_blocks: int, max_seqlen: int, num_sms: int, blocks_pe
     whole chunks per sequence (s · chunk ≥ max_seqlen tokens: 31 chunks of 2176 tokens for 65536
     end 6% later than 32 of 2048, measured 1.0 µs slower at qwen2.5-7b b1 × 64k). The
     partials are written and read once: work_blocks · s · rows · (head_dim + 1) · 4 · 2 bytes,
-    and the merge (fused or a second kernel, as merge_mode picks it for ``merge``) costs a fixed
+    and the merge (fused or a second kernel, as merge_mode picks it for ``merge`` and
+    ``programmatic``) costs a fixed
     tail plus its serial L2 trips beyond the first. With ``dtype``, the fused merge's warps are
-    those of the block shape each candidate's chunk length (and ``m_tiles``) selects
-    (split_kernel_config); without it, ``merge_warps``.
+    those of the block shape each candidate's chunk length (with ``m_tiles`` and ``group``)
+    selects (split_kernel_config); without it, ``merge_warps``.
     The smallest s within 3% of the best estimate wins (fewer partials, shorter merge).
 
     Worked example (H200: 132 SMs, 1 block/SM → 132 slots; llama-3-8b: 8 KV heads, G = 4):
@@ -309,9 +337,10 @@ def choose_num_splits(work_blocks: int, max_seqlen: int, num_sms: int, blocks_pe
         eff = blocks / (waves * slots)
         stream = kv_bytes if waves > 1 else kv_bytes * (s * min(chunk, max_seqlen)) / max_seqlen
         partial = 0 if s == 1 else work_blocks * s * rows_per_block * (head_dim + 1) * 8
-        warps = (merge_warps if dtype is None  # (the heads-as-N choice keeps the shape)
-                 else split_kernel_config(dtype, head_dim, chunk, m_tiles).num_warps)
-        cost = (stream + partial) / eff + merge_cost_bytes(s, rows_per_block, head_dim, warps, merge)
+        warps = (merge_warps if dtype is None
+                 else split_kernel_config(dtype, head_dim, chunk, m_tiles, group).num_warps)
+        cost = (stream + partial) / eff + merge_cost_bytes(s, rows_per_block, head_dim, warps,
+                                                           merge, programmatic)
         best.append((cost, s, chunk))
     if not best:
         return 1, max_seqlen
@@ -329,12 +358,14 @@ def fixed_split_size(max_seqlen: int, split_size: int) -> tuple[int, int]:
 
 def plan_shape(dtype: str, head_dim: int, group: int, batch: int, num_kv_heads: int,
                max_seqlen: int, num_sms: int, blocks_per_sm, num_splits: int | None = None,
-               split_size: int | None = None, merge: str = "auto") -> tuple[int, int, int]:
+               split_size: int | None = None, merge: str = "auto",
+               programmatic: bool = False) -> tuple[int, int, int]:
     """``(m_tiles, num_splits, chunk_tokens)`` of a plan: the split count forced, fixed by
     ``split_size``, or chosen by :func:`choose_num_splits` for the block shape of each candidate
     ``m_tiles`` (``blocks_per_sm(config)``: resident blocks of that shape per SM, from the
     driver). G > 16 takes several M-tiles per block (:func:`m_tiles`) where each block then
-    streams at least MTILE_MIN_CHUNK tokens, and one M-tile per block otherwise."""
+    streams at least MTILE_MIN_CHUNK tokens, and one M-tile per block otherwise.
+    ``programmatic``: the merge kernel is launched as a programmatic dependent (merge_mode)."""
     for mt in dict.fromkeys((m_tiles(dtype, head_dim, group), 1)):
         if num_splits is not None:
             splits, chunk = num_splits, chunk_for_splits(max_seqlen, num_splits)
@@ -345,7 +376,8 @@ def plan_shape(dtype: str, head_dim: int, group: int, batch: int, num_kv_heads: 
                 batch * num_kv_heads * head_tiles(group, mt), max_seqlen, num_sms,
                 blocks_per_sm(split_kernel_config(dtype, head_dim, m_tiles=mt, group=group)),
                 rows_per_block=min(group, ROWS * mt), head_dim=head_dim,
-                kv_itemsize=ITEMSIZE[dtype], merge=merge, dtype=dtype, m_tiles=mt)
+                kv_itemsize=ITEMSIZE[dtype], merge=merge, dtype=dtype, m_tiles=mt, group=group,
+                programmatic=programmatic)
         if mt == 1 or chunk >= MTILE_MIN_CHUNK:
             return mt, splits, chunk
     raise AssertionError("unreachable: m_tiles 1 always returns")

@@ -129,17 +129,20 @@ class DecodePlan:
             V.fail(ValueError, "split_size", f"at least max_seqlen / {_policy.MAX_SPLITS} = "
                    f"{-(-self.max_seqlen // _policy.MAX_SPLITS)}", split_size)
 
+        # where the GPU allows, the merge kernel is launched as a programmatic dependent of the
+        # split kernel: its blocks are then resident and waiting when the split kernel ends
+        programmatic = _kernels.programmatic_launch_supported(self.device_id)
         self.m_tiles, self.num_splits, self.chunk_tokens = _policy.plan_shape(
             self.dtype, self.head_dim, self.group, self.batch, self.num_kv_heads, self.max_seqlen,
             _sm_count(self.device_id), lambda cfg: _blocks_per_sm(cfg, self.device_id),
-            num_splits, split_size, merge)
+            num_splits, split_size, merge, programmatic)
         self.head_tiles = _policy.head_tiles(self.group, self.m_tiles)
         rows_per_block = min(self.group, _policy.ROWS * self.m_tiles)  # query rows of a block
         # The block shape depends on how long each block streams.
         self.config = _policy.split_kernel_config(self.dtype, self.head_dim, self.chunk_tokens,
                                                   self.m_tiles, self.group)
         self.merge = _policy.merge_mode(self.num_splits, rows_per_block, self.head_dim,
-                                        self.config.num_warps, merge)
+                                        self.config.num_warps, merge, programmatic)
         rows = self.batch * self.num_heads
         self._merge_call = None        # prepared launch of merge_states.cu (merge == "kernel")
         self.o_part = self.lse_part = self._counters = None
@@ -151,12 +154,9 @@ class DecodePlan:
             if self.merge == "kernel":
                 blocks, threads, warps_per_item = _policy.merge_launch(rows, self.head_dim,
                                                                        self.num_splits)
-                # launched as a programmatic dependent of the split kernel where the GPU allows:
-                # its blocks are then resident and waiting when the split kernel ends
                 self._merge_call = _kernels.StructLaunch(
                     _merge_function("float32", self.dtype, self.head_dim), (blocks, 1, 1),
-                    (threads, 1, 1), 0, _MERGE_PARAMS, _MERGE_OFFSETS,
-                    programmatic=_kernels.programmatic_launch_supported(self.device_id))
+                    (threads, 1, 1), 0, _MERGE_PARAMS, _MERGE_OFFSETS, programmatic=programmatic)
                 self._merge_static = (self.num_splits, rows, self.head_dim, warps_per_item)
             else:
                 # Arrival counters of the fused merge; the last arrival wraps its own back to 0,

@@ -195,17 +195,24 @@ def test_long_chunk_config(dtype, head_dim):
 @pytest.mark.parametrize("dtype", list(P.DTYPE_IDS))
 @pytest.mark.parametrize("head_dim", P.SUPPORTED_HEAD_DIMS)
 def test_heads_as_n_only_for_small_groups(dtype, head_dim):
-    """The heads-as-N path takes 16-bit blocks of one M-tile with G ≤ 8 (the mma's N), with the
-    block shape of the 16-row path; G > 8, float32 and M-tile blocks keep the 16-row path."""
-    for chunk in (0, P.LONG_CHUNK):
+    """The heads-as-N path takes 16-bit blocks of one M-tile with G ≤ 8 (the mma's N); G > 8,
+    float32 and M-tile blocks keep the 16-row path. Its blocks take the long-chunk shape from
+    HEADS_AS_N_LONG_CHUNK tokens on (a tile for each of its warps), the 16-row path's from
+    LONG_CHUNK; the shapes themselves are the same two."""
+    long = P.split_kernel_config(dtype, head_dim, P.LONG_CHUNK)
+    short = P.split_kernel_config(dtype, head_dim)
+    for chunk in (0, P.MIN_CHUNK, P.HEADS_AS_N_LONG_CHUNK - 1, P.HEADS_AS_N_LONG_CHUNK,
+                  P.LONG_CHUNK - 1, P.LONG_CHUNK):
         rows16 = P.split_kernel_config(dtype, head_dim, chunk)
         assert not rows16.heads_as_n and rows16.defines()["HEADS_AS_N"] == 0
         for g in range(1, 40):
             cfg = P.split_kernel_config(dtype, head_dim, chunk, 1, g)
-            assert cfg.heads_as_n == (dtype != "float32" and g <= 8), (g, cfg)
+            narrow = dtype != "float32" and g <= 8
+            assert cfg.heads_as_n == narrow, (g, cfg)
             assert cfg.defines()["HEADS_AS_N"] == int(cfg.heads_as_n)
+            want = long if chunk >= (P.HEADS_AS_N_LONG_CHUNK if narrow else P.LONG_CHUNK) else short
             assert (cfg.num_warps, cfg.stages, cfg.smem_bytes) == (
-                rows16.num_warps, rows16.stages, rows16.smem_bytes)
+                want.num_warps, want.stages, want.smem_bytes), (g, chunk, cfg)
             assert cfg in P.split_kernel_configs(dtype, head_dim), cfg
     if dtype != "float32":
         mt = P.split_kernel_config(dtype, head_dim, 0, 2, 8)
@@ -266,6 +273,26 @@ def test_merge_cost_grows_with_trips():
     assert P.merge_cost_bytes(64, 8, 256, 4, "fused") == one + 15 * P.MERGE_TRIP_BYTES  # 4 groups × 4 items per warp
     assert P.merge_cost_bytes(64, 8, 256, 4) == one + P.MERGE_KERNEL_BYTES
     assert P.merge_cost_bytes(129, 8, 256, 4) == one + P.MERGE_KERNEL_BYTES + P.MERGE_TRIP_BYTES
+    # a merge kernel launched as a programmatic dependent costs less
+    assert P.merge_cost_bytes(64, 8, 256, 4, programmatic=True) == (
+        one + P.MERGE_KERNEL_BYTES_PROGRAMMATIC) < P.merge_cost_bytes(64, 8, 256, 4)
+
+
+def test_programmatic_merge_kernel_takes_larger_merges():
+    """With a programmatic merge kernel, merge="auto" fuses only merges of at most
+    FUSED_MAX_STATES_PROGRAMMATIC states per block (rows × splits); a plain launch fuses every
+    one-trip merge; forced modes stay forced."""
+    most = P.FUSED_MAX_STATES_PROGRAMMATIC
+    for rows, splits, warps in ((4, 16, 4), (8, 16, 8), (8, 8, 8), (7, 8, 8), (2, 16, 4), (1, 4, 8),
+                                (8, 4, 8), (7, 2, 8)):
+        assert P.fused_merge_trips(splits, rows, 128, warps) == 1, (rows, splits)
+        assert P.merge_mode(splits, rows, 128, warps) == "fused"
+        want = "fused" if rows * splits <= most else "kernel"
+        assert P.merge_mode(splits, rows, 128, warps, programmatic=True) == want, (rows, splits)
+        for forced in ("fused", "kernel"):
+            assert P.merge_mode(splits, rows, 128, warps, forced, programmatic=True) == forced
+    assert P.merge_mode(1, 8, 128, 8, programmatic=True) == "none"
+    assert P.merge_mode(32, 7, 128, 8, programmatic=True) == "kernel"  # two trips: kernel anyway
 
 
 def test_llama_batch1_choice_is_sixteen_fused_splits():
@@ -295,3 +322,15 @@ def test_one_wave_counts_whole_chunks():
     for max_seqlen, want in ((65536, (32, 2048)), (32768, (32, 1024))):
         assert P.choose_num_splits(4, max_seqlen, 132, 1, rows_per_block=7,
                                    dtype="bfloat16") == want, max_seqlen
+
+
+def test_programmatic_split_choices():
+    """Split counts with the merge kernel launched as a programmatic dependent (H200 figures in
+    _policy's comments): G = 8 at batch 1 × 1k keeps 16 splits merged by the kernel rather than 8
+    fused ones; llama-2-7b (32 KV heads, G = 1) at batch 1 × 256k takes 33 splits merged by the
+    kernel (951.7 µs, against 960.9 with 4 fused), and keeps 4 fused ones where the kernel's
+    launch is plain."""
+    one = lambda cfg: 1  # noqa: E731
+    assert P.plan_shape("float16", 128, 8, 1, 8, 1024, 132, one, programmatic=True) == (1, 16, 64)
+    assert P.plan_shape("float16", 128, 1, 1, 32, 262144, 132, one, programmatic=True)[1] == 33
+    assert P.plan_shape("float16", 128, 1, 1, 32, 262144, 132, one)[1] == 4
