@@ -122,7 +122,9 @@ def timeline(b, L, H=32, Hkv=8, D=128, splits=None, rotate=True):
         rows.append(t)
     t = rows[-1]
     base = t[:, 0].min()
-    rel = lambda c: (t[:, c][t[:, c] > 0] - base) / 1e3  # noqa: E731  µs
+    # (stamps of earlier calls in the graph stay where this call's merging block was another
+    # block: only stamps from this call's first entry on count)
+    rel = lambda c: (t[:, c][t[:, c] >= base] - base) / 1e3  # noqa: E731  µs
     out = [f"b{b} L{L} splits {plan.num_splits} blocks {t.shape[0]}{'' if rotate else ' (one K/V set)'}:"]
     for name, c in (("entry", 0), ("first tile", 1), ("stream end", 2), ("warps in smem", 6),
                     ("pre-combine", 7), ("partials out", 3),
