@@ -150,6 +150,25 @@ __device__ __forceinline__ float warp_sum16(float x) {
     return x;
 }
 
+// One online-softmax step of a tensor-core tile for the thread's two rows (query rows g, g + 8,
+// or query heads 2t, 2t + 1): the tile's maxima mx, reduced over the lanes that share a row (lane
+// masks FIRST, 2·FIRST, … LAST), become the running maxima m2; alpha rescales the old state and
+// ref is what the exponentials subtract (0 while a row has seen only −inf, so no NaN forms).
+template <int FIRST, int LAST>
+__device__ __forceinline__ void tile_max_step(float (&mx)[2], float (&m2)[2], float (&alpha)[2],
+                                              float (&ref)[2]) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+#pragma unroll
+        for (int x = FIRST; x <= LAST; x *= 2)
+            mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], x));
+        const cd_rescale sc = cd_merge_scales(m2[h], mx[h]);
+        alpha[h] = sc.a;
+        m2[h] = sc.m;
+        ref[h] = (sc.m == CD_NEG_INF) ? 0.f : sc.m;
+    }
+}
+
 #if DTYPE_ID != 2
 // ---------------------------------------------------------------- tensor-core helpers (f16/bf16)
 __device__ __forceinline__ void ldsm_x4(u32& r0, u32& r1, u32& r2, u32& r3, u32 addr) {
@@ -420,16 +439,7 @@ cd_decode_split(const cd_decode_params p) {
                 mx[e & 1] = fmaxf(mx[e & 1], s[e]);
             }
             float alpha[2], ref[2];
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 4));
-                mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 8));
-                mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 16));
-                const cd_rescale sc = cd_merge_scales(m2[h], mx[h]);
-                alpha[h] = sc.a;
-                m2[h] = sc.m;
-                ref[h] = (sc.m == CD_NEG_INF) ? 0.f : sc.m;
-            }
+            tile_max_step<4, 16>(mx, m2, alpha, ref);
             float rs[2] = {0.f, 0.f};
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
@@ -526,15 +536,7 @@ cd_decode_split(const cd_decode_params p) {
                     mx[e >> 1] = fmaxf(mx[e >> 1], s[j][e]);
                 }
             float alpha[2], ref[2];
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
-                mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
-                const cd_rescale sc = cd_merge_scales(m2[h], mx[h]);
-                alpha[h] = sc.a;
-                m2[h] = sc.m;
-                ref[h] = (sc.m == CD_NEG_INF) ? 0.f : sc.m;
-            }
+            tile_max_step<1, 2>(mx, m2, alpha, ref);
             float rs[2] = {0.f, 0.f};
 #pragma unroll
             for (int j = 0; j < 2; ++j)
