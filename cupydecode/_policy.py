@@ -52,10 +52,13 @@ MERGE_MODES = ("auto", "fused", "kernel")
 # splits): it fetches them all through its one SM, while the kernel spreads them over many.
 # Measured on the H200, blocks of 8 warps, one fused trip per warp (fused vs kernel µs, states):
 # llama-3-70b b1 × 4k 10.0 vs 9.7, b1 × 16k 21.0 vs 20.8, b1 × 64k 65.1 vs 64.9 (8 rows × 16
-# splits = 128 states); b1 × 1k 7.2 vs 6.8 (8 × 8 = 64); b4 × 8k 35.7 vs 35.8, b4 × 16k 65.2 vs
-# 65.4 (32); qwen2.5-7b b4 × 8k 21.1 vs 21.0 (56), b16 × 4k 35.7 vs 36.0, b16 × 16k 123.6 vs
-# 124.1 (14); llama-3-8b b1 × 16k 20.5 vs 20.5 (64), b4 × 8k 35.5 vs 36.1 (16)
-# (docs/PERFORMANCE.md, v14).
+# splits = 128 states); b4 × 8k 35.7 vs 35.8, b4 × 16k 65.2 vs 65.4 (32); qwen2.5-7b b16 × 4k
+# 35.7 vs 36.0, b16 × 16k 123.6 vs 124.1 (14); llama-3-8b b4 × 8k 35.5 vs 36.1 (16, v13's
+# kernel). From 33 to 64 states they tie within 0.1 µs (llama-3-8b b1 × 16k 20.5 vs 20.5 and,
+# v13, b1 × 1k 6.41 vs 6.43 (64); qwen2.5-7b b4 × 8k 21.1 vs 21.0 (56)) except 8 fused splits
+# of G = 8 or 7 at b1 × 1k (64 and 56 states: 7.2 vs 6.8, 6.5 vs 6.2), which the split count
+# does not pick (16 splits with the kernel); 64 keeps llama-3-8b's batch-1 plans on the fused
+# merge they were timed with (docs/PERFORMANCE.md, v14).
 FUSED_MAX_STATES_PROGRAMMATIC = 64
 
 
@@ -106,7 +109,8 @@ class SplitKernelConfig:
         }
 
 
-# Blocks that stream at least this many tokens take the long-chunk shape (below).
+# Blocks that stream at least this many tokens take the long-chunk shape (below); heads-as-N
+# blocks from HEADS_AS_N_LONG_CHUNK.
 LONG_CHUNK = 2048
 
 
@@ -173,7 +177,8 @@ def split_kernel_config(dtype: str, head_dim: int, chunk_tokens: int = 0,
       head_dim 256: 4 × 2 (8 warps would need a single stage).
 
     ``group`` (query heads per KV head) selects the heads-as-N path where :func:`heads_as_n`
-    says so; the block shape is the same either way.
+    says so; its blocks take the long-chunk shape from HEADS_AS_N_LONG_CHUNK tokens instead of
+    LONG_CHUNK (half the tile math per block: see there).
     """
     if dtype not in DTYPE_IDS:
         raise ValueError(f"unsupported dtype {dtype!r}")

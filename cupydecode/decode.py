@@ -81,8 +81,10 @@ class DecodePlan:
     ``merge`` says how split partials are combined: ``"fused"`` lets the last split block of
     each KV head merge them inside the one launch; ``"kernel"`` runs merge_states.cu as a second
     kernel (same math, one more launch, spread over many warps); ``"auto"`` (default) takes the
-    fused merge where it costs each of the block's warps one trip to L2 and the kernel elsewhere
-    (``plan.merge`` tells which: ``"fused"``, ``"kernel"``, or ``"none"`` for one split).
+    fused merge where it costs each of the block's warps one trip to L2 — and, where the merge
+    kernel is launched as a programmatic dependent (Hopper on), folds at most 64 partial states
+    per block — and the kernel elsewhere (``plan.merge`` tells which: ``"fused"``, ``"kernel"``,
+    or ``"none"`` for one split; ``_policy.merge_mode``).
 
     A plan's workspace (partials and the fused merge's arrival counters) is shared by its runs:
     run one plan on one stream at a time, and make one plan per stream for concurrent decoding

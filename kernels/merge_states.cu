@@ -17,7 +17,8 @@
 // memory and writes the result. A block holds blockDim / 32 / warps_per_item items. The math is
 // the same code the fused merge at the end of decode_split.cu runs. This kernel is the public
 // merge_states, and a plan's merge where merge="auto" finds that the fused one would take more
-// than one trip per warp (or where merge="kernel" is asked for).
+// than one trip per warp or, with this kernel launched as a programmatic dependent, fold more
+// than 64 states in one block (_policy.merge_mode), or where merge="kernel" is asked for.
 //
 // Compile-time constants: IN_DTYPE, OUT_DTYPE (0 f16, 1 bf16, 2 f32), VEC (4 if head_dim % 4 == 0).
 #include "common.cuh"

@@ -1,7 +1,8 @@
 """The split kernel's two tensor-core paths for G ≤ 8 query heads per KV head, side by side
 (development tool): the heads-as-N path (Sᵀ = K·Qᵀ, Oᵀ = Vᵀ·Pᵀ, the default) against the 16-row
-path (S = Q·Kᵀ with 16 query rows as M), same plan shape, GPU µs per call by graph replay over
-rotated buffer sets, in one process, each cell timed twice in alternating order.
+path (S = Q·Kᵀ with 16 query rows as M), with the block shape, split count and merge of the
+heads-as-N plan in both, GPU µs per call by graph replay over rotated buffer sets, in one
+process, each cell timed twice in alternating order.
 
 Usage: python scripts/heads_as_n.py [MODEL:DTYPE:BxL ...]   (default: the points below)
 """
@@ -14,7 +15,7 @@ import cupydecode as cd  # noqa: E402
 from cupydecode import _policy  # noqa: E402
 from cupydecode.bench import measure_read_ceiling  # noqa: E402
 from cupydecode.workloads import MODELS  # noqa: E402
-from tune import make_sets, time_plans  # noqa: E402
+from tune import force_shape, make_sets, time_plans  # noqa: E402
 
 POINTS = ["llama-3-8b:float16:1x1024", "llama-3-8b:float16:1x16384", "llama-3-8b:float16:1x65536",
           "llama-3-8b:float16:4x8192", "llama-3-8b:float16:16x8192", "llama-3-8b:float16:16x65536",
@@ -25,14 +26,24 @@ ON = _policy.HEADS_AS_N_MAX_GROUP
 
 
 def timed(m, dtype, b, L, sets, on):
-    """(µs, a plan) with the heads-as-N path allowed (``on``) or not."""
-    _policy.HEADS_AS_N_MAX_GROUP = ON if on else 0
-    try:  # (the plans consult it when they are built)
+    """(µs, a plan) with the heads-as-N path allowed (``on``) or not; without it, the plans
+    take the heads-as-N plan's block shape, split count and merge mode."""
+    ref = cd.DecodePlan(b, m.num_heads, m.num_kv_heads, m.head_dim, L, dtype)
+    orig = _policy.split_kernel_config
+    if not on:  # (the plans consult these when they are built)
+        _policy.HEADS_AS_N_MAX_GROUP = 0
+        _policy.split_kernel_config = force_shape(ref.config.num_warps, ref.config.stages)
+    try:
         us, plan = time_plans(
-            lambda: cd.DecodePlan(b, m.num_heads, m.num_kv_heads, m.head_dim, L, dtype), sets)
+            lambda: cd.DecodePlan(b, m.num_heads, m.num_kv_heads, m.head_dim, L, dtype,
+                                  split_size=ref.chunk_tokens,
+                                  merge=ref.merge if ref.merge != "none" else "auto"), sets)
     finally:
         _policy.HEADS_AS_N_MAX_GROUP = ON
+        _policy.split_kernel_config = orig
     assert plan.config.heads_as_n == (on and plan.group <= ON), plan.config
+    assert (plan.config.num_warps, plan.config.stages, plan.num_splits, plan.merge) == (
+        ref.config.num_warps, ref.config.stages, ref.num_splits, ref.merge), (plan, ref)
     return us, plan
 
 

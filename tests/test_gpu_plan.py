@@ -131,18 +131,24 @@ def test_merge_reads_partials_only_after_the_split_kernel(cupy, rng, seed, merge
         assert plan._merge_call.programmatic == supported, ctx
 
 
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,splits,mode",
-                         [(32, 8, 128, 16, "fused"), (28, 4, 128, 16, "kernel"),
-                          (8, 1, 256, 128, "kernel"), (8, 1, 256, 3, "kernel"),
-                          (2, 1, 256, 16, "fused"), (32, 8, 128, 1, "none")])
-def test_auto_merge_mode(cupy, rng, seed, num_heads, num_kv_heads, head_dim, splits, mode):
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,splits,plain,programmatic",
+                         [(32, 8, 128, 16, "fused", "fused"), (28, 4, 128, 16, "fused", "kernel"),
+                          (8, 1, 256, 128, "kernel", "kernel"), (8, 1, 256, 3, "kernel", "kernel"),
+                          (2, 1, 256, 16, "fused", "fused"), (32, 8, 128, 1, "none", "none")])
+def test_auto_merge_mode(cupy, rng, seed, num_heads, num_kv_heads, head_dim, splits, plain,
+                         programmatic):
     """merge="auto" takes the fused merge only where each warp of the merging block has one
-    trip (≤ 16 splits, rows × passes ≤ warps), and is right either way."""
+    trip (≤ 16 splits, rows × passes ≤ warps) and, where the merge kernel is launched as a
+    programmatic dependent, the block folds at most 64 states (G = 7 × 16 splits: 112); it is
+    right either way."""
+    from cupydecode import _kernels
+
     batch, max_seqlen = 1, 4100
     ctx = context(seed, layout=(num_heads, num_kv_heads, head_dim), splits=splits)
     plan = cupydecode.DecodePlan(batch, num_heads, num_kv_heads, head_dim, max_seqlen,
                                  "float16", num_splits=splits)
-    assert plan.merge == mode, ctx
+    pdl = _kernels.programmatic_launch_supported(plan.device_id)
+    assert plan.merge == (programmatic if pdl else plain), (pdl, ctx)
     q, k, v = decode_inputs(rng, batch, num_heads, num_kv_heads, head_dim, max_seqlen, "float16")
     dq, dk, dv = to_device(q), to_device(k), to_device(v)
     for length in (4100, 777):

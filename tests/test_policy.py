@@ -332,5 +332,8 @@ def test_programmatic_split_choices():
     launch is plain."""
     one = lambda cfg: 1  # noqa: E731
     assert P.plan_shape("float16", 128, 8, 1, 8, 1024, 132, one, programmatic=True) == (1, 16, 64)
+    # with a plain merge launch, the group's 8-warp heads-as-N blocks (128-token chunks) fold
+    # the 8 rows of 8 splits in one trip each: 8 fused splits (the group must reach the choice)
+    assert P.plan_shape("float16", 128, 8, 1, 8, 1024, 132, one) == (1, 8, 128)
     assert P.plan_shape("float16", 128, 1, 1, 32, 262144, 132, one, programmatic=True)[1] == 33
     assert P.plan_shape("float16", 128, 1, 1, 32, 262144, 132, one)[1] == 4
