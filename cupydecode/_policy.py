@@ -289,9 +289,8 @@ def merge_cost_bytes(num_splits: int, rows_per_block: int, head_dim: int, num_wa
 
 
 def choose_num_splits(work_blocks: int, max_seqlen: int, num_sms: int, blocks_per_sm: int,
-                      rows_per_block: int = ROWS, head_dim: int = 128, kv_itemsize: int = 2,
-                      min_chunk: int = MIN_CHUNK, merge_warps: int = 4,
-                      merge: str = "auto", dtype: str | None = None,
+                      rows_per_block: int = ROWS, head_dim: int = 128,
+                      min_chunk: int = MIN_CHUNK, merge: str = "auto", dtype: str = "float16",
                       m_tiles: int = 1, group: int | None = None,
                       programmatic: bool = False) -> tuple[int, int]:
     """Split count and chunk length for a grid of ``work_blocks`` (batch × kv_heads × head tiles).
@@ -308,9 +307,9 @@ def choose_num_splits(work_blocks: int, max_seqlen: int, num_sms: int, blocks_pe
     partials are written and read once: work_blocks · s · rows · (head_dim + 1) · 4 · 2 bytes,
     and the merge (fused or a second kernel, as merge_mode picks it for ``merge`` and
     ``programmatic``) costs a fixed
-    tail plus its serial L2 trips beyond the first. With ``dtype``, the fused merge's warps are
-    those of the block shape each candidate's chunk length (with ``m_tiles`` and ``group``)
-    selects (split_kernel_config); without it, ``merge_warps``.
+    tail plus its serial L2 trips beyond the first. The fused merge's warps are those of the
+    block shape each candidate's chunk length selects for ``dtype``, ``m_tiles`` and ``group``
+    (split_kernel_config).
     The smallest s within 3% of the best estimate wins (fewer partials, shorter merge).
 
     Worked example (H200: 132 SMs, 1 block/SM → 132 slots; llama-3-8b: 8 KV heads, G = 4):
@@ -323,7 +322,7 @@ def choose_num_splits(work_blocks: int, max_seqlen: int, num_sms: int, blocks_pe
     if max_seqlen <= 0 or work_blocks <= 0:
         return 1, max(1, max_seqlen)
     slots = max(1, num_sms * blocks_per_sm)
-    kv_bytes = work_blocks * max_seqlen * head_dim * kv_itemsize * 2
+    kv_bytes = work_blocks * max_seqlen * head_dim * ITEMSIZE[dtype] * 2
     granules = -(-max_seqlen // SPLIT_GRANULE)
     min_granules = max(1, min_chunk // SPLIT_GRANULE)
     best: list[tuple[float, int, int]] = []
@@ -342,8 +341,7 @@ def choose_num_splits(work_blocks: int, max_seqlen: int, num_sms: int, blocks_pe
         eff = blocks / (waves * slots)
         stream = kv_bytes if waves > 1 else kv_bytes * (s * min(chunk, max_seqlen)) / max_seqlen
         partial = 0 if s == 1 else work_blocks * s * rows_per_block * (head_dim + 1) * 8
-        warps = (merge_warps if dtype is None
-                 else split_kernel_config(dtype, head_dim, chunk, m_tiles, group).num_warps)
+        warps = split_kernel_config(dtype, head_dim, chunk, m_tiles, group).num_warps
         cost = (stream + partial) / eff + merge_cost_bytes(s, rows_per_block, head_dim, warps,
                                                            merge, programmatic)
         best.append((cost, s, chunk))
@@ -381,7 +379,7 @@ def plan_shape(dtype: str, head_dim: int, group: int, batch: int, num_kv_heads: 
                 batch * num_kv_heads * head_tiles(group, mt), max_seqlen, num_sms,
                 blocks_per_sm(split_kernel_config(dtype, head_dim, m_tiles=mt, group=group)),
                 rows_per_block=min(group, ROWS * mt), head_dim=head_dim,
-                kv_itemsize=ITEMSIZE[dtype], merge=merge, dtype=dtype, m_tiles=mt, group=group,
+                merge=merge, dtype=dtype, m_tiles=mt, group=group,
                 programmatic=programmatic)
         if mt == 1 or chunk >= MTILE_MIN_CHUNK:
             return mt, splits, chunk
