@@ -147,11 +147,11 @@ def m_tiles(dtype: str, head_dim: int, group: int) -> int:
 HEADS_AS_N_MAX_GROUP = 8
 
 
-def heads_as_n(dtype: str, group: int | None, m_tiles: int = 1) -> bool:
-    """Whether a block of ``group`` query heads per KV head takes the heads-as-N path: 16-bit
-    types, one M-tile, G ≤ HEADS_AS_N_MAX_GROUP (``group`` None: unknown, the 16-row path)."""
-    return (dtype != "float32" and m_tiles == 1 and group is not None
-            and 1 <= group <= HEADS_AS_N_MAX_GROUP)
+def heads_as_n(dtype: str, group: int | None) -> bool:
+    """Whether a one-M-tile block of ``group`` query heads per KV head takes the heads-as-N path:
+    16-bit types, G ≤ HEADS_AS_N_MAX_GROUP (``group`` None: unknown, the 16-row path). (M-tile
+    blocks, G > 16, never do: split_kernel_config gives them their own shapes.)"""
+    return dtype != "float32" and group is not None and 1 <= group <= HEADS_AS_N_MAX_GROUP
 
 
 def split_kernel_config(dtype: str, head_dim: int, chunk_tokens: int = 0,
