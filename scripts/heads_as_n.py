@@ -41,7 +41,7 @@ def timed(m, dtype, b, L, sets, on):
     finally:
         _policy.HEADS_AS_N_MAX_GROUP = ON
         _policy.split_kernel_config = orig
-    assert plan.config.heads_as_n == (on and plan.group <= ON), plan.config
+    assert plan.config.heads_as_n == (on and _policy.heads_as_n(dtype, plan.group)), plan.config
     assert (plan.config.num_warps, plan.config.stages, plan.num_splits, plan.merge) == (
         ref.config.num_warps, ref.config.stages, ref.num_splits, ref.merge), (plan, ref)
     return us, plan

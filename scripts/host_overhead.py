@@ -12,14 +12,13 @@ import cupydecode as cd  # noqa: E402
 from cupydecode import _validate as V  # noqa: E402
 from cupydecode import decode as _decode  # noqa: E402
 from cupydecode.bench import host_time_cupy  # noqa: E402
+from cupydecode.workloads import make_inputs, workload_for_model  # noqa: E402
 
 
 def per_call(fn, n=40, batches=25):
     """Median over batches of n back-to-back calls, each batch on an idle GPU (no queue stalls)."""
     return host_time_cupy(lambda i: fn(), n=n, batches=batches)
 
-
-from cupydecode.workloads import make_inputs, workload_for_model  # noqa: E402
 
 model, dtype, L = (sys.argv[1], sys.argv[2], int(sys.argv[3])) if len(sys.argv) > 3 else (
     "llama-3-8b", "float16", 1024)

@@ -20,7 +20,8 @@ from tune import make_sets  # noqa: E402
 
 def main():
     H, Hkv, D = 32, 8, 128
-    print(f"{'point':10s} {'10 calls':>9s} {'40 calls':>9s} {'10 held':>9s} {'40 held':>9s}")
+    # n calls per graph: every buffer set, at least 10
+    print(f"{'point':10s} {'n':>4s} {'n calls':>9s} {'4n calls':>9s} {'n held':>9s} {'4n held':>9s}")
     for b, L in [(1, 1024), (1, 16384), (4, 8192), (16, 8192)]:
         _, sets = make_sets(b, L, H, Hkv, D, "float16")
         plans = [cd.DecodePlan(b, H, Hkv, D, L, "float16") for _ in sets]
@@ -30,7 +31,8 @@ def main():
         n = max(10, len(sets))
         r = [graph_time_cupy(call, calls, hold=hold)[0]
              for hold in (False, True) for calls in (n, 4 * n)]
-        print(f"b{b}x{L // 1024}k".ljust(10) + "".join(f" {x:9.2f}" for x in r), flush=True)
+        print(f"b{b}x{L // 1024}k".ljust(10) + f" {n:4d}" + "".join(f" {x:9.2f}" for x in r),
+              flush=True)
     ceil = measure_read_ceiling()
     print("ceiling (bench since v11: graphs of 3 launches, held):", ceil)
     from cupydecode._kernels import get_function, launch

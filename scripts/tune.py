@@ -81,7 +81,8 @@ def main():
         w = Workload(batch=b, seqlen=L, num_heads=H, num_kv_heads=Hkv, head_dim=D, dtype=dtype)
         check = _subset_checker(w, *sets[0][:3])
         for col, (us, note) in torch_sdpa_times(sets, w, D ** -0.5, max(10, len(sets)), check).items():
-            row.append(f"{col}:{us:.1f}({100*floor/us:.0f}%)" if us else f"{col}: {note}")
+            row.append((f"{col}:{us:.1f}({100*floor/us:.0f}%)" if us else f"{col}:")
+                       + (f" {note}" if note else ""))
         print("  ".join(row), flush=True)
         del sets
 

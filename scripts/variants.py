@@ -78,7 +78,7 @@ def main():
     def row(label, make_plan, skip=lambda L: False):
         """One line: GPU µs per call at every point, plans from make_plan(b, L)."""
         cells = []
-        for (b, L), (nbytes, sets) in data.items():
+        for (b, L), (_, sets) in data.items():
             if skip(L):
                 cells.append(float("nan"))
                 continue
