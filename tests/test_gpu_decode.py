@@ -22,7 +22,7 @@ from helpers import (DTYPES, LSE_TOL, OUT_TOL, assert_lse_close, assert_out_clos
 pytestmark = pytest.mark.gpu
 
 HEAD_DIMS = (64, 128, 256)
-GROUPS = (1, 4, 7, 8, 12, 16)  # ≤ 8: the heads-as-N path; 12, 16: the 16-row path
+GROUPS = (1, 4, 7, 8, 12, 16)  # 16-bit types: ≤ 8 the heads-as-N path, 12 and 16 the 16-row path
 LENGTHS = (1, 2, 17, 255, 256, 257, 4097, 65536)
 BATCHES = (1, 3, 8)
 SPLITS = (1, 3, None)
@@ -156,7 +156,9 @@ def splits_match_reference(cupy, q, k, v, cache_seqlens, ref_out, ref_lse, dtype
 @pytest.mark.parametrize("group", [4, 5, 16])
 def test_long_chunk_shape(cupy, rng, seed, dtype, group):
     """Blocks that stream ≥ LONG_CHUNK tokens run another block shape at head_dim 128 (more
-    warps, fewer stages): direct output and fused merge, ragged ends and an empty sequence."""
+    warps, fewer stages; G ≤ 8 takes it from HEADS_AS_N_LONG_CHUNK, so both 16-bit paths are
+    here: G = 4, 5 heads-as-N, G = 16 the 16-row path): direct output and a merge of 2 splits
+    (fused for G = 4, 5, the merge kernel for G = 16), ragged ends and an empty sequence."""
     from cupydecode import _policy
 
     batch, num_kv_heads, head_dim, max_seqlen = 4, 2, 128, 5000
@@ -351,8 +353,8 @@ def test_gqa_and_mqa_layouts(cupy, rng, seed, dtype, num_heads, num_kv_heads):
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_both_tensor_core_paths(cupy, rng, seed, monkeypatch, dtype, head_dim):
     """G ≤ 8 runs the heads-as-N path (Sᵀ = K·Qᵀ, Oᵀ = Vᵀ·Pᵀ) by default; with it switched off
-    the same plans run the 16-row path. Both match the reference on the same inputs (every G up
-    to 8, direct output, fused merge and the merge kernel, ragged ends, a 1-token sequence and
+    the same plans run the 16-row path. Both match the reference on the same inputs (G = 1, 2,
+    3, 5, 8, direct output, fused merge and the merge kernel, ragged ends, a 1-token sequence and
     an empty one), and they agree with each other."""
     from cupydecode import _policy
 

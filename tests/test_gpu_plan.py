@@ -87,7 +87,7 @@ def test_merge_reads_partials_only_after_the_split_kernel(cupy, rng, seed, merge
     and it must still read every partial only after the split kernel wrote it. Here the split
     kernel runs long (4 blocks of 8192 tokens each), eagerly and in graph replay; the workspace
     is poisoned with NaN before each run and each run has fresh inputs, so an early read shows as
-    NaN or as the previous run's result. (Reads moved before the wait fail this test on the
+    NaN. (Reads moved before the wait fail this test on the
     H200; docs/PERFORMANCE.md, v13.) merge="fused" runs the same steps as a control: one
     launch, the last split block merging."""
     from cupydecode import _kernels
@@ -335,7 +335,7 @@ def test_first_cuda_work_of_a_new_thread(cupy, rng, seed):
 def test_plan_built_in_a_new_thread(cupy, rng, seed):
     """A thread whose first CUDA work is building a plan with automatic splits (an occupancy
     query and a shared-memory opt-in: driver calls that need a context bound to the thread),
-    or an eager call of a shape not seen before, still computes."""
+    or an eager call with the plan caches cleared (so it builds its own plan), still computes."""
     import threading
 
     from cupydecode import _kernels
