@@ -96,39 +96,6 @@ __device__ __forceinline__ unsigned cd_atomic_inc_acq_rel(unsigned* p, unsigned 
     return old;
 }
 
-#ifndef FLAG_SLEEP
-#define FLAG_SLEEP 0
-#endif
-#ifndef FLAG_NOWAIT
-#define FLAG_NOWAIT 0
-#endif
-// Flag merge helpers (decode_split.cu, FLAG_MERGE): a partial travels as 64-bit words (value bits
-// low, the launch's flag high), each written and read as one single-copy-atomic access, so a
-// reader that sees the flag sees the value — no fence, no arrival count.
-__device__ __forceinline__ unsigned cd_atomic_inc_relaxed(unsigned* p, unsigned limit) {
-    unsigned old;
-    asm volatile("atom.relaxed.gpu.global.inc.u32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(limit) : "memory");
-    return old;
-}
-__device__ __forceinline__ unsigned cd_ld_relaxed(const unsigned* p) {
-    unsigned x;
-    asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(x) : "l"(p) : "memory");
-    return x;
-}
-__device__ __forceinline__ void cd_st_relaxed(unsigned* p, unsigned x) {
-    asm volatile("st.relaxed.gpu.global.u32 [%0], %1;" :: "l"(p), "r"(x) : "memory");
-}
-__device__ __forceinline__ unsigned long long cd_flagged(float x, unsigned flag) {
-    return ((unsigned long long)flag << 32) | __float_as_uint(x);
-}
-__device__ __forceinline__ void cd_st_flagged(unsigned long long* p, float x, unsigned flag) {
-    asm volatile("st.volatile.global.u64 [%0], %1;" :: "l"(p), "l"(cd_flagged(x, flag)) : "memory");
-}
-__device__ __forceinline__ void cd_st_flagged2(unsigned long long* p, float x, float y, unsigned flag) {
-    asm volatile("st.volatile.global.v2.u64 [%0], {%1, %2};"
-                 :: "l"(p), "l"(cd_flagged(x, flag)), "l"(cd_flagged(y, flag)) : "memory");
-}
-
 // Programmatic dependent launch (Hopper and later; both are no-ops on older GPUs, and for a grid
 // launched without the launch attribute). A plan launches its merge kernel with that attribute
 // right after the split kernel: the merge grid may then be started, and its blocks made resident,
@@ -238,63 +205,6 @@ __device__ __forceinline__ void cd_merge_fold(const typename EI::storage* __rest
             st.sum += w;
 #pragma unroll
             for (int e = 0; e < NV; ++e) st.acc[e] = w != 0.f ? fmaf(w, v[j][e], st.acc[e]) : st.acc[e];  // never 0 · NaN
-        }
-        st.m = mg;
-    }
-}
-
-// The flag merge's fold of one row's live states (decode_split.cu, FLAG_MERGE): like
-// cd_merge_fold with 2 elements per lane, on flagged words, each group of CD_MERGE_GROUP states
-// reloaded until every word the warp read carries ``flag``.
-__device__ __forceinline__ void cd_flag_fold(const unsigned long long* o, long long o_stride,
-                                             const unsigned long long* lse, long long lse_stride,
-                                             int num_states, unsigned flag, cd_merge_state<2>& st) {
-    for (int base = 0; base < num_states; base += CD_MERGE_GROUP) {
-        const int left = num_states - base;
-        unsigned long long x[CD_MERGE_GROUP], v[CD_MERGE_GROUP][2];
-        bool ready;
-        do {
-            const unsigned long long* op = o + (long long)base * o_stride;
-            const unsigned long long* lp = lse + (long long)base * lse_stride;
-            ready = true;
-#pragma unroll
-            for (int j = 0; j < CD_MERGE_GROUP; ++j) {
-                asm volatile("ld.volatile.global.u64 %0, [%1];" : "=l"(x[j]) : "l"(lp));
-                asm volatile("ld.volatile.global.v2.u64 {%0, %1}, [%2];"
-                             : "=l"(v[j][0]), "=l"(v[j][1]) : "l"(op));
-                if (j + 1 < left) {
-                    op += o_stride;
-                    lp += lse_stride;
-                }
-            }
-#pragma unroll
-            for (int j = 0; j < CD_MERGE_GROUP; ++j)
-                ready = ready && (unsigned)(x[j] >> 32) == flag && (unsigned)(v[j][0] >> 32) == flag &&
-                        (unsigned)(v[j][1] >> 32) == flag;
-#if FLAG_NOWAIT
-            ready = true;  // timing experiment only: no wait (results may be stale)
-#endif
-            if (FLAG_SLEEP && !__all_sync(0xffffffffu, ready)) __nanosleep(FLAG_SLEEP);
-        } while (!__all_sync(0xffffffffu, ready));
-        float xf[CD_MERGE_GROUP];
-#pragma unroll
-        for (int j = 0; j < CD_MERGE_GROUP; ++j)
-            xf[j] = j < left ? __uint_as_float((unsigned)x[j]) * CD_LOG2E : CD_NEG_INF;
-        float mg = st.m;
-#pragma unroll
-        for (int j = 0; j < CD_MERGE_GROUP; ++j) mg = fmaxf(mg, xf[j]);
-        const float ref = (mg == CD_NEG_INF) ? 0.f : mg;
-        const float a = cd_exp2(st.m - ref);
-        st.sum *= a;
-        st.acc[0] *= a;
-        st.acc[1] *= a;
-#pragma unroll
-        for (int j = 0; j < CD_MERGE_GROUP; ++j) {
-            const float w = cd_exp2(xf[j] - ref);
-            st.sum += w;
-#pragma unroll
-            for (int e = 0; e < 2; ++e)
-                st.acc[e] = w != 0.f ? fmaf(w, __uint_as_float((unsigned)v[j][e]), st.acc[e]) : st.acc[e];
         }
         st.m = mg;
     }

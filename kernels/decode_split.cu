@@ -59,10 +59,6 @@
 //   HEADS_AS_N (0 or 1).
 #include "common.cuh"
 
-#ifndef FLAG_MERGE
-#define FLAG_MERGE 0
-#endif
-
 typedef cd_elem<DTYPE_ID> E;
 typedef E::storage elem_t;
 
@@ -280,23 +276,6 @@ cd_decode_split(const cd_decode_params p) {
     seqlen = max(0, min(seqlen, max_seqlen));
     const int chunk_start = split * chunk_tokens;
     const int chunk_end = min(chunk_start + chunk_tokens, seqlen);
-#if FLAG_MERGE
-    // Flag merge: live splits take a start ticket on their group's counter; the last to start
-    // merges (every other live block of the group has started, so it will finish: the wait below
-    // needs no co-residency guarantee). One live split writes the output itself; none: split 0
-    // writes the empty result.
-    const int live_splits = min(num_splits, (seqlen + chunk_tokens - 1) / chunk_tokens);
-    const bool flag_direct = o_part != nullptr && live_splits <= 1;
-    if (o_part && ((live_splits <= 1 && split > 0) || (live_splits > 1 && split >= live_splits)))
-        return;  // dead split: nothing to write
-    unsigned* grp = reinterpret_cast<unsigned*>(counters) +
-                    2 * (((long long)b * num_kv_heads + kv_head) * head_tiles + head_tile);
-    unsigned ticket = 0, epoch = 0;
-    if (o_part && !flag_direct && tid == 0) {
-        ticket = cd_atomic_inc_relaxed(grp, live_splits - 1);
-        epoch = cd_ld_relaxed(grp + 1);
-    }
-#endif
 
     float* sm_acc = reinterpret_cast<float*>(smem + Q_BYTES);                // aliases the ring
     float* sm_m = reinterpret_cast<float*>(smem + Q_BYTES + BODY_BYTES);
@@ -702,10 +681,6 @@ cd_decode_split(const cd_decode_params p) {
         for (int i = tid; i < NUM_WARPS * ROWS; i += NUM_THREADS) { sm_m[i] = CD_NEG_INF; sm_l[i] = 0.f; }
         for (int i = tid; i < NUM_WARPS * ROWS * ACC_STRIDE; i += NUM_THREADS) sm_acc[i] = 0.f;
     }
-#if FLAG_MERGE
-    __shared__ unsigned s_ticket[2];
-    if (tid == 0) { s_ticket[0] = ticket; s_ticket[1] = epoch; }
-#endif
     __syncthreads();
 
     // ---------------------------------------------------------------- merge the warps, write
@@ -734,13 +709,7 @@ cd_decode_split(const cd_decode_params p) {
     }
     __syncthreads();
     const long long bh0 = (long long)b * num_heads + h0;
-#if FLAG_MERGE
-    const bool direct = !o_part || flag_direct;
-    const unsigned flag = s_ticket[1] + 1u;
-#else
-    const bool direct = !o_part;
-#endif
-    if (direct) {  // single split: the final output, in the input dtype
+    if (!o_part) {  // single split: the final output, in the input dtype
         for (int i = tid; i < rows * HEAD_DIM; i += NUM_THREADS) {
             const int r = i / HEAD_DIM, d = i % HEAD_DIM;
             float o = 0.f;
@@ -766,43 +735,11 @@ cd_decode_split(const cd_decode_params p) {
                 }
             }
             const long long row = (long long)split * batch * num_heads + bh0 + r;
-#if FLAG_MERGE
-            unsigned long long* lo = reinterpret_cast<unsigned long long*>(o_part) + row * HEAD_DIM + d;
-            cd_st_flagged2(lo, o.x, o.y, flag);
-            cd_st_flagged2(lo + 2, o.z, o.w, flag);
-            if (d == 0) cd_st_flagged(reinterpret_cast<unsigned long long*>(lse_part) + row, s_lse[r], flag);
-#else
             *reinterpret_cast<float4*>(o_part + row * HEAD_DIM + d) = o;
             if (d == 0) lse_part[row] = s_lse[r];
-#endif
         }
     }
-    if (direct || !counters) return;
-#if FLAG_MERGE
-    // ---------------------------------------------------------------- flag merge (last started)
-    // Every live block wrote its partials as (value, flag) 64-bit words; the last block to start
-    // polls them (its own included) until every word carries this launch's flag, folds, writes the
-    // output and then moves the group's epoch on, so the next launch's flag differs.
-    if (s_ticket[0] != (unsigned)(live_splits - 1)) return;
-    {
-        const long long state_rows = (long long)batch * num_heads;
-        constexpr int PASSES2 = HEAD_DIM / 64;  // 2 elements per lane
-        for (int item = warp; item < rows * PASSES2; item += NUM_WARPS) {
-            const int r = item / PASSES2, pass = item % PASSES2;
-            const int d0 = pass * 64 + lane * 2;
-            cd_merge_state<2> st;
-            st.clear();
-            cd_flag_fold(reinterpret_cast<const unsigned long long*>(o_part) + (bh0 + r) * HEAD_DIM + d0,
-                         state_rows * HEAD_DIM,
-                         reinterpret_cast<const unsigned long long*>(lse_part) + bh0 + r, state_rows,
-                         live_splits, flag, st);
-            cd_merge_store<E, 2>(st, out + b * out_sb + (long long)(h0 + r) * out_sh, d0, true,
-                                 (pass == 0 && lse_out) ? lse_out + bh0 + r : nullptr, lane);
-        }
-        __syncthreads();  // every flag of this launch seen: the epoch may move on
-        if (tid == 0) cd_st_relaxed(grp + 1, flag);
-    }
-#else
+    if (!o_part || !counters) return;
 
     // ---------------------------------------------------------------- fused merge (last block)
     // Arrival count with acquire-release semantics at GPU scope (PTX memory model): the barrier
@@ -834,5 +771,4 @@ cd_decode_split(const cd_decode_params p) {
                                            pass, out + b * out_sb + (long long)(h0 + r) * out_sh,
                                            lse_out ? lse_out + bh0 + r : nullptr, lane);
     }
-#endif  // FLAG_MERGE
 }
