@@ -16,6 +16,25 @@ pytestmark = pytest.mark.gpu
 MERGES = ("fused", "kernel")
 
 
+def _captured_run(cupy, plan, seqlens=None):
+    """Zeroed q, K, V and outputs of ``plan``'s shape, and ``plan.run`` on them captured as a CUDA
+    graph on a new non-blocking stream after one eager run (compile, opt in to shared memory).
+    Returns ``(stream, graph, (q, k, v, out, lse))``; tests change the arrays in place."""
+    q = cupy.zeros((plan.batch, plan.num_heads, plan.head_dim), np_dtype(plan.dtype))
+    k = cupy.zeros((plan.batch, plan.max_seqlen, plan.num_kv_heads, plan.head_dim), q.dtype)
+    v = cupy.zeros_like(k)
+    out = cupy.empty(q.shape, q.dtype)
+    lse = cupy.empty((plan.batch, plan.num_heads), cupy.float32)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        plan.run(q, k, v, seqlens, out=out, lse=lse)  # warm up: compile, opt in to shared memory
+        stream.synchronize()
+        stream.begin_capture()
+        plan.run(q, k, v, seqlens, out=out, lse=lse)
+        graph = stream.end_capture()
+    return stream, graph, (q, k, v, out, lse)
+
+
 @pytest.mark.parametrize("splits", [1, 3, None])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_plan_matches_flash_decode(cupy, rng, seed, dtype, splits):
@@ -97,20 +116,10 @@ def test_merge_reads_partials_only_after_the_split_kernel(cupy, rng, seed, merge
     plan = cupydecode.DecodePlan(batch, num_heads, num_kv_heads, head_dim, max_seqlen,
                                  "bfloat16", num_splits=4, merge=merge)
     # programmatic where supported (on the H200: `cupydecode info` says so, test_cli_gpu.py)
-    supported = merge == "kernel" and _kernels.programmatic_launch_supported(plan.device_id)
+    supported = _kernels.programmatic_launch_supported(plan.device_id)
     if merge == "kernel":
         assert plan._merge_call.programmatic == supported, ctx
-    q = cupy.zeros((batch, num_heads, head_dim), np_dtype("bfloat16"))
-    k = cupy.zeros((batch, max_seqlen, num_kv_heads, head_dim), q.dtype)
-    v = cupy.zeros_like(k)
-    out = cupy.empty(q.shape, q.dtype)
-    lse = cupy.empty((batch, num_heads), cupy.float32)
-    stream = cupy.cuda.Stream(non_blocking=True)
-    with stream:
-        plan.run(q, k, v, out=out, lse=lse)  # compile before the capture
-        stream.begin_capture()
-        plan.run(q, k, v, out=out, lse=lse)
-        graph = stream.end_capture()
+    stream, graph, (q, k, v, out, lse) = _captured_run(cupy, plan)
     for run in range(4):
         hq, hk, hv = decode_inputs(rng, batch, num_heads, num_kv_heads, head_dim, max_seqlen,
                                    "bfloat16")
@@ -217,20 +226,8 @@ def test_graph_capture_and_replay(cupy, rng, seed, dtype, splits, merge):
     ctx = context(seed, dtype=dtype, splits=splits, merge=merge)
     plan = cupydecode.DecodePlan(batch, num_heads, num_kv_heads, head_dim, max_seqlen, dtype,
                                  num_splits=splits, merge=merge)
-    q = cupy.zeros((batch, num_heads, head_dim), np_dtype(dtype))
-    k = cupy.zeros((batch, max_seqlen, num_kv_heads, head_dim), q.dtype)
-    v = cupy.zeros_like(k)
     seqlens = cupy.zeros(batch, cupy.int32)
-    out = cupy.empty(q.shape, q.dtype)
-    lse = cupy.empty((batch, num_heads), cupy.float32)
-
-    stream = cupy.cuda.Stream(non_blocking=True)
-    with stream:
-        plan.run(q, k, v, seqlens, out=out, lse=lse)  # warm up: compile, opt in to shared memory
-        stream.synchronize()
-        stream.begin_capture()
-        plan.run(q, k, v, seqlens, out=out, lse=lse)
-        graph = stream.end_capture()
+    stream, graph, (q, k, v, out, lse) = _captured_run(cupy, plan, seqlens)
 
     for step, lens in enumerate(([3000, 1, 0], [17, 2999, 1500], [0, 0, 3000])):
         hq, hk, hv = decode_inputs(rng, batch, num_heads, num_kv_heads, head_dim, max_seqlen, dtype)
@@ -304,40 +301,49 @@ def test_fused_merge_many_launches_changing_lengths(cupy, rng, seed):
     assert not plan._counters.any(), ctx  # every counter back at 0 for the next launch
 
 
-def test_first_cuda_work_of_a_new_thread(cupy, rng, seed):
-    """A thread whose first CUDA work is a launch (no context bound to it yet) still computes."""
+def _in_new_thread(fn, *args):
+    """Run ``fn(*args)`` in a new thread, so that its CUDA work is the thread's first; return its
+    result, or raise here what it raised."""
     import threading
 
-    ctx = context(seed)
-    hq, hk, hv = decode_inputs(rng, 2, 8, 2, 128, 300, "float16")
-    q, k, v = to_device(hq), to_device(hk), to_device(hv)
-    plan = cupydecode.DecodePlan(2, 8, 2, 128, 300, "float16", num_splits=3)
-    cupy.cuda.Device().synchronize()
     got = {}
 
     def worker():
         try:
-            out, _ = plan.run(q, k, v)  # the thread's first CUDA call
-            got["plan"] = cupy.asnumpy(out)
-            got["eager"] = cupy.asnumpy(cupydecode.flash_decode(q, k, v, num_splits=2))
-        except BaseException as exc:  # reported in the main thread
+            got["result"] = fn(*args)
+        except BaseException as exc:  # raised again in the calling thread
             got["error"] = exc
 
     t = threading.Thread(target=worker)
     t.start()
     t.join()
-    assert "error" not in got, got.get("error")
+    if "error" in got:
+        raise got["error"]
+    return got["result"]
+
+
+def test_first_cuda_work_of_a_new_thread(cupy, rng, seed):
+    """A thread whose first CUDA work is a launch (no context bound to it yet) still computes."""
+    ctx = context(seed)
+    hq, hk, hv = decode_inputs(rng, 2, 8, 2, 128, 300, "float16")
+    q, k, v = to_device(hq), to_device(hk), to_device(hv)
+    plan = cupydecode.DecodePlan(2, 8, 2, 128, 300, "float16", num_splits=3)
+    cupy.cuda.Device().synchronize()
+
+    def work():
+        out, _ = plan.run(q, k, v)  # the thread's first CUDA call
+        return cupy.asnumpy(out), cupy.asnumpy(cupydecode.flash_decode(q, k, v, num_splits=2))
+
+    got_plan, got_eager = _in_new_thread(work)
     ref_out, _ = R.decode_attention(hq, hk, hv)
-    assert_out_close(got["plan"], ref_out, OUT_TOL["float16"], f"plan.run {ctx}")
-    assert_out_close(got["eager"], ref_out, OUT_TOL["float16"], f"flash_decode {ctx}")
+    assert_out_close(got_plan, ref_out, OUT_TOL["float16"], f"plan.run {ctx}")
+    assert_out_close(got_eager, ref_out, OUT_TOL["float16"], f"flash_decode {ctx}")
 
 
 def test_plan_built_in_a_new_thread(cupy, rng, seed):
     """A thread whose first CUDA work is building a plan with automatic splits (an occupancy
     query and a shared-memory opt-in: driver calls that need a context bound to the thread),
     or an eager call with the plan caches cleared (so it builds its own plan), still computes."""
-    import threading
-
     from cupydecode import _kernels
     from cupydecode import decode as D
 
@@ -347,24 +353,19 @@ def test_plan_built_in_a_new_thread(cupy, rng, seed):
     cupy.cuda.Device().synchronize()
     got = {}
 
-    def worker(kind):
-        try:  # the thread's first CUDA work:
-            if kind == "plan":
-                out = cupydecode.DecodePlan(1, 12, 3, 64, 777, "bfloat16").run(q, k, v)[0]
-            else:
-                out = cupydecode.flash_decode(q, k, v)
-            got[kind] = cupy.asnumpy(out)
-        except BaseException as exc:  # reported in the main thread
-            got[f"{kind} error"] = exc
+    def work(kind):  # the thread's first CUDA work:
+        if kind == "plan":
+            out = cupydecode.DecodePlan(1, 12, 3, 64, 777, "bfloat16").run(q, k, v)[0]
+        else:
+            out = cupydecode.flash_decode(q, k, v)
+        return cupy.asnumpy(out)
 
     for kind in ("plan", "eager"):
         D._blocks_per_sm.cache_clear()  # so that the thread makes these driver calls itself
         D._PLAN_CACHE.clear()
+        D._EAGER.clear()
         _kernels._smem_opted_in.clear()
-        t = threading.Thread(target=worker, args=(kind,))
-        t.start()
-        t.join()
-    assert not [k for k in got if "error" in k], repr(got)
+        got[kind] = _in_new_thread(work, kind)
     ref_out, _ = R.decode_attention(hq, hk, hv)
     assert_out_close(got["plan"], ref_out, OUT_TOL["bfloat16"], f"plan {ctx}")
     assert_out_close(got["eager"], ref_out, OUT_TOL["bfloat16"], f"flash_decode {ctx}")
