@@ -162,6 +162,20 @@ _FLOAT32_MAX = float(np.finfo(np.float32).max)
 _VALIDATED: dict = {}
 
 
+def layout_key(q, k_cache, v_cache):
+    """Every property of q, k_cache and v_cache that :func:`check_decode_inputs` checks (shapes,
+    strides, dtypes, pointer alignment, devices, and the current device), as a hashable key; None
+    unless all three are ``cupy.ndarray``. Equal keys pass or fail the checks alike."""
+    import cupy
+
+    if type(q) is cupy.ndarray and type(k_cache) is cupy.ndarray and type(v_cache) is cupy.ndarray:
+        qd, kd, vd = q.data, k_cache.data, v_cache.data
+        return (q.shape, q.strides, q.dtype, k_cache.shape, k_cache.strides, k_cache.dtype,
+                v_cache.shape, v_cache.strides, v_cache.dtype, (qd.ptr | kd.ptr | vd.ptr) & 15,
+                qd.device_id, kd.device_id, vd.device_id, cupy.cuda.runtime.getDevice())
+    return None
+
+
 def check_decode_inputs(q, k_cache, v_cache):
     """Validate q, k_cache, v_cache; return (q, k, v, dtype, shape dict) as device arrays.
 
@@ -169,13 +183,8 @@ def check_decode_inputs(q, k_cache, v_cache):
     a key of a small cache, so a serving loop that passes the same layouts every step pays for a
     dictionary lookup instead of the full checks.
     """
-    import cupy
-
-    if type(q) is cupy.ndarray and type(k_cache) is cupy.ndarray and type(v_cache) is cupy.ndarray:
-        qd, kd, vd = q.data, k_cache.data, v_cache.data
-        key = (q.shape, q.strides, q.dtype, k_cache.shape, k_cache.strides, k_cache.dtype,
-               v_cache.shape, v_cache.strides, v_cache.dtype, (qd.ptr | kd.ptr | vd.ptr) & 15,
-               qd.device_id, kd.device_id, vd.device_id, cupy.cuda.runtime.getDevice())
+    key = layout_key(q, k_cache, v_cache)
+    if key is not None:
         hit = _VALIDATED.get(key)
         if hit is not None:
             return q, k_cache, v_cache, hit[0], hit[1]

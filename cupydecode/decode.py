@@ -221,21 +221,33 @@ class DecodePlan:
         self._launch(q, k, v, seqlens, seqlen_all, scale, out, lse)
         return out, lse
 
-    def _launch(self, q, k, v, seqlens, seqlen_all, scale, out, lse, stream=None) -> None:
+    def _element_strides(self, q, k, v) -> tuple:
+        """The kernel's strides in elements: q's batch and head, K's and V's batch, token and
+        head, out's batch and head; computed once per layout. ``out`` is always C-contiguous
+        (``check_out``), so its strides follow from the shape (a size-1 axis's stride, whatever
+        the array reports, only ever multiplies index 0)."""
+        layout = (q.strides, k.strides, v.strides)
+        strides = self._strides.get(layout)
+        if strides is None:
+            es = q.itemsize
+            strides = (*(x // es for x in (q.strides[0], q.strides[1], *k.strides[:3],
+                                           *v.strides[:3])),
+                       self.num_heads * self.head_dim, self.head_dim)
+            if len(self._strides) < 64:
+                self._strides[layout] = strides
+        return strides
+
+    def _launch(self, q, k, v, seqlens, seqlen_all, scale, out, lse, stream=None,
+                strides=None) -> None:
         """Everything after validation: the split kernel, then (if split) the merge kernel, on
-        ``stream`` (default: the current stream)."""
+        ``stream`` (default: the current stream); ``strides``: ``_element_strides(q, k, v)``,
+        where the caller has it."""
         import cupy
 
         if self.batch == 0:
             return
-        layout = (q.strides, k.strides, v.strides, out.strides)
-        strides = self._strides.get(layout)
-        if strides is None:  # element strides, computed once per layout
-            es = q.itemsize
-            strides = tuple(x // es for x in (q.strides[0], q.strides[1], *k.strides[:3],
-                                              *v.strides[:3], out.strides[0], out.strides[1]))
-            if len(self._strides) < 64:
-                self._strides[layout] = strides
+        if strides is None:
+            strides = self._element_strides(q, k, v)
         if stream is None:
             stream = cupy.cuda.get_current_stream()
         if (self._counters_wait is not None or self._counters_refill) and not _is_capturing(stream):
@@ -308,6 +320,14 @@ def _cached_plan(shape: dict, dtype: str, num_splits, split_size, device: int,
     return plan
 
 
+# flash_decode's lookups folded into one per call: (the inputs' layout key (_validate.layout_key),
+# stream, num_splits, split_size, per-thread owner) → (dtype name, shape, plan, kernel strides).
+# An entry exists only for inputs that passed the checks with those values; num_splits,
+# split_size, cache_seqlens and softmax_scale are checked on every call all the same.
+_EAGER: dict = {}
+_EAGER_SIZE = 16
+
+
 def flash_decode(q, k_cache, v_cache, cache_seqlens=None, *, softmax_scale=None,
                  num_splits=None, return_lse=False, out=None, split_size=None):
     """Decode attention of one query token per sequence against its KV cache.
@@ -330,7 +350,23 @@ def flash_decode(q, k_cache, v_cache, cache_seqlens=None, *, softmax_scale=None,
     """
     import cupy
 
-    q, k, v, dt, shape = V.check_decode_inputs(q, k_cache, v_cache)
+    layout = V.layout_key(q, k_cache, v_cache)  # (no CUDA call before a host array is refused)
+    stream = key = hit = None
+    if layout is not None:
+        stream = cupy.cuda.get_current_stream()
+        ptr = stream.ptr
+        key = (layout, ptr, num_splits, split_size,
+               _thread_token() if ptr == _PER_THREAD_STREAM else None)
+        try:
+            hit = _EAGER.get(key)
+        except TypeError:  # an unhashable num_splits or split_size: check_splits names it
+            key = None
+    if hit is not None:  # these inputs passed the checks before: same layout, same outcome
+        dt, shape, plan, strides = hit
+        k, v = k_cache, v_cache
+    else:
+        q, k, v, dt, shape = V.check_decode_inputs(q, k_cache, v_cache)
+        plan = strides = None
     seqlens, seqlen_all = V.check_seqlens(cache_seqlens, shape["batch"], shape["max_seqlen"])
     scale = V.check_scale(softmax_scale, shape["head_dim"])
     num_splits, split_size = V.check_splits(num_splits, split_size)
@@ -338,10 +374,18 @@ def flash_decode(q, k_cache, v_cache, cache_seqlens=None, *, softmax_scale=None,
     # dtype objects, not names: CuPy parses a name on every call
     out = cupy.empty(out_shape, q.dtype) if out is None else V.check_out(out, "out", out_shape, dt)
     lse = cupy.empty(out_shape[:2], _FLOAT32) if return_lse else None
-    stream = cupy.cuda.get_current_stream()
-    # validation put q on the current device: its id, without asking the runtime again
-    plan = _cached_plan(shape, dt, num_splits, split_size, q.data.device_id, stream.ptr)
-    plan._launch(q, k, v, seqlens, seqlen_all, scale, out, lse, stream)
+    if stream is None:
+        stream = cupy.cuda.get_current_stream()
+        ptr = stream.ptr
+    if plan is None:
+        # validation put q on the current device: its id, without asking the runtime again
+        plan = _cached_plan(shape, dt, num_splits, split_size, q.data.device_id, ptr)
+        strides = plan._element_strides(q, k, v)
+        if key is not None:
+            if len(_EAGER) >= _EAGER_SIZE:
+                _EAGER.clear()
+            _EAGER[key] = (dt, shape, plan, strides)
+    plan._launch(q, k, v, seqlens, seqlen_all, scale, out, lse, stream, strides)
     return (out, lse) if return_lse else out
 
 

@@ -46,6 +46,8 @@ rows = {
     "_cached_plan": lambda: _decode._cached_plan(plan._shape, dtype, None, None,
                                                           q.data.device_id, _stream),
 }
+if hasattr(V, "layout_key"):  # (trees before flash_decode's single lookup lack it)
+    rows["layout_key"] = lambda: V.layout_key(q, k, v)
 _vals = (q.data.ptr, k.data.ptr, v.data.ptr, 0, *plan._part_ptrs, out.data.ptr, 0,
          plan._counter_ptr, *([0] * 10), L, *plan._static, 0.1)
 rows["struct pack + driver launch"] = lambda: plan._split_launch(_stream, *_vals)

@@ -244,3 +244,48 @@ def test_valid_call_after_errors(cupy, good):
         for splits in (None, 3):
             got = f(q, k, v, cupy.asarray(np.array([L, 5], np.int32)), num_splits=splits)
             assert_out_close(got, ref_out, OUT_TOL["float16"], f"after {bad}")
+
+
+def test_errors_after_the_same_layout_passed(cupy, good):
+    """flash_decode remembers the layouts that passed its checks (per stream and split option);
+    every argument is still checked on every call: after a valid call, the same layout with a
+    split count that equals a valid one as a key (True == 1), an unhashable one, a misaligned
+    pointer, a bad output or bad lengths is refused."""
+    (q, k, v), _ = good
+    f = cupydecode.flash_decode
+    for splits in (None, 1, 2):
+        f(q, k, v, num_splits=splits)
+        with raises(TypeError, "num_splits:"):
+            f(q, k, v, num_splits=True)
+        with raises(TypeError, "num_splits:"):
+            f(q, k, v, num_splits=[2])
+        with raises(ValueError, "q:", "16-byte aligned"):
+            f(misaligned(cupy, q.shape, cupy.float16), k, v, num_splits=splits)
+        with raises(ValueError, "out:", "C-contiguous"):
+            f(q, k, v, num_splits=splits,
+              out=cupy.empty((B, D, H), cupy.float16).transpose(0, 2, 1))
+        with raises(ValueError, "cache_seqlens:", "shape (2,)"):
+            f(q, k, v, cupy.zeros(3, cupy.int32), num_splits=splits)
+    f(q, k, v, split_size=32)
+    with raises(TypeError, "split_size:"):
+        f(q, k, v, split_size=32.0)
+
+
+def test_layouts_in_turn_on_one_stream(cupy, good):
+    """Calls of one shape that alternate layouts on one stream (contiguous; K/V inside a wider
+    cache; q inside a wider array) each run with their own strides: every result matches the
+    float64 reference, in both rounds."""
+    (q, k, v), (hq, hk, hv) = good
+    wide_q = cupy.full((B, H + 3, D), np.nan, cupy.float16)
+    wide_q[:, :H] = q
+    wide_k = cupy.full((B, L, HKV + 1, D), np.nan, cupy.float16)
+    wide_v = cupy.full((B, L, HKV + 1, D), np.nan, cupy.float16)
+    wide_k[:, :, :HKV] = k
+    wide_v[:, :, :HKV] = v
+    qs, ks, vs = wide_q[:, :H], wide_k[:, :, :HKV], wide_v[:, :, :HKV]
+    ref, _ = R.decode_attention(hq, hk, hv)
+    for rnd in range(2):
+        for name, args in (("contiguous", (q, k, v)), ("strided", (qs, ks, vs)),
+                           ("strided K/V", (q, ks, vs)), ("strided q", (qs, k, v))):
+            got = cupydecode.flash_decode(*args)
+            assert_out_close(got, ref, OUT_TOL["float16"], f"{name}, round {rnd}")
