@@ -8,6 +8,8 @@ Usage: python scripts/heads_as_n.py [MODEL:DTYPE:BxL ...]   (default: the points
 """
 
 import sys
+from contextlib import nullcontext
+from functools import partial
 
 sys.path.insert(0, ".")
 sys.path.insert(0, "scripts")
@@ -15,7 +17,7 @@ import cupydecode as cd  # noqa: E402
 from cupydecode import _policy  # noqa: E402
 from cupydecode.bench import measure_read_ceiling  # noqa: E402
 from cupydecode.workloads import MODELS  # noqa: E402
-from tune import force_shape, make_sets, time_plans  # noqa: E402
+from tune import alternating, forced_shape, make_sets, time_plans  # noqa: E402
 
 POINTS = ["llama-3-8b:float16:1x1024", "llama-3-8b:float16:1x16384", "llama-3-8b:float16:1x65536",
           "llama-3-8b:float16:4x8192", "llama-3-8b:float16:16x8192", "llama-3-8b:float16:16x65536",
@@ -29,18 +31,16 @@ def timed(m, dtype, b, L, sets, on):
     """(µs, a plan) with the heads-as-N path allowed (``on``) or not; without it, the plans
     take the heads-as-N plan's block shape, split count and merge mode."""
     ref = cd.DecodePlan(b, m.num_heads, m.num_kv_heads, m.head_dim, L, dtype)
-    orig = _policy.split_kernel_config
     if not on:  # (the plans consult these when they are built)
         _policy.HEADS_AS_N_MAX_GROUP = 0
-        _policy.split_kernel_config = force_shape(ref.config.num_warps, ref.config.stages)
     try:
-        us, plan = time_plans(
-            lambda: cd.DecodePlan(b, m.num_heads, m.num_kv_heads, m.head_dim, L, dtype,
-                                  split_size=ref.chunk_tokens,
-                                  merge=ref.merge if ref.merge != "none" else "auto"), sets)
+        with (nullcontext() if on else forced_shape(ref.config.num_warps, ref.config.stages)):
+            us, plan = time_plans(
+                lambda: cd.DecodePlan(b, m.num_heads, m.num_kv_heads, m.head_dim, L, dtype,
+                                      split_size=ref.chunk_tokens,
+                                      merge=ref.merge if ref.merge != "none" else "auto"), sets)
     finally:
         _policy.HEADS_AS_N_MAX_GROUP = ON
-        _policy.split_kernel_config = orig
     assert plan.config.heads_as_n == (on and _policy.heads_as_n(dtype, plan.group)), plan.config
     assert (plan.config.num_warps, plan.config.stages, plan.num_splits, plan.merge) == (
         ref.config.num_warps, ref.config.stages, ref.num_splits, ref.merge), (plan, ref)
@@ -55,11 +55,7 @@ def main():
         b, L = (int(x) for x in bl.split("x"))
         m = MODELS[model]
         nbytes, sets = make_sets(b, L, m.num_heads, m.num_kv_heads, m.head_dim, dtype)
-        cells, plans = {True: [], False: []}, {}
-        for rep in range(2):
-            for on in ((True, False) if rep == 0 else (False, True)):
-                us, plans[on] = timed(m, dtype, b, L, sets, on)
-                cells[on].append(us)
+        cells, plans = alternating((True, False), partial(timed, m, dtype, b, L, sets))
         floor = nbytes / ceiling / 1e3
         best = {on: min(us) for on, us in cells.items()}
         p = plans[True]

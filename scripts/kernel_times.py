@@ -17,7 +17,7 @@ sys.path.insert(0, "scripts")
 import cupydecode as cd  # noqa: E402
 from cupydecode.bench import _torch_views  # noqa: E402
 from cupydecode.workloads import workload_for_model  # noqa: E402
-from tune import make_sets  # noqa: E402
+from tune import workload_sets  # noqa: E402
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -65,7 +65,7 @@ def summarise(tag, ks, calls_per_replay):
 
 for b, L in points:
     w = workload_for_model(model, b, L, dtype)
-    _, sets = make_sets(b, L, w.num_heads, w.num_kv_heads, w.head_dim, dtype)
+    sets = workload_sets(w)
     nsets, N = len(sets), max(12, len(sets))  # N calls per graph: every set, at least 12
     stream = cp.cuda.Stream(non_blocking=True)
     lines = [f"== {model} {dtype} b{b} x {L}: {w.kv_bytes()/1e6:.0f} MB, {nsets} sets"]

@@ -15,7 +15,7 @@ import cupy as cp  # noqa: E402
 import cupydecode as cd  # noqa: E402
 from cupydecode import _kernels  # noqa: E402
 from cupydecode.workloads import MODELS  # noqa: E402
-from tune import make_sets, time_plans  # noqa: E402
+from tune import alternating, make_sets, time_plans  # noqa: E402
 
 POINTS = [("llama-3-70b", "float16", 1, 16384), ("qwen2.5-7b", "bfloat16", 1, 16384),
           ("qwen2.5-7b", "bfloat16", 1, 65536), ("gemma-2b", "bfloat16", 1, 16384),
@@ -46,12 +46,8 @@ def main():
     for model, dtype, b, L in POINTS:
         m = MODELS[model]
         _, sets = make_sets(b, L, m.num_heads, m.num_kv_heads, m.head_dim, dtype)
-        cells, plans = {}, {}
-        for rep in range(2):
-            order = [("auto", True), ("auto", False), ("kernel", True), ("kernel", False), ("fused", False)]
-            for merge, pdl in (order if rep == 0 else order[::-1]):
-                us, plans[merge, pdl] = timed(m, dtype, b, L, sets, merge, pdl)
-                cells.setdefault((merge, pdl), []).append(us)
+        order = [("auto", True), ("auto", False), ("kernel", True), ("kernel", False), ("fused", False)]
+        cells, plans = alternating(order, lambda arm, sets=sets: timed(m, dtype, b, L, sets, *arm))
         row = " ".join(f"{mg}{'+pdl' if pdl else ''}={'/'.join(f'{u:.2f}' for u in us)}"
                        for (mg, pdl), us in cells.items())
         auto = plans["auto", True]
