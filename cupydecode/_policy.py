@@ -210,6 +210,20 @@ LONG_SHAPES = {128: (8, 2)}
 HEADS_AS_N_LONG_CHUNK = 8 * TILE_N
 
 
+# Heads-as-N blocks that stream at least this many tokens keep their warps in step: a block-wide
+# barrier per tile instead of each warp waiting only for its own ring (kernels/decode_split.cu,
+# warps_in_step). A heads-as-N warp's pace is set by its own ring, and its warps drift apart
+# over a long stream. Measured on the H200 as a timing experiment (fp16 32/8/128, docs/
+# PERFORMANCE.md v15): b64 × 8k −1.2%, b4 × 64k −0.5/−0.6%, b16 × 16k −0.3%, b16 × 64k
+# −0.3/−0.4%; but b1 × 16k (1024-token chunks) +1.7%.
+WARPS_IN_STEP_MIN_CHUNK = 8192
+
+
+def warps_in_step(config: SplitKernelConfig, chunk_tokens: int) -> bool:
+    """Whether a plan's blocks keep their warps in step (a runtime flag of the split kernel)."""
+    return config.heads_as_n and chunk_tokens >= WARPS_IN_STEP_MIN_CHUNK
+
+
 def split_kernel_configs(dtype: str, head_dim: int) -> list[SplitKernelConfig]:
     """Every block shape a plan of this dtype and head_dim can use (for compile checks)."""
     most = 1 if dtype == "float32" else MTILE_SHAPES.get(head_dim, (0, 1, 0))[1]

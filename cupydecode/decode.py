@@ -181,6 +181,7 @@ class DecodePlan:
         # Kernel scalars that never change for this plan, packed once.
         self._static = (self.max_seqlen, self.num_heads, self.group, self.head_tiles,
                         self.chunk_tokens)
+        self._in_step = int(_policy.warps_in_step(self.config, self.chunk_tokens))
         self._part_ptrs = ((0, 0) if self.o_part is None
                            else (self.o_part.data.ptr, self.lse_part.data.ptr))
         self._counter_ptr = 0 if self._counters is None else self._counters.data.ptr
@@ -262,7 +263,7 @@ class DecodePlan:
             stream.ptr,
             q.data.ptr, k.data.ptr, v.data.ptr, 0 if seqlens is None else seqlens.data.ptr,
             *self._part_ptrs, out.data.ptr, 0 if lse is None else lse.data.ptr, self._counter_ptr,
-            *strides, seqlen_all, *self._static, scale * _policy.LOG2E)
+            *strides, seqlen_all, *self._static, scale * _policy.LOG2E, self._in_step)
         if self._merge_call is not None:
             self._merge_call(stream.ptr, *self._part_ptrs, out.data.ptr,
                              0 if lse is None else lse.data.ptr, *self._merge_static)
@@ -270,8 +271,8 @@ class DecodePlan:
 
 # Byte layout of struct cd_decode_params in kernels/decode_split.cu: 9 pointers, 10 int64 strides,
 # seqlen_all, max_seqlen, num_heads, group, head_tiles, chunk_tokens (int32), scale_log2 (float32),
-# 4 bytes of padding.
-_PARAMS = struct.Struct("<9Q10q6if4x")
+# warps_in_step (int32).
+_PARAMS = struct.Struct("<9Q10q6ifi")
 assert _PARAMS.size == 184
 
 # Parameters of cd_merge_states in kernels/merge_states.cu, packed for a plan's prepared launch:

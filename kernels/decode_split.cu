@@ -214,7 +214,7 @@ __device__ __forceinline__ u32 pack2(float lo, float hi) {
 // All kernel parameters in one struct passed by value: one launch argument instead of 26 keeps
 // the host cost of a launch from Python low (each argument costs ~0.5 µs to marshal in CuPy).
 // Layout mirrored byte for byte by cupydecode/decode.py (_PARAMS): 9 pointers, 10 int64 strides
-// (in elements), 6 int32, 1 float32, 4 bytes of padding = 184 bytes.
+// (in elements), 6 int32, 1 float32, 1 int32 = 184 bytes.
 struct cd_decode_params {
     const elem_t* q; const elem_t* k; const elem_t* v;
     const int* seqlens;                       // (batch,) device lengths, or null: use seqlen_all
@@ -224,7 +224,7 @@ struct cd_decode_params {
     long long q_sb, q_sh, k_sb, k_ss, k_sh, v_sb, v_ss, v_sh, out_sb, out_sh;
     int seqlen_all, max_seqlen, num_heads, group, head_tiles, chunk_tokens;
     float scale_log2;
-    int pad_;
+    int warps_in_step;                        // 1: the block's warps take their tiles in step
 };
 // The host packs this struct by hand (decode.py, _PARAMS): a drifted size must not compile.
 // (Fields are in falling alignment order, so there is no interior padding to drift.)
@@ -290,6 +290,13 @@ cd_decode_split(const cd_decode_params p) {
         const elem_t* vbase = v + b * v_sb + (long long)kv_head * v_sh;
         const int n_tiles = (chunk_end - chunk_start + TILE_N - 1) / TILE_N;
         const int my_tiles = slot < n_tiles ? (n_tiles - slot + SLOTS - 1) / SLOTS : 0;
+        // One M-tile: each warp streams through its own ring, and by default waits only for its
+        // own tiles. With warps_in_step (the host's choice for long heads-as-N chunks,
+        // _policy.warps_in_step) the block's warps meet at a barrier per tile instead, so they
+        // stay in step: measured 0.3–1.2% faster on long streams, slower on short chunks
+        // (docs/PERFORMANCE.md, v15). Only where every slot has as many tiles, so that every
+        // warp meets the barrier equally often (a uniform condition over the block).
+        const bool in_step = MTILES == 1 && p.warps_in_step && n_tiles % SLOTS == 0;
         const bool loader = mt == 0;  // the slot's warp that copies its tiles
         // With MTILES > 1, a slot with fewer tiles than the first meets its named barrier once
         // more after its loop (an idle turn), so that every slot meets its barrier equally often.
@@ -374,7 +381,8 @@ cd_decode_split(const cd_decode_params p) {
                 if (i + STAGES - 1 < my_tiles) load_tile(i + STAGES - 1, (i + STAGES - 1) % STAGES);
                 cp_async_commit();
                 cp_async_wait<STAGES - 1>();
-                __syncwarp();
+                if (in_step) __syncthreads();
+                else __syncwarp();
             } else {  // shared by the slot's warps: the barrier shows the tile and frees the stage
                 if (loader) cp_async_wait<STAGES - 2>();
                 slot_barrier(slot);

@@ -49,7 +49,7 @@ rows = {
 if hasattr(V, "layout_key"):  # (trees before flash_decode's single lookup lack it)
     rows["layout_key"] = lambda: V.layout_key(q, k, v)
 _vals = (q.data.ptr, k.data.ptr, v.data.ptr, 0, *plan._part_ptrs, out.data.ptr, 0,
-         plan._counter_ptr, *([0] * 10), L, *plan._static, 0.1)
+         plan._counter_ptr, *([0] * 10), L, *plan._static, 0.1, plan._in_step)
 rows["struct pack + driver launch"] = lambda: plan._split_launch(_stream, *_vals)
 triv3 = cp.RawKernel('extern "C" __global__ void t3(float* a, int n, float s) {}', "t3")
 args27 = ", ".join(f"long long a{i}" for i in range(24))

@@ -38,7 +38,7 @@ INJECT = [
      + "    if (tid == 0) { unsigned smid_; asm volatile(\"mov.u32 %0, %%smid;\" : \"=r\"(smid_)); "
        "cd_dbg[((blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x) * 16 + 8] = smid_; }\n",
      "after"),
-    ("                cp_async_wait<STAGES - 1>();\n                __syncwarp();\n",
+    ("                if (in_step) __syncthreads();\n                else __syncwarp();\n",
      stamp(1, " " * 16, "i == 0 && tid == 0"), "after"),  # (the one-M-tile path of next_tile)
     ("        __syncthreads();  // every warp is done with the ring before it becomes sm_acc\n",
      stamp(2, " " * 8), "after"),

@@ -182,6 +182,38 @@ def test_long_chunk_shape(cupy, rng, seed, dtype, group):
         assert not cupy.any(got[1]) and bool(cupy.all(cupy.isneginf(lse[1]))), ctx
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_warps_in_step(cupy, rng, seed, dtype, group):
+    """Long heads-as-N chunks run with the block's warps in step (a barrier per tile), but only
+    in blocks whose tiles divide evenly over the warps: one launch holds both kinds of block and
+    empty ones (lengths 8192 = 512 tiles, 8200 and 8208 = 513 tiles, 16400 with a 1-tile last
+    chunk, 0), one split of 16400 tokens and 8192-token splits, against float64."""
+    from cupydecode import _policy
+
+    num_kv_heads, head_dim, max_seqlen = 2, 128, 16400
+    lens = [8192, 8200, 0, max_seqlen, 8208]
+    ctx = context(seed, dtype=dtype, group=group, lens=lens)
+    q, k, v = decode_inputs(rng, len(lens), group * num_kv_heads, num_kv_heads, head_dim,
+                            max_seqlen, dtype)
+    k, v = nan_tail(k, lens), nan_tail(v, lens)
+    ref_out, ref_lse = R.decode_attention(q, k, v, lens)
+    dq, dk, dv = to_device(q), to_device(k), to_device(v)
+    seqlens = cupy.asarray(np.asarray(lens, np.int32))
+    for opts in ({"num_splits": 1}, {"split_size": 8192}):
+        plan = cupydecode.DecodePlan(len(lens), group * num_kv_heads, num_kv_heads, head_dim,
+                                     max_seqlen, dtype, **opts)
+        assert plan.config.heads_as_n and plan._in_step == 1, (ctx, opts)
+        assert plan.chunk_tokens >= _policy.WARPS_IN_STEP_MIN_CHUNK, (ctx, opts)
+        out = cupy.full(q.shape, np.nan, dtype=q.dtype)
+        lse = cupy.full(q.shape[:2], np.nan, dtype=cupy.float32)
+        for _ in range(2):  # again, after the first launch
+            got, got_lse = plan.run(dq, dk, dv, seqlens, out=out, lse=lse)
+            assert_out_close(got, ref_out, OUT_TOL[dtype], f"{opts} {ctx}")
+            assert_lse_close(got_lse, ref_lse, LSE_TOL[dtype], f"{opts} {ctx}")
+        assert not cupy.any(got[2]) and bool(cupy.all(cupy.isneginf(got_lse[2]))), ctx
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("form", ["device", "host_list", "host_ndarray", "int", "none"])
 def test_cache_seqlens_forms(cupy, rng, seed, dtype, form):

@@ -50,3 +50,25 @@ def test_merge_kernel_parameters_match_prepared_launch():
         at += size
     assert tuple(offsets) == _MERGE_OFFSETS
     assert _MERGE_PARAMS.format.lstrip("<") == "4Qi4xqii" and _MERGE_PARAMS.size == at
+
+
+def test_split_kernel_parameter_struct_matches_packing():
+    """A plan packs struct cd_decode_params (kernels/decode_split.cu) by hand (decode._PARAMS):
+    its fields, read from the source in order, must have the types the packing assumes."""
+    from cupydecode.decode import _PARAMS  # imports no CuPy
+
+    text = (KERNELS / "decode_split.cu").read_text()
+    body = re.search(r"struct cd_decode_params \{(.*?)\};", text, re.S).group(1)
+    body = re.sub(r"//[^\n]*", "", body)
+    codes = []
+    for decl in filter(None, (d.strip() for d in body.split(";"))):
+        names = decl.split(",")
+        first = names[0]
+        code = ("Q" if "*" in first else "q" if first.startswith("long long") else
+                "f" if first.startswith("float") else "i" if first.startswith("int") else "?")
+        codes += [code] * len(names)
+    expected = re.sub(r"(\d+)([a-zA-Z])", lambda m: m.group(2) * int(m.group(1)),
+                      _PARAMS.format.lstrip("<"))
+    assert "".join(codes) == expected, (codes, _PARAMS.format)
+    assert _PARAMS.size == _define("decode_split.cu", "cd_decode_params",
+                                   r"sizeof\({name}\) == (\d+)")

@@ -337,3 +337,15 @@ def test_programmatic_split_choices():
     assert P.plan_shape("float16", 128, 8, 1, 8, 1024, 132, one) == (1, 8, 128)
     assert P.plan_shape("float16", 128, 1, 1, 32, 262144, 132, one, programmatic=True)[1] == 33
     assert P.plan_shape("float16", 128, 1, 1, 32, 262144, 132, one)[1] == 4
+
+
+def test_warps_in_step_only_for_long_heads_as_n_chunks():
+    """The block-wide barrier per tile is asked for where it was measured to pay: heads-as-N
+    blocks from WARPS_IN_STEP_MIN_CHUNK tokens; never for the 16-row path or float32."""
+    long, short = P.WARPS_IN_STEP_MIN_CHUNK, P.WARPS_IN_STEP_MIN_CHUNK - 1
+    for dtype in ("float16", "bfloat16"):
+        for group in (1, 4, 8):
+            assert P.warps_in_step(P.split_kernel_config(dtype, 128, long, 1, group), long)
+            assert not P.warps_in_step(P.split_kernel_config(dtype, 128, short, 1, group), short)
+        assert not P.warps_in_step(P.split_kernel_config(dtype, 128, long, 1, 16), long)
+    assert not P.warps_in_step(P.split_kernel_config("float32", 128, long, 1, 4), long)
