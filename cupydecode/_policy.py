@@ -212,10 +212,11 @@ HEADS_AS_N_LONG_CHUNK = 8 * TILE_N
 
 # Heads-as-N blocks that stream at least this many tokens keep their warps in step: a block-wide
 # barrier per tile instead of each warp waiting only for its own ring (kernels/decode_split.cu,
-# warps_in_step). A heads-as-N warp's pace is set by its own ring, and its warps drift apart
-# over a long stream. Measured on the H200 as a timing experiment (fp16 32/8/128, docs/
-# PERFORMANCE.md v15): b64 × 8k −1.2%, b4 × 64k −0.5/−0.6%, b16 × 16k −0.3%, b16 × 64k
-# −0.3/−0.4%; but b1 × 16k (1024-token chunks) +1.7%.
+# warps_in_step). A heads-as-N warp's pace is set by its own ring, so (likely) its warps drift
+# apart over a long stream. Measured on the H200, flag on vs off with the same plans (docs/
+# PERFORMANCE.md v15): llama-3-8b b64 × 8k −1.41%, b4 × 64k −0.47%, b16 × 64k −0.27%,
+# b1 × 256k −0.20%, qwen2.5-7b b16 × 64k ±0, gemma-2b b16 × 64k +0.17%; as a timing experiment
+# on 1024-token chunks (b1 × 16k) +1.7%, hence the threshold.
 WARPS_IN_STEP_MIN_CHUNK = 8192
 
 

@@ -293,7 +293,7 @@ cd_decode_split(const cd_decode_params p) {
         // One M-tile: each warp streams through its own ring, and by default waits only for its
         // own tiles. With warps_in_step (the host's choice for long heads-as-N chunks,
         // _policy.warps_in_step) the block's warps meet at a barrier per tile instead, so they
-        // stay in step: measured 0.3–1.2% faster on long streams, slower on short chunks
+        // stay in step: measured 0.2–1.4% faster on long streams, slower on short chunks
         // (docs/PERFORMANCE.md, v15). Only where every slot has as many tiles, so that every
         // warp meets the barrier equally often (a uniform condition over the block).
         const bool in_step = MTILES == 1 && p.warps_in_step && n_tiles % SLOTS == 0;
