@@ -9,15 +9,12 @@ Usage: python scripts/heads_as_n.py [MODEL:DTYPE:BxL ...]   (default: the points
 
 import sys
 from contextlib import nullcontext
-from functools import partial
 
 sys.path.insert(0, ".")
 sys.path.insert(0, "scripts")
 import cupydecode as cd  # noqa: E402
 from cupydecode import _policy  # noqa: E402
-from cupydecode.bench import measure_read_ceiling  # noqa: E402
-from cupydecode.workloads import MODELS  # noqa: E402
-from tune import alternating, forced_shape, make_sets, time_plans  # noqa: E402
+from tune import forced_shape, on_off_points, time_plans  # noqa: E402
 
 POINTS = ["llama-3-8b:float16:1x1024", "llama-3-8b:float16:1x16384", "llama-3-8b:float16:1x65536",
           "llama-3-8b:float16:4x8192", "llama-3-8b:float16:16x8192", "llama-3-8b:float16:16x65536",
@@ -48,24 +45,7 @@ def timed(m, dtype, b, L, sets, on):
 
 
 def main():
-    ceiling = measure_read_ceiling()["gbps"]
-    print(f"read ceiling {ceiling:.0f} GB/s", flush=True)
-    for spec in sys.argv[1:] or POINTS:
-        model, dtype, bl = spec.split(":")
-        b, L = (int(x) for x in bl.split("x"))
-        m = MODELS[model]
-        nbytes, sets = make_sets(b, L, m.num_heads, m.num_kv_heads, m.head_dim, dtype)
-        cells, plans = alternating((True, False), partial(timed, m, dtype, b, L, sets))
-        floor = nbytes / ceiling / 1e3
-        best = {on: min(us) for on, us in cells.items()}
-        p = plans[True]
-        print(f"{model} {dtype} b{b}x{L // 1024}k (S{p.num_splits}, {p.merge}, "
-              f"{p.config.num_warps}x{p.config.stages}): heads-as-N "
-              f"{'/'.join(f'{u:.2f}' for u in cells[True])} ({100 * floor / best[True]:.1f}%)  "
-              f"16 rows {'/'.join(f'{u:.2f}' for u in cells[False])} "
-              f"({100 * floor / best[False]:.1f}%)  delta {best[True] - best[False]:+.2f} us",
-              flush=True)
-        del sets
+    on_off_points(sys.argv[1:] or POINTS, timed, labels=("heads-as-N", "16 rows"))
 
 
 if __name__ == "__main__":

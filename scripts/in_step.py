@@ -12,9 +12,7 @@ sys.path.insert(0, ".")
 sys.path.insert(0, "scripts")
 import cupydecode as cd  # noqa: E402
 from cupydecode import _policy  # noqa: E402
-from cupydecode.bench import measure_read_ceiling  # noqa: E402
-from cupydecode.workloads import MODELS  # noqa: E402
-from tune import alternating, make_sets, time_plans  # noqa: E402
+from tune import on_off_points, time_plans  # noqa: E402
 
 POINTS = ["llama-3-8b:float16:64x8192", "llama-3-8b:float16:16x16384",
           "llama-3-8b:float16:16x65536", "llama-3-8b:float16:4x65536",
@@ -34,24 +32,7 @@ def timed(m, dtype, b, L, sets, on):
 
 
 def main():
-    ceiling = measure_read_ceiling()["gbps"]
-    print(f"read ceiling {ceiling:.0f} GB/s", flush=True)
-    for spec in sys.argv[1:] or POINTS:
-        model, dtype, bl = spec.split(":")
-        b, L = (int(x) for x in bl.split("x"))
-        m = MODELS[model]
-        nbytes, sets = make_sets(b, L, m.num_heads, m.num_kv_heads, m.head_dim, dtype)
-        cells, plans = alternating((True, False), lambda on, sets=sets: timed(m, dtype, b, L, sets, on))
-        floor = nbytes / ceiling / 1e3
-        best = {on: min(us) for on, us in cells.items()}
-        p = plans[True]
-        print(f"{model} {dtype} b{b}x{L // 1024}k (S{p.num_splits}, {p.merge}, "
-              f"{p.config.num_warps}x{p.config.stages}, in step {p._in_step}): on "
-              f"{'/'.join(f'{u:.2f}' for u in cells[True])} ({100 * floor / best[True]:.1f}%)  off "
-              f"{'/'.join(f'{u:.2f}' for u in cells[False])} ({100 * floor / best[False]:.1f}%)  "
-              f"delta {best[True] - best[False]:+.2f} us ({100 * (best[True] / best[False] - 1):+.2f}%)",
-              flush=True)
-        del sets
+    on_off_points(sys.argv[1:] or POINTS, timed, describe=lambda p: f", in step {p._in_step}")
 
 
 if __name__ == "__main__":

@@ -86,6 +86,35 @@ def alternating(arms, time_arm, reps=2):
     return times, plans
 
 
+def on_off_points(specs, timed, labels=("on", "off"), describe=lambda plan: ""):
+    """For each ``MODEL:DTYPE:BxL`` spec, ``timed(model, dtype, b, L, sets, on)`` -> (µs, plan)
+    for ``on`` True and False, :func:`alternating`, on fresh :func:`make_sets`; prints one line
+    per spec: each arm's times and % of this run's floor, and the difference of the bests
+    (``labels`` name the arms; ``describe(plan)`` adds to the on-arm plan's description)."""
+    from cupydecode.workloads import MODELS
+
+    ceiling = measure_read_ceiling()["gbps"]
+    print(f"read ceiling {ceiling:.0f} GB/s", flush=True)
+    for spec in specs:
+        model, dtype, bl = spec.split(":")
+        b, L = (int(x) for x in bl.split("x"))
+        m = MODELS[model]
+        nbytes, sets = make_sets(b, L, m.num_heads, m.num_kv_heads, m.head_dim, dtype)
+        cells, plans = alternating((True, False),
+                                   lambda on, sets=sets: timed(m, dtype, b, L, sets, on))
+        floor = nbytes / ceiling / 1e3
+        best = {on: min(us) for on, us in cells.items()}
+        p = plans[True]
+        arms = "  ".join(f"{label} {'/'.join(f'{u:.2f}' for u in cells[on])} "
+                         f"({100 * floor / best[on]:.1f}%)"
+                         for label, on in zip(labels, (True, False)))
+        print(f"{model} {dtype} b{b}x{L // 1024}k (S{p.num_splits}, {p.merge}, "
+              f"{p.config.num_warps}x{p.config.stages}{describe(p)}): {arms}  "
+              f"delta {best[True] - best[False]:+.2f} us "
+              f"({100 * (best[True] / best[False] - 1):+.2f}%)", flush=True)
+        del sets
+
+
 def main():
     quick = "--quick" in sys.argv
     ceil_gbs = measure_read_ceiling()["gbps"]
