@@ -169,6 +169,16 @@ __device__ __forceinline__ void tile_max_step(float (&mx)[2], float (&m2)[2], fl
     }
 }
 
+// The thread's shares of its two rows' denominators, summed over the lanes that share each row
+// (lane masks FIRST, 2·FIRST, … LAST, as in tile_max_step).
+template <int FIRST, int LAST>
+__device__ __forceinline__ void row_sums(float (&l)[2]) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int x = FIRST; x <= LAST; x *= 2) l[h] += __shfl_xor_sync(0xffffffffu, l[h], x);
+}
+
 #if DTYPE_ID != 2
 // ---------------------------------------------------------------- tensor-core helpers (f16/bf16)
 __device__ __forceinline__ void ldsm_x4(u32& r0, u32& r1, u32& r2, u32& r3, u32 addr) {
@@ -481,12 +491,7 @@ cd_decode_split(const cd_decode_params p) {
         __syncthreads();  // every warp is done with the ring before it becomes sm_acc
 
         // Warp state → shared: the eight lanes of a head sum their shares of l.
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            l2[h] += __shfl_xor_sync(0xffffffffu, l2[h], 4);
-            l2[h] += __shfl_xor_sync(0xffffffffu, l2[h], 8);
-            l2[h] += __shfl_xor_sync(0xffffffffu, l2[h], 16);
-        }
+        row_sums<4, 16>(l2);
         if (g == 0) {  // rows 8..15 (no query head here) are never read: rows ≤ 8
             sm_m[warp * ROWS + 2 * t] = m2[0];     sm_l[warp * ROWS + 2 * t] = l2[0];
             sm_m[warp * ROWS + 2 * t + 1] = m2[1]; sm_l[warp * ROWS + 2 * t + 1] = l2[1];
@@ -581,11 +586,7 @@ cd_decode_split(const cd_decode_params p) {
         __syncthreads();  // every warp is done with the ring before it becomes sm_acc
 
         // Warp state → shared: the four lanes of a row group sum their shares of l.
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            l2[h] += __shfl_xor_sync(0xffffffffu, l2[h], 1);
-            l2[h] += __shfl_xor_sync(0xffffffffu, l2[h], 2);
-        }
+        row_sums<1, 2>(l2);
         if (t == 0) {
             sm_m[warp * ROWS + g] = m2[0];     sm_l[warp * ROWS + g] = l2[0];
             sm_m[warp * ROWS + g + 8] = m2[1]; sm_l[warp * ROWS + g + 8] = l2[1];
