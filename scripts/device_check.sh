@@ -33,11 +33,11 @@ if has tests; then
 fi
 
 if has sanitizer; then
-  timeout 240 compute-sanitizer --tool memcheck --error-exitcode 3 \
+  timeout 300 compute-sanitizer --tool memcheck --error-exitcode 3 \
     $PY -m pytest -q -p no:cacheprovider tests/test_gpu_decode.py tests/test_gpu_merge.py \
     tests/test_gpu_plan.py -k "clamped or transposed or slice or large_logits or gqa or empty \
     or cache_seqlens or split_counts or many_forced or merge or graph or long_chunk or m_tile \
-    or both_tensor_core_paths" 2>&1 \
+    or both_tensor_core_paths or (warps_in_step and not bfloat16)" 2>&1 \
     | tail -n 40 > "$OUT_DIR/sanitizer.log"
   add_summary "memcheck: $(grep -E 'ERROR SUMMARY' "$OUT_DIR/sanitizer.log" | tail -n 1) | $(grep -E 'passed|failed' "$OUT_DIR/sanitizer.log" | tail -n 1)"
 fi

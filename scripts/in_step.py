@@ -3,7 +3,9 @@
 each cell timed twice in alternating order. "on" is the policy's choice (long heads-as-N chunks:
 _policy.warps_in_step); "off" the same plans with every warp waiting only for its own ring.
 
-Usage: python scripts/in_step.py [MODEL:DTYPE:BxL ...]   (default: the points below)
+Usage: python scripts/in_step.py [--min-chunk N] [MODEL:DTYPE:BxL ...]   (default: the points
+below; --min-chunk N: "on" keeps the warps in step from N-token chunks instead of the policy's
+threshold, to try other thresholds)
 """
 
 import sys
@@ -21,9 +23,10 @@ POINTS = ["llama-3-8b:float16:64x8192", "llama-3-8b:float16:16x16384",
 MIN_CHUNK = _policy.WARPS_IN_STEP_MIN_CHUNK
 
 
-def timed(m, dtype, b, L, sets, on):
-    """(µs, a plan) with the warps in step where the policy says so (``on``) or nowhere."""
-    _policy.WARPS_IN_STEP_MIN_CHUNK = MIN_CHUNK if on else 1 << 62
+def timed(m, dtype, b, L, sets, on, min_chunk=MIN_CHUNK):
+    """(µs, a plan) with the warps in step from ``min_chunk``-token heads-as-N chunks (``on``)
+    or nowhere."""
+    _policy.WARPS_IN_STEP_MIN_CHUNK = min_chunk if on else 1 << 62
     try:
         return time_plans(lambda: cd.DecodePlan(b, m.num_heads, m.num_kv_heads, m.head_dim, L,
                                                 dtype), sets)
@@ -32,7 +35,14 @@ def timed(m, dtype, b, L, sets, on):
 
 
 def main():
-    on_off_points(sys.argv[1:] or POINTS, timed, describe=lambda p: f", in step {p._in_step}")
+    args = sys.argv[1:]
+    min_chunk = MIN_CHUNK
+    if args[:1] == ["--min-chunk"]:
+        min_chunk, args = int(args[1]), args[2:]
+        print(f"on = warps in step from {min_chunk}-token chunks", flush=True)
+    on_off_points(args or POINTS,
+                  lambda *a: timed(*a, min_chunk=min_chunk),
+                  describe=lambda p: f", chunk {p.chunk_tokens}, in step {p._in_step}")
 
 
 if __name__ == "__main__":

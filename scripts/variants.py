@@ -11,6 +11,7 @@ Usage: python scripts/variants.py [BxL,BxL,...] [--shapes WxS,...] [--head-dim D
   --shapes 8x3,4x6   also time those block shapes (warps x stages) in place of the policy's
   --sub 'LABEL|OLD|NEW'   also time the shipped source with OLD replaced by NEW (repeatable)
   --dir LABEL=PATH   also time the kernels of folder PATH (as a .prev*/ folder; repeatable)
+  --cross            also time every --sub variant with every --shapes shape
 """
 
 import sys
@@ -67,6 +68,12 @@ for k, arg in enumerate(sys.argv):
     if arg == "--sub":  # e.g. 'evict normal|L2::evict_first.b64|L2::evict_normal.b64'
         label, old, new = sys.argv[k + 1].split("|")
         VARIANTS[label] = ({old: new}, None)
+if "--cross" in sys.argv:  # each substitution in each forced shape too
+    for label, (subs, shape) in list(VARIANTS.items()):
+        if shape is None and subs and "@dir" not in subs:
+            for other, (osubs, oshape) in list(VARIANTS.items()):
+                if oshape is not None and not osubs:
+                    VARIANTS[f"{label}, {oshape[0]}x{oshape[1]}"] = (subs, oshape)
 
 
 def main():
