@@ -1,0 +1,789 @@
+// decode_split.cu — FlashDecoding, kernel 1 of 2: one chunk of the KV cache per block.
+//
+// Math (notation of DESIGN.md). For one query row q, keys k_j, values v_j, scale c:
+//   s_j   = c · q·k_j
+//   m_i   = max_{j∈i} s_j,  l_i = Σ_{j∈i} exp(s_j − m_i),  V_i = Σ_{j∈i} exp(s_j − m_i) v_j
+//   Õ_i   = V_i / l_i,      LSE_i = m_i + log(l_i)
+// Inside the kernel scores live in the log2 domain, s2_j = s_j · log2(e), so every exponential
+// is one ex2 instruction; LSE_i leaves the kernel in natural log (LSE = ln2 · (m2 + log2 l)).
+// An empty chunk (or empty sequence) writes Õ_i = 0 and LSE_i = −inf and never forms NaN.
+//
+// Grid mapping:  blockIdx.x = kv_head · head_tiles + head_tile,  blockIdx.y = split,
+//                blockIdx.z = batch.
+// KV heads vary fastest, so the blocks that start together read the same tokens of every KV head
+// (one token's heads are adjacent in memory: 2 KB rows at 8 heads × 128 × fp16) — measured 4–8%
+// faster than splits-fastest on large batches (docs/PERFORMANCE.md). Sibling head tiles of one KV
+// head (G > 16) are adjacent too, so they share the chunk through L2.
+// A block owns MTILES M-tiles of ROWS (16) query rows, BLOCK_ROWS in all: query heads
+// kv_head·G + head_tile·BLOCK_ROWS + r, r < BLOCK_ROWS and < G. All query heads of a KV head are
+// in the block where G ≤ BLOCK_ROWS (the host makes it so up to its largest MTILES), so each K/V
+// byte is read once.
+//
+// Block: NUM_WARPS warps = SLOTS token slots × MTILES M-tiles; warp w has M-tile w % MTILES and
+// slot w / MTILES. The chunk is cut into tiles of TILE_N tokens; slot t takes tiles t, t + SLOTS,
+// ... (so the block streams contiguous memory), each through its slot's STAGES-deep cp.async ring
+// of K and V tiles in shared memory. Every warp keeps its own online-softmax state for its
+// M-tile's 16 rows over its slot's tiles; the warps' states are merged once at the end (the same
+// merge as kernel 2). MTILES = 1 (G ≤ 16): each warp is a slot with a ring of its own. MTILES > 1
+// (G > 16): the slot's first warp loads each tile once and the slot's MTILES warps all compute
+// on it, meeting at a named barrier per tile.
+//
+// Two compute paths on the same pipeline:
+//   float16 / bfloat16: tensor cores (mma.m16n8k16, fp32 accumulate). Few instructions per byte
+//     is what lets one SM keep up with HBM. Two fragment arrangements:
+//     HEADS_AS_N = 0: S = Q·Kᵀ with the 16 query rows as the M dimension (rows ≥ G are zero
+//       padding); P·V with P taken straight from the S accumulator registers.
+//     HEADS_AS_N = 1 (G ≤ 8, one M-tile): the transposed products Sᵀ = K·Qᵀ and Oᵀ = Vᵀ·Pᵀ, the
+//       tile's 16 tokens as M and the group's ≤ 8 query heads as N, so no mma works on padding
+//       rows: half the mma, exponentials and accumulator registers per tile. Pᵀ reaches the B
+//       operand of the second product through one register transpose (movmatrix) per 8 tokens.
+//   float32: CUDA cores, fp32 throughout (tensor-core tf32 would miss fp32 accuracy).
+//
+// Partial-state contract (consumed by cd_merge_fold, common.cuh):
+//   o_part  (num_splits, batch·num_heads, HEAD_DIM) float32, Õ_i
+//   lse_part(num_splits, batch·num_heads)           float32, LSE_i (natural log)
+// Three ways to finish, chosen by the host:
+//   single split (`o_part` null): the block writes the final output (input dtype) and LSE.
+//   fused merge (`counters` non-null): every block writes its partials, then counts itself in
+//     on its (batch, kv_head, head_tile) counter; the last block of the group to arrive merges
+//     the live splits with cd_merge_row_pass and writes the final output — one launch in all, which
+//     saves the ~0.9 µs a second dependent kernel costs in a graph (docs/PERFORMANCE.md, v9). The
+//     host's merge="auto" picks it only where each warp of that block has one L2 trip to make
+//     (_policy.merge_mode); merge="fused" forces it.
+//     The counter wraps back to 0 on the last arrival (atomicInc), so the next launch (or graph
+//     replay) starts clean.
+//   partials only (`counters` null): merge_states.cu runs next as a second kernel.
+//
+// Compile-time constants (prepended by cupydecode/_kernels.py, chosen by cupydecode/_policy.py):
+//   DTYPE_ID (0 f16, 1 bf16, 2 f32), HEAD_DIM, NUM_WARPS, STAGES, ROWS (16), TILE_N (16), MTILES,
+//   HEADS_AS_N (0 or 1).
+#include "common.cuh"
+
+typedef cd_elem<DTYPE_ID> E;
+typedef E::storage elem_t;
+
+#define NUM_THREADS (NUM_WARPS * 32)
+#define SLOTS (NUM_WARPS / MTILES)          // token slots, each with its K/V ring
+#define BLOCK_ROWS (ROWS * MTILES)          // query rows of one block
+#define ES ((int)sizeof(elem_t))
+#define CPR (HEAD_DIM * ES / 16)            // 16-byte chunks per K/V/Q row
+#define EPC (16 / ES)                       // elements per 16-byte chunk
+#define TILE_BYTES (TILE_N * HEAD_DIM * ES) // one K (or V) tile of one slot
+#define Q_BYTES (BLOCK_ROWS * HEAD_DIM * ES)
+#define PIPE_BYTES (SLOTS * STAGES * 2 * TILE_BYTES)
+// Per-warp accumulators in shared memory, rows padded by 8 floats: the mma-layout float2 stores
+// (lanes g = 0..7 write rows g) would otherwise hit the same banks 8 times.
+#define ACC_STRIDE (HEAD_DIM + 8)
+#define ACC_BYTES (NUM_WARPS * ROWS * ACC_STRIDE * 4)
+#define BODY_BYTES (PIPE_BYTES > ACC_BYTES ? PIPE_BYTES : ACC_BYTES)
+#define ML_BYTES (2 * NUM_WARPS * ROWS * 4)
+#define SMEM_BYTES (Q_BYTES + BODY_BYTES + ML_BYTES)
+
+#if (HEAD_DIM * 2 / 16) < 8
+#error "HEAD_DIM too small for the 8-row XOR swizzle"
+#endif
+#if ROWS != 16 || TILE_N != 16
+#error "the mma fragment layouts below assume ROWS == TILE_N == 16"
+#endif
+#if MTILES < 1 || NUM_WARPS % MTILES != 0 || (MTILES > 1 && SLOTS > 15) || STAGES < 2
+#error "NUM_WARPS must be a multiple of MTILES, with 2+ stages and, for MTILES > 1, at most 15 slots (named barriers 1..15)"
+#endif
+#if DTYPE_ID == 2 && MTILES != 1
+#error "the float32 path holds one M-tile per block"
+#endif
+#if HEADS_AS_N && (DTYPE_ID == 2 || MTILES != 1)
+#error "HEADS_AS_N is a 16-bit tensor-core path of one M-tile per block"
+#endif
+
+// Rows of 128+ bytes put every row's chunk c in the same banks; XOR-ing the chunk index with
+// (row mod 8) spreads the 8 rows an ldmatrix (or a quarter-warp) touches over all 32 banks.
+__device__ __forceinline__ int swz(int row, int chunk) {
+    return row * CPR + (chunk ^ (row & 7));
+}
+
+__device__ __forceinline__ u32 smem_u32(const void* p) {
+    u32 r;
+    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(r) : "l"(p));
+    return r;
+}
+
+// 16-byte global→shared copy that bypasses L1 (streamed once). src_bytes = 0 zero-fills the
+// destination without reading: rows past the chunk end become zeros, never garbage or NaN.
+// K and V are read once per call: they are streamed with an L2 evict-first policy, so that they
+// do not push out of L2 what is used again — the partials, the arrival counters, q, the code.
+// Measured on the H200 (docs/PERFORMANCE.md, v8): 0.3 µs faster at b1 × 1k, 0.9 at b1 × 64k.
+__device__ __forceinline__ unsigned long long l2_evict_first_policy() {
+    unsigned long long policy;
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+    return policy;
+}
+__device__ __forceinline__ void cp_async16_stream(u32 dst, const void* src, bool valid,
+                                                  unsigned long long policy) {
+    asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;\n"
+                 :: "r"(dst), "l"(src), "r"(valid ? 16 : 0), "l"(policy) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() {
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" :: "n"(N) : "memory");
+}
+
+// The MTILES warps of token slot `slot` meet here (named barrier 1 + slot; 0 is __syncthreads').
+__device__ __forceinline__ void slot_barrier(int slot) {
+    asm volatile("bar.sync %0, %1;" :: "r"(1 + slot), "n"(32 * MTILES) : "memory");
+}
+
+__device__ __forceinline__ float warp_max16(float x) {  // over lanes sharing lane>>4
+    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 4));
+    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 8));
+    return x;
+}
+__device__ __forceinline__ float warp_sum16(float x) {
+    x += __shfl_xor_sync(0xffffffffu, x, 1);
+    x += __shfl_xor_sync(0xffffffffu, x, 2);
+    x += __shfl_xor_sync(0xffffffffu, x, 4);
+    x += __shfl_xor_sync(0xffffffffu, x, 8);
+    return x;
+}
+
+// One online-softmax step of a tensor-core tile for the thread's two rows (query rows g, g + 8,
+// or query heads 2t, 2t + 1): the tile's maxima mx, reduced over the lanes that share a row (lane
+// masks FIRST, 2·FIRST, … LAST), become the running maxima m2; alpha rescales the old state and
+// ref is what the exponentials subtract (0 while a row has seen only −inf, so no NaN forms).
+template <int FIRST, int LAST>
+__device__ __forceinline__ void tile_max_step(float (&mx)[2], float (&m2)[2], float (&alpha)[2],
+                                              float (&ref)[2]) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+#pragma unroll
+        for (int x = FIRST; x <= LAST; x *= 2)
+            mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], x));
+        const cd_rescale sc = cd_merge_scales(m2[h], mx[h]);
+        alpha[h] = sc.a;
+        m2[h] = sc.m;
+        ref[h] = (sc.m == CD_NEG_INF) ? 0.f : sc.m;
+    }
+}
+
+// The thread's shares of its two rows' denominators, summed over the lanes that share each row
+// (lane masks FIRST, 2·FIRST, … LAST, as in tile_max_step).
+template <int FIRST, int LAST>
+__device__ __forceinline__ void row_sums(float (&l)[2]) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int x = FIRST; x <= LAST; x *= 2) l[h] += __shfl_xor_sync(0xffffffffu, l[h], x);
+}
+
+#if DTYPE_ID != 2
+// ---------------------------------------------------------------- tensor-core helpers (f16/bf16)
+__device__ __forceinline__ void ldsm_x4(u32& r0, u32& r1, u32& r2, u32& r3, u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(addr));
+}
+__device__ __forceinline__ void ldsm_x4_t(u32& r0, u32& r1, u32& r2, u32& r3, u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(addr));
+}
+__device__ __forceinline__ void mma16816(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+#if DTYPE_ID == 0
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#else
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
+}
+// The 8×8 16-bit matrix held in mma fragment layout (lane g·4 + t: row g, columns 2t, 2t+1),
+// transposed in registers: the lane then holds row g, columns 2t, 2t+1 of the transpose.
+__device__ __forceinline__ u32 movmatrix_t(u32 x) {
+    u32 r;
+    asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(r) : "r"(x));
+    return r;
+}
+// (lo, hi) → one register of two 16-bit values, lo in the low half (the lower k index).
+__device__ __forceinline__ u32 pack2(float lo, float hi) {
+    u32 r;
+#if DTYPE_ID == 0
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+#else
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+#endif
+    return r;
+}
+#endif
+
+// All kernel parameters in one struct passed by value: one launch argument instead of 26 keeps
+// the host cost of a launch from Python low (each argument costs ~0.5 µs to marshal in CuPy).
+// Layout mirrored byte for byte by cupydecode/decode.py (_PARAMS): 9 pointers, 10 int64 strides
+// (in elements), 6 int32, 1 float32, 1 int32 = 184 bytes.
+struct cd_decode_params {
+    const elem_t* q; const elem_t* k; const elem_t* v;
+    const int* seqlens;                       // (batch,) device lengths, or null: use seqlen_all
+    float* o_part; float* lse_part;           // null for a single split (direct output)
+    elem_t* out; float* lse_out;              // lse_out may be null
+    int* counters;                            // non-null: fused merge
+    long long q_sb, q_sh, k_sb, k_ss, k_sh, v_sb, v_ss, v_sh, out_sb, out_sh;
+    int seqlen_all, max_seqlen, num_heads, group, head_tiles, chunk_tokens;
+    float scale_log2;
+    int warps_in_step;                        // 1: the block's warps take their tiles in step
+};
+// The host packs this struct by hand (decode.py, _PARAMS): a drifted size must not compile.
+// (Fields are in falling alignment order, so there is no interior padding to drift.)
+static_assert(sizeof(cd_decode_params) == 184, "cd_decode_params: 184 bytes expected");
+
+// One block per SM by design for G ≤ 16 (its shared memory alone fills most of an SM), so the
+// register budget is the whole SM's: stated as minBlocks = 1, ptxas no longer caps 256-thread
+// shapes at 128 registers (head_dim 64 spilled 24 bytes there) or spills the float32 path. (Some
+// M-tile shapes leave room for a second block; the host asks the driver's occupancy calculator.)
+extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
+cd_decode_split(const cd_decode_params p) {
+    const elem_t* __restrict__ q = p.q;
+    const elem_t* __restrict__ k = p.k;
+    const elem_t* __restrict__ v = p.v;
+    const int* __restrict__ seqlens = p.seqlens;
+    float* __restrict__ o_part = p.o_part;
+    float* __restrict__ lse_part = p.lse_part;
+    elem_t* __restrict__ out = p.out;
+    float* __restrict__ lse_out = p.lse_out;
+    int* __restrict__ counters = p.counters;
+    const long long q_sb = p.q_sb, q_sh = p.q_sh, k_sb = p.k_sb, k_ss = p.k_ss, k_sh = p.k_sh;
+    const long long v_sb = p.v_sb, v_ss = p.v_ss, v_sh = p.v_sh, out_sb = p.out_sb, out_sh = p.out_sh;
+    const int seqlen_all = p.seqlen_all, max_seqlen = p.max_seqlen, num_heads = p.num_heads;
+    const int group = p.group, head_tiles = p.head_tiles, chunk_tokens = p.chunk_tokens;
+    const float scale_log2 = p.scale_log2;
+    extern __shared__ __align__(128) unsigned char smem[];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int split = blockIdx.y, head_tile = blockIdx.x % head_tiles;
+    const int kv_head = blockIdx.x / head_tiles, b = blockIdx.z, batch = gridDim.z;
+    const int num_kv_heads = gridDim.x / head_tiles, num_splits = gridDim.y;
+    const int row0 = head_tile * BLOCK_ROWS;               // first row of this tile in the group
+    const int rows = min(BLOCK_ROWS, group - row0);        // live query rows in this block
+    const int mt = warp % MTILES, slot = warp / MTILES;    // this warp's M-tile and token slot
+    const int h0 = kv_head * group + row0;                 // first query head
+    // Once every block of this grid has passed here (so none is left to be scheduled), a merge
+    // kernel launched after it may start and wait on the SMs for this grid's end (common.cuh).
+    cd_launch_dependents();
+
+    // The host sizes dynamic shared memory from the same constants; a mismatch must not
+    // silently scribble past the allocation.
+    if (tid == 0) {
+        u32 dyn;
+        asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
+        if (dyn < SMEM_BYTES) __trap();
+    }
+
+    // Clamp device-provided lengths: nothing is ever read outside [0, max_seqlen).
+    int seqlen = seqlens ? seqlens[b] : seqlen_all;
+    seqlen = max(0, min(seqlen, max_seqlen));
+    // PAIR (timing experiment): block kv_head reads KV heads (kv_head & ~1) + (warp & 1), the
+    // (kv_head & 1)-th half of the chunk; two warps per slot, SLOTS / 2 slots.
+    const int half_tokens = chunk_tokens / 8;
+    const int chunk_start = split * chunk_tokens + (kv_head & 7) * half_tokens;
+    const int chunk_end = min(chunk_start + half_tokens, seqlen);
+
+    float* sm_acc = reinterpret_cast<float*>(smem + Q_BYTES);                // aliases the ring
+    float* sm_m = reinterpret_cast<float*>(smem + Q_BYTES + BODY_BYTES);
+    float* sm_l = sm_m + NUM_WARPS * ROWS;
+
+    if (chunk_start < chunk_end) {
+        elem_t* sq = reinterpret_cast<elem_t*>(smem);
+        // ---------------------------------------------------------------- per-slot K/V ring
+        unsigned char* ring = smem + Q_BYTES + warp * (STAGES * 2 * TILE_BYTES);
+        constexpr int PSLOTS = SLOTS / 8;
+        const int pslot = warp >> 3;
+        const int pair_head = (kv_head & ~7) + (warp & 7);
+        const u32 ring_u32 = smem_u32(ring);
+        const elem_t* kbase = k + b * k_sb + (long long)pair_head * k_sh;
+        const elem_t* vbase = v + b * v_sb + (long long)pair_head * v_sh;
+        const int n_tiles = (chunk_end - chunk_start + TILE_N - 1) / TILE_N;
+        const int my_tiles = pslot < n_tiles ? (n_tiles - pslot + PSLOTS - 1) / PSLOTS : 0;
+        // One M-tile: each warp streams through its own ring, and by default waits only for its
+        // own tiles. With warps_in_step (the host's choice for long heads-as-N chunks,
+        // _policy.warps_in_step) the block's warps meet at a barrier per tile instead, so they
+        // stay in step: measured 0.2–1.4% faster on long streams, slower on short chunks
+        // (docs/PERFORMANCE.md, v15). Only where every slot has as many tiles, so that every
+        // warp meets the barrier equally often (a uniform condition over the block).
+        const bool in_step = MTILES == 1 && p.warps_in_step && n_tiles % PSLOTS == 0;
+        const bool loader = mt == 0;  // the slot's warp that copies its tiles
+        // With MTILES > 1, a slot with fewer tiles than the first meets its named barrier once
+        // more after its loop (an idle turn), so that every slot meets its barrier equally often.
+        // Each slot only ever waits for its own warps, so the synchronisation does not need it;
+        // compute-sanitizer's racecheck does: with unequal counts it reported hazards between
+        // accesses that a __syncthreads() separates (docs/PERFORMANCE.md, v12).
+        const int loop_tiles = MTILES == 1 ? my_tiles : (n_tiles + SLOTS - 1) / SLOTS;
+
+        auto tile_start = [&](int i) { return chunk_start + (pslot + i * PSLOTS) * TILE_N; };
+        const unsigned long long policy = l2_evict_first_policy();
+        // Each lane copies the same slots of every tile: rows r0, r0 + RSTEP, … of 16-byte column
+        // c0. A whole tile is then one 64-bit pointer step per copy, with no per-row index math or
+        // masks (that math was half of the loop's instructions; docs/PERFORMANCE.md, v10); only a
+        // chunk's partial last tile takes the masked path below. (Rows of more than 32 chunks,
+        // float32 head_dim 256, always take the masked path.)
+        constexpr bool WALK = CPR <= 32;
+        constexpr int RSTEP = WALK ? 32 / CPR : 1;
+        static_assert(!WALK || (32 % CPR == 0 && TILE_N % RSTEP == 0),
+                      "the walking copy needs whole rows per 32 lanes and whole steps per tile");
+        const int r0 = lane / CPR, c0 = lane % CPR;
+        const long long k_rows = (long long)RSTEP * k_ss, v_rows = (long long)RSTEP * v_ss;
+        const long long k_tiles = (long long)PSLOTS * TILE_N * k_ss;
+        const long long v_tiles = (long long)PSLOTS * TILE_N * v_ss;
+        const elem_t* k_lane = kbase + (long long)(tile_start(0) + r0) * k_ss + c0 * EPC;  // tile 0
+        const elem_t* v_lane = vbase + (long long)(tile_start(0) + r0) * v_ss + c0 * EPC;
+        auto load_tile = [&](int i, int stage) {
+            const int t0 = tile_start(i);
+            const u32 kdst = ring_u32 + stage * 2 * TILE_BYTES;
+            const u32 vdst = kdst + TILE_BYTES;
+            if (WALK && t0 + TILE_N <= chunk_end) {
+                const elem_t* kp = k_lane + i * k_tiles;
+                const elem_t* vp = v_lane + i * v_tiles;
+#pragma unroll
+                for (int j = 0; j < TILE_N / RSTEP; ++j) {
+                    const int so = swz(r0 + j * RSTEP, c0) * 16;
+                    cp_async16_stream(kdst + so, kp, true, policy);
+                    cp_async16_stream(vdst + so, vp, true, policy);
+                    kp += k_rows;
+                    vp += v_rows;
+                }
+                return;
+            }
+#pragma unroll
+            for (int j = 0; j < TILE_N * CPR / 32; ++j) {
+                const int cid = lane + 32 * j;
+                const int r = cid / CPR, c = cid % CPR;
+                const bool ok = t0 + r < chunk_end;
+                const long long tok = ok ? t0 + r : chunk_start;  // valid address even if unused
+                const int so = swz(r, c) * 16;
+                cp_async16_stream(kdst + so, kbase + tok * k_ss + c * EPC, ok, policy);
+                cp_async16_stream(vdst + so, vbase + tok * v_ss + c * EPC, ok, policy);
+            }
+        };
+
+        // Start streaming K/V first: the Q load and its barrier then overlap the first
+        // tiles' latency instead of delaying it.
+        if (loader) {
+#pragma unroll
+            for (int i = 0; i < STAGES - 1; ++i) {
+                if (i < my_tiles) load_tile(i, i);
+                cp_async_commit();
+            }
+        }
+        // ---------------------------------------------------------------- Q tile → shared
+        for (int i = tid; i < BLOCK_ROWS * CPR; i += NUM_THREADS) {
+            const int r = i / CPR, c = i % CPR;
+            uint4 val = make_uint4(0u, 0u, 0u, 0u);
+            if (r < rows)
+                val = *reinterpret_cast<const uint4*>(q + b * q_sb + (long long)(h0 + r) * q_sh + c * EPC);
+#if DTYPE_ID != 2
+            reinterpret_cast<uint4*>(sq)[swz(r, c)] = val;
+#else
+            reinterpret_cast<uint4*>(sq)[r * CPR + c] = val;
+#endif
+        }
+        __syncthreads();
+
+        // Tile i is in the ring for every warp of the slot when this returns, and the stage tile
+        // i + STAGES − 1 goes to (read in iteration i − 1) is free again, so it is loaded here.
+        auto next_tile = [&](int i) {
+            if constexpr (MTILES == 1) {  // the warp's own ring: load ahead, then wait; program order frees
+                if (i + STAGES - 1 < my_tiles) load_tile(i + STAGES - 1, (i + STAGES - 1) % STAGES);
+                cp_async_commit();
+                cp_async_wait<STAGES - 1>();
+                if (in_step) __syncthreads();
+                else __syncwarp();
+            } else {  // shared by the slot's warps: the barrier shows the tile and frees the stage
+                if (loader) cp_async_wait<STAGES - 2>();
+                slot_barrier(slot);
+                if (loader) {
+                    if (i + STAGES - 1 < my_tiles) load_tile(i + STAGES - 1, (i + STAGES - 1) % STAGES);
+                    cp_async_commit();
+                }
+            }
+        };
+
+#if DTYPE_ID != 2
+        // ================================================================ tensor-core path
+        const int g = lane >> 2, t = lane & 3;
+        // ldmatrix row addresses: pattern A (Q as the A operand, V transposed),
+        // pattern B (K as the col-major B operand). See the fragment layouts of mma.m16n8k16.
+        const int rowA = (lane & 7) + ((lane >> 3) & 1) * 8, offA = lane >> 4;
+        const int rowB = (lane & 7) + (lane >> 4) * 8, offB = (lane >> 3) & 1;
+        const u32 sq_u32 = smem_u32(sq);
+
+#if HEADS_AS_N
+        // ---------------------------------------------------- heads as N: Sᵀ = K·Qᵀ, Oᵀ = Vᵀ·Pᵀ
+        // The mma's N holds 8 heads: a launch with more (a host bug) must not read unset rows.
+        if (rows > 8) __trap();
+        // Here pattern A reads K as the A operand and pattern B reads Vᵀ (V transposed) as the A
+        // operand. The thread's query heads (columns of Sᵀ and Oᵀ) are 2t and 2t + 1.
+        // Qᵀ as B operands (k = head dims, n = query heads 0..7), in registers for the whole chunk:
+        // qb[kk] holds Q[g][16kk + 2t, +1] and Q[g][16kk + 8 + 2t, +1]. One ldmatrix.x4 reads the
+        // 16-byte chunks 4kk2 .. 4kk2 + 3 of query rows 0..7 (lanes 8j..8j+7 address chunk j).
+        u32 qb[HEAD_DIM / 16][2];
+#pragma unroll
+        for (int kk2 = 0; kk2 < HEAD_DIM / 32; ++kk2)
+            ldsm_x4(qb[2 * kk2][0], qb[2 * kk2][1], qb[2 * kk2 + 1][0], qb[2 * kk2 + 1][1],
+                    sq_u32 + swz(lane & 7, 4 * kk2 + (lane >> 3)) * 16);
+
+        float m2[2] = {CD_NEG_INF, CD_NEG_INF};  // running max (log2 units) of heads 2t, 2t+1
+        float l2[2] = {0.f, 0.f};                // this thread's share of their denominators
+        // Oᵀ accumulators: acc[d][e] is head dim 16d + g + 8·(e >> 1) of query head 2t + (e & 1).
+        float acc[HEAD_DIM / 16][4];
+#pragma unroll
+        for (int d = 0; d < HEAD_DIM / 16; ++d) acc[d][0] = acc[d][1] = acc[d][2] = acc[d][3] = 0.f;
+
+        for (int i = 0; i < my_tiles; ++i) {
+            next_tile(i); if (head_tiles > 0) continue;
+            const u32 ks = ring_u32 + (i % STAGES) * 2 * TILE_BYTES;
+            const u32 vs = ks + TILE_BYTES;
+            // Sᵀ for 16 tokens × 8 heads; two accumulators (even and odd k steps) so that two mma
+            // chains are in flight. s[e]: token g + 8·(e >> 1) of the tile, head 2t + (e & 1).
+            float s[4] = {0.f, 0.f, 0.f, 0.f}, s_odd[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+            for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
+                u32 a[4];
+                ldsm_x4(a[0], a[1], a[2], a[3], ks + swz(rowA, 2 * kk + offA) * 16);
+                if (kk % 2) mma16816(s_odd, a, qb[kk][0], qb[kk][1]);
+                else        mma16816(s, a, qb[kk][0], qb[kk][1]);
+            }
+            // Online softmax per head, one max and one rescale per tile: the head's 16 tokens are
+            // in the 8 lanes of its t (lane bits 2..4), two per lane.
+            const int t0 = tile_start(i);
+            float mx[2] = {CD_NEG_INF, CD_NEG_INF};
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const bool ok = t0 + g + 8 * (e >> 1) < chunk_end;
+                s[e] = ok ? (s[e] + s_odd[e]) * scale_log2 : CD_NEG_INF;
+                mx[e & 1] = fmaxf(mx[e & 1], s[e]);
+            }
+            float alpha[2], ref[2];
+            tile_max_step<4, 16>(mx, m2, alpha, ref);
+            float rs[2] = {0.f, 0.f};
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                s[e] = cd_exp2(s[e] - ref[e & 1]);
+                rs[e & 1] += s[e];
+            }
+            l2[0] = l2[0] * alpha[0] + rs[0];
+            l2[1] = l2[1] * alpha[1] + rs[1];
+            if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
+#pragma unroll
+                for (int d = 0; d < HEAD_DIM / 16; ++d) {
+                    acc[d][0] *= alpha[0]; acc[d][1] *= alpha[1];
+                    acc[d][2] *= alpha[0]; acc[d][3] *= alpha[1];
+                }
+            }
+            // Pᵀ as the B operand (k = tokens, n = heads) is the transpose of the Sᵀ accumulator
+            // (tokens × heads) in fragment layout: one movmatrix per 8 tokens.
+            const u32 pb0 = movmatrix_t(pack2(s[0], s[1]));
+            const u32 pb1 = movmatrix_t(pack2(s[2], s[3]));
+#pragma unroll
+            for (int d = 0; d < HEAD_DIM / 16; ++d) {
+                u32 a[4];
+                ldsm_x4_t(a[0], a[1], a[2], a[3], vs + swz(rowB, 2 * d + offB) * 16);
+                mma16816(acc[d], a, pb0, pb1);
+            }
+            __syncwarp();
+        }
+        cp_async_wait<0>();
+        __syncthreads();  // every warp is done with the ring before it becomes sm_acc
+
+        // Warp state → shared: the eight lanes of a head sum their shares of l.
+        row_sums<4, 16>(l2);
+        if (g == 0) {  // rows 8..15 (no query head here) are never read: rows ≤ 8
+            sm_m[warp * ROWS + 2 * t] = m2[0];     sm_l[warp * ROWS + 2 * t] = l2[0];
+            sm_m[warp * ROWS + 2 * t + 1] = m2[1]; sm_l[warp * ROWS + 2 * t + 1] = l2[1];
+        }
+        float* wacc = sm_acc + warp * ROWS * ACC_STRIDE;
+#pragma unroll
+        for (int d = 0; d < HEAD_DIM / 16; ++d)
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                wacc[(2 * t + (e & 1)) * ACC_STRIDE + 16 * d + g + 8 * (e >> 1)] = acc[d][e];
+        (void)loop_tiles;  // one M-tile per block here: no slot ever idles
+#else
+        float m2[2] = {CD_NEG_INF, CD_NEG_INF};  // running max (log2 units) of rows g, g+8
+        float l2[2] = {0.f, 0.f};                // this thread's share of the denominators
+        float acc[HEAD_DIM / 8][4];
+#pragma unroll
+        for (int n = 0; n < HEAD_DIM / 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
+
+#if HEAD_DIM <= 128
+        u32 qf[HEAD_DIM / 16][4];  // Q fragments stay in registers for the whole chunk
+#pragma unroll
+        for (int kk = 0; kk < HEAD_DIM / 16; ++kk)
+            ldsm_x4(qf[kk][0], qf[kk][1], qf[kk][2], qf[kk][3],
+                    sq_u32 + swz(mt * ROWS + rowA, 2 * kk + offA) * 16);
+#endif
+
+        for (int i = 0; i < my_tiles; ++i) {
+            next_tile(i); if (head_tiles > 0) continue;
+            const u32 ks = ring_u32 + (i % STAGES) * 2 * TILE_BYTES;
+            const u32 vs = ks + TILE_BYTES;
+            // S = Q·Kᵀ for 16 rows × 16 tokens: two n-tiles of 8 tokens.
+            float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+#pragma unroll
+            for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
+                u32 b0, b1, b2, b3;
+                ldsm_x4(b0, b1, b2, b3, ks + swz(rowB, 2 * kk + offB) * 16);
+#if HEAD_DIM <= 128
+                mma16816(s[0], qf[kk], b0, b1);
+                mma16816(s[1], qf[kk], b2, b3);
+#else
+                u32 qa[4];
+                ldsm_x4(qa[0], qa[1], qa[2], qa[3], sq_u32 + swz(mt * ROWS + rowA, 2 * kk + offA) * 16);
+                mma16816(s[0], qa, b0, b1);
+                mma16816(s[1], qa, b2, b3);
+#endif
+            }
+            // Online softmax, one max and one rescale per tile. s[j][e]: row g (e<2) or g+8,
+            // token 8j + 2t + (e&1) of the tile.
+            const int t0 = tile_start(i);
+            float mx[2] = {CD_NEG_INF, CD_NEG_INF};
+#pragma unroll
+            for (int j = 0; j < 2; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const bool ok = t0 + 8 * j + 2 * t + (e & 1) < chunk_end;
+                    s[j][e] = ok ? s[j][e] * scale_log2 : CD_NEG_INF;
+                    mx[e >> 1] = fmaxf(mx[e >> 1], s[j][e]);
+                }
+            float alpha[2], ref[2];
+            tile_max_step<1, 2>(mx, m2, alpha, ref);
+            float rs[2] = {0.f, 0.f};
+#pragma unroll
+            for (int j = 0; j < 2; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    s[j][e] = cd_exp2(s[j][e] - ref[e >> 1]);
+                    rs[e >> 1] += s[j][e];
+                }
+            l2[0] = l2[0] * alpha[0] + rs[0];
+            l2[1] = l2[1] * alpha[1] + rs[1];
+            if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
+#pragma unroll
+                for (int n = 0; n < HEAD_DIM / 8; ++n) {
+                    acc[n][0] *= alpha[0]; acc[n][1] *= alpha[0];
+                    acc[n][2] *= alpha[1]; acc[n][3] *= alpha[1];
+                }
+            }
+            // The S accumulator layout of two n-tiles is exactly the A layout of one k16 step.
+            const u32 pa[4] = {pack2(s[0][0], s[0][1]), pack2(s[0][2], s[0][3]),
+                               pack2(s[1][0], s[1][1]), pack2(s[1][2], s[1][3])};
+#pragma unroll
+            for (int jj = 0; jj < HEAD_DIM / 16; ++jj) {
+                u32 b0, b1, b2, b3;
+                ldsm_x4_t(b0, b1, b2, b3, vs + swz(rowA, 2 * jj + offA) * 16);
+                mma16816(acc[2 * jj], pa, b0, b1);
+                mma16816(acc[2 * jj + 1], pa, b2, b3);
+            }
+            if (MTILES == 1) __syncwarp();
+        }
+        for (int i = my_tiles; i < loop_tiles; ++i) next_tile(i);  // the idle turn (MTILES > 1)
+        cp_async_wait<0>();
+        __syncthreads();  // every warp is done with the ring before it becomes sm_acc
+
+        // Warp state → shared: the four lanes of a row group sum their shares of l.
+        row_sums<1, 2>(l2);
+        if (t == 0) {
+            sm_m[warp * ROWS + g] = m2[0];     sm_l[warp * ROWS + g] = l2[0];
+            sm_m[warp * ROWS + g + 8] = m2[1]; sm_l[warp * ROWS + g + 8] = l2[1];
+        }
+        float* wacc = sm_acc + warp * ROWS * ACC_STRIDE;
+#pragma unroll
+        for (int n = 0; n < HEAD_DIM / 8; ++n) {
+            *reinterpret_cast<float2*>(wacc + g * ACC_STRIDE + 8 * n + 2 * t) = make_float2(acc[n][0], acc[n][1]);
+            *reinterpret_cast<float2*>(wacc + (g + 8) * ACC_STRIDE + 8 * n + 2 * t) = make_float2(acc[n][2], acc[n][3]);
+        }
+#endif  // HEADS_AS_N
+#else
+        // ================================================================ float32 path
+        (void)loop_tiles;  // one M-tile per block here: no slot ever idles
+        // Scores: lane owns token (lane & 15) and half (lane >> 4) of the head dimension.
+        // P·V: lane owns dims 2·lane + 64·i (float2), i < HEAD_DIM / 64.
+        const int tn = lane & 15, hf = lane >> 4;
+        const float* sqf = reinterpret_cast<const float*>(sq);
+        float m2[ROWS], l2[ROWS], acc[ROWS][HEAD_DIM / 64][2];
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) {
+            m2[r] = CD_NEG_INF;
+            l2[r] = 0.f;
+#pragma unroll
+            for (int i = 0; i < HEAD_DIM / 64; ++i) acc[r][i][0] = acc[r][i][1] = 0.f;
+        }
+        for (int i = 0; i < my_tiles; ++i) {
+            next_tile(i); if (head_tiles > 0) continue;
+            const float4* ks = reinterpret_cast<const float4*>(ring + (i % STAGES) * 2 * TILE_BYTES);
+            const float* vs = reinterpret_cast<const float*>(ring + (i % STAGES) * 2 * TILE_BYTES + TILE_BYTES);
+            float s[ROWS];
+#pragma unroll
+            for (int r = 0; r < ROWS; ++r) s[r] = 0.f;
+#pragma unroll 4
+            for (int cc = 0; cc < CPR / 2; ++cc) {
+                const int c = hf * (CPR / 2) + cc;
+                const float4 kv = ks[swz(tn, c)];
+#pragma unroll
+                for (int r = 0; r < ROWS; ++r) {
+                    if (r < rows) {
+                        const float4 qv = reinterpret_cast<const float4*>(sqf)[r * CPR + c];
+                        s[r] = fmaf(qv.x, kv.x, fmaf(qv.y, kv.y, fmaf(qv.z, kv.z, fmaf(qv.w, kv.w, s[r]))));
+                    }
+                }
+            }
+            const bool ok = tile_start(i) + tn < chunk_end;
+#pragma unroll
+            for (int r = 0; r < ROWS; ++r) {
+                if (r < rows) {
+                    s[r] += __shfl_xor_sync(0xffffffffu, s[r], 16);
+                    const float x = ok ? s[r] * scale_log2 : CD_NEG_INF;
+                    const cd_rescale sc = cd_merge_scales(m2[r], warp_max16(x));
+                    const float ref = (sc.m == CD_NEG_INF) ? 0.f : sc.m;
+                    const float p = cd_exp2(x - ref);
+                    l2[r] = l2[r] * sc.a + warp_sum16(p);
+                    m2[r] = sc.m;
+                    s[r] = p;
+#pragma unroll
+                    for (int d = 0; d < HEAD_DIM / 64; ++d) { acc[r][d][0] *= sc.a; acc[r][d][1] *= sc.a; }
+                }
+            }
+#pragma unroll 2
+            for (int n = 0; n < TILE_N; ++n) {
+                float2 vv[HEAD_DIM / 64];
+#pragma unroll
+                for (int d = 0; d < HEAD_DIM / 64; ++d) {
+                    const int e = 2 * lane + 64 * d;  // element index within the row
+                    vv[d] = *reinterpret_cast<const float2*>(vs + swz(n, e / 4) * 4 + (e & 3));
+                }
+#pragma unroll
+                for (int r = 0; r < ROWS; ++r) {
+                    if (r < rows) {
+                        const float p = __shfl_sync(0xffffffffu, s[r], n);
+#pragma unroll
+                        for (int d = 0; d < HEAD_DIM / 64; ++d) {
+                            acc[r][d][0] = fmaf(p, vv[d].x, acc[r][d][0]);
+                            acc[r][d][1] = fmaf(p, vv[d].y, acc[r][d][1]);
+                        }
+                    }
+                }
+            }
+            __syncwarp();  // (MTILES is 1 here)
+        }
+        cp_async_wait<0>();
+        __syncthreads();
+        if (lane == 0) {
+#pragma unroll
+            for (int r = 0; r < ROWS; ++r) { sm_m[warp * ROWS + r] = m2[r]; sm_l[warp * ROWS + r] = l2[r]; }
+        }
+        float* wacc = sm_acc + warp * ROWS * ACC_STRIDE;
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r)
+            if (r < rows)
+#pragma unroll
+                for (int d = 0; d < HEAD_DIM / 64; ++d)
+                    *reinterpret_cast<float2*>(wacc + r * ACC_STRIDE + 2 * lane + 64 * d) =
+                        make_float2(acc[r][d][0], acc[r][d][1]);
+#endif
+    } else {
+        // Empty chunk (or empty sequence): every warp holds the empty state (−inf, 0, 0).
+        for (int i = tid; i < NUM_WARPS * ROWS; i += NUM_THREADS) { sm_m[i] = CD_NEG_INF; sm_l[i] = 0.f; }
+        for (int i = tid; i < NUM_WARPS * ROWS * ACC_STRIDE; i += NUM_THREADS) sm_acc[i] = 0.f;
+    }
+    __syncthreads();
+
+    // ---------------------------------------------------------------- merge the warps, write
+    // Block row R is row R % 16 of M-tile R / 16, held by that M-tile's warp in every slot:
+    // warps R / 16 + MTILES·t, t < SLOTS (the index of (warp, row) in sm_m, sm_l, sm_acc is below).
+    // One thread per row turns those warps' (m, l) into final weights, in place: sm_l[w][r]
+    // becomes 2^(m_w − m) / l (0 for an empty row) and s_lse[R] the row's LSE (natural log).
+    __shared__ float s_lse[BLOCK_ROWS];
+    auto wrow = [](int R, int t) { return (R / ROWS + t * MTILES) * ROWS + R % ROWS; };
+    if (tid < rows) {
+        const int R = tid;
+        float mmax = CD_NEG_INF;
+#pragma unroll
+        for (int t = 0; t < SLOTS; ++t) mmax = fmaxf(mmax, sm_m[wrow(R, t)]);
+        const float ref = (mmax == CD_NEG_INF) ? 0.f : mmax;
+        float sc[SLOTS], l = 0.f;
+#pragma unroll
+        for (int t = 0; t < SLOTS; ++t) {
+            sc[t] = cd_exp2(sm_m[wrow(R, t)] - ref);
+            l += sm_l[wrow(R, t)] * sc[t];
+        }
+        const float inv = l > 0.f ? 1.f / l : 0.f;
+#pragma unroll
+        for (int t = 0; t < SLOTS; ++t) sm_l[wrow(R, t)] = sc[t] * inv;
+        s_lse[R] = l > 0.f ? (mmax + log2f(l)) * CD_LN2 : CD_NEG_INF;
+    }
+    __syncthreads();
+    const long long bh0 = (long long)b * num_heads + h0;
+    if (!o_part) {  // single split: the final output, in the input dtype
+        for (int i = tid; i < rows * HEAD_DIM; i += NUM_THREADS) {
+            const int r = i / HEAD_DIM, d = i % HEAD_DIM;
+            float o = 0.f;
+#pragma unroll
+            for (int t = 0; t < SLOTS; ++t) {
+                const float wt = sm_l[wrow(r, t)];
+                o = wt != 0.f ? fmaf(wt, sm_acc[wrow(r, t) * ACC_STRIDE + d], o) : o;
+            }
+            out[b * out_sb + (long long)(h0 + r) * out_sh + d] = E::from_float(o);
+            if (lse_out && d == 0) lse_out[bh0 + r] = s_lse[r];
+        }
+    } else {  // partials (float32, 16-byte aligned workspace): four elements per thread
+        for (int i = tid; i < rows * (HEAD_DIM / 4); i += NUM_THREADS) {
+            const int r = i / (HEAD_DIM / 4), d = (i % (HEAD_DIM / 4)) * 4;
+            float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+            for (int t = 0; t < SLOTS; ++t) {
+                const float wt = sm_l[wrow(r, t)];
+                if (wt != 0.f) {
+                    const float4 a = *reinterpret_cast<const float4*>(sm_acc + wrow(r, t) * ACC_STRIDE + d);
+                    o.x = fmaf(wt, a.x, o.x); o.y = fmaf(wt, a.y, o.y);
+                    o.z = fmaf(wt, a.z, o.z); o.w = fmaf(wt, a.w, o.w);
+                }
+            }
+            const long long row = (long long)split * batch * num_heads + bh0 + r;
+            *reinterpret_cast<float4*>(o_part + row * HEAD_DIM + d) = o;
+            if (d == 0) lse_part[row] = s_lse[r];
+        }
+    }
+    if (!o_part || !counters) return;
+
+    // ---------------------------------------------------------------- fused merge (last block)
+    // Arrival count with acquire-release semantics at GPU scope (PTX memory model): the barrier
+    // orders every thread's partial stores before thread 0's release; the last block's acquire,
+    // spread to its threads by the next barrier, orders its loads of all partials after them.
+    // No sequentially consistent fences (__threadfence) are needed on either side.
+    __shared__ int s_last;
+    __syncthreads();
+    if (tid == 0) {
+        unsigned* ctr = reinterpret_cast<unsigned*>(counters) +
+                        ((long long)b * num_kv_heads + kv_head) * head_tiles + head_tile;
+        // inc wraps to 0 on the last arrival: the counter is clean for the next launch without a
+        // second access.
+        s_last = cd_atomic_inc_acq_rel(ctr, num_splits - 1) == (unsigned)(num_splits - 1);
+    }
+    __syncthreads();
+    if (!s_last) return;
+    const int live_splits = min(num_splits, (seqlen + chunk_tokens - 1) / chunk_tokens);
+    const long long state_rows = (long long)batch * num_heads;
+    // One warp per pass of a row (32 lanes × MERGE_NV elements). merge="auto" picks this merge
+    // only where every warp gets at most one pass of ≤ 16 splits: one trip to L2
+    // (_policy.merge_mode; FUSED_PASS there is 32 · MERGE_NV).
+    constexpr int MERGE_NV = 4;
+    constexpr int PASSES = (HEAD_DIM + 32 * MERGE_NV - 1) / (32 * MERGE_NV);
+    for (int item = warp; item < rows * PASSES; item += NUM_WARPS) {
+        const int r = item / PASSES, pass = item % PASSES;
+        cd_merge_row_pass<cd_elem<2>, E, MERGE_NV>(o_part + (bh0 + r) * HEAD_DIM, state_rows * HEAD_DIM,
+                                           lse_part + bh0 + r, state_rows, live_splits, HEAD_DIM,
+                                           pass, out + b * out_sb + (long long)(h0 + r) * out_sh,
+                                           lse_out ? lse_out + bh0 + r : nullptr, lane);
+    }
+}
