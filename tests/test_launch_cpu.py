@@ -17,22 +17,31 @@ class _FakeKernel:
         ptr = 0xABC0
 
 
-@pytest.fixture
-def captured(monkeypatch):
+def _intercept(monkeypatch, on_launch, on_free=lambda ptr: None):
+    """The driver's cuLaunchKernel replaced by ``on_launch(dims, kernel_params, extra)`` (dims:
+    function, grid, block, shared memory, stream), and the context binding of a thread's first
+    launch (cudaFree(0)) by ``on_free(ptr)``: nothing reaches a GPU."""
+    import cupy
     from cupy_backends.cuda.api import driver
 
-    calls = []
-
     def fake_launch(func, gx, gy, gz, bx, by, bz, smem, stream, kernel_params, extra):
-        argv = ctypes.cast(kernel_params, ctypes.POINTER(ctypes.c_void_p))
-        raw = ctypes.string_at(argv[0], _PARAMS.size)  # what the driver would copy
-        calls.append(((func, gx, gy, gz, bx, by, bz, smem, stream, extra), raw))
+        on_launch((func, gx, gy, gz, bx, by, bz, smem, stream), kernel_params, extra)
 
     monkeypatch.setattr(driver, "launchKernel", fake_launch)
-    import cupy
+    monkeypatch.setattr(cupy.cuda.runtime, "free", on_free)
 
-    # A thread's first launch binds the device context (cudaFree(0)): recorded, not run.
-    monkeypatch.setattr(cupy.cuda.runtime, "free", lambda ptr: calls.append(("free", ptr)))
+
+@pytest.fixture
+def captured(monkeypatch):
+    """Launches as (dims + (extra,), the parameter block the driver would copy), and context
+    bindings as ("free", ptr), in order."""
+    calls = []
+
+    def launch(dims, kernel_params, extra):
+        argv = ctypes.cast(kernel_params, ctypes.POINTER(ctypes.c_void_p))
+        calls.append((dims + (extra,), ctypes.string_at(argv[0], _PARAMS.size)))
+
+    _intercept(monkeypatch, launch, lambda ptr: calls.append(("free", ptr)))
     return calls
 
 
@@ -93,18 +102,10 @@ def test_struct_launch_refuses_wrong_values(captured):
 def test_struct_launch_points_each_parameter_at_its_offset(monkeypatch):
     """The merge kernel's prepared launch: kernelParams[i] must point at parameter i's bytes,
     each read with the C type of cd_merge_states' parameter i."""
-    from cupy_backends.cuda.api import driver
-
-    import cupy
     from cupydecode.decode import _MERGE_OFFSETS, _MERGE_PARAMS
 
     seen = []
-
-    def fake_launch(func, gx, gy, gz, bx, by, bz, smem, stream, kernel_params, extra):
-        seen.append(_merge_params(kernel_params))
-
-    monkeypatch.setattr(driver, "launchKernel", fake_launch)
-    monkeypatch.setattr(cupy.cuda.runtime, "free", lambda ptr: None)
+    _intercept(monkeypatch, lambda dims, kernel_params, extra: seen.append(_merge_params(kernel_params)))
     launch = _kernels.StructLaunch(_FakeKernel(), (3, 1, 1), (256, 1, 1), 0, _MERGE_PARAMS,
                                    _MERGE_OFFSETS)
     values = (0x7F0000001000, 0x7F0000002000, 0x7F0000003000, 0, 37, (1 << 33) + 5, 128, 4)
@@ -122,10 +123,11 @@ def test_programmatic_launch_passes_config_attribute_and_parameters(monkeypatch)
     attribute, programmatic stream serialization (id 6) set to 1, laid out as cuda.h has them;
     kernelParams points at the packed parameters. A refused launch is made plainly instead
     (cuLaunchKernel), with the same parameters, and so are the later ones."""
-    import cupy
     from cupydecode.decode import _MERGE_OFFSETS, _MERGE_PARAMS
 
-    seen = []
+    seen, plain_calls = [], []
+    _intercept(monkeypatch, lambda dims, kernel_params, extra:
+               plain_calls.append((dims, _merge_params(kernel_params)[4])))
 
     def fake_launch_ex(config_ptr, func, kernel_params, extra):
         u32 = [ctypes.c_uint32.from_address(config_ptr + 4 * i).value for i in range(7)]
@@ -137,7 +139,6 @@ def test_programmatic_launch_passes_config_attribute_and_parameters(monkeypatch)
         return 1 if stream == 0xBAD else 0
 
     monkeypatch.setattr(_kernels, "_launch_kernel_ex", lambda: fake_launch_ex)
-    monkeypatch.setattr(cupy.cuda.runtime, "free", lambda ptr: None)
     launch = _kernels.StructLaunch(_FakeKernel(), (3, 2, 1), (256, 1, 1), 1024, _MERGE_PARAMS,
                                    _MERGE_OFFSETS, programmatic=True)
     assert launch.programmatic
@@ -146,15 +147,7 @@ def test_programmatic_launch_passes_config_attribute_and_parameters(monkeypatch)
     launch(0x6262, *values[:4], 5, 7, 64, 1)
     assert seen == [([3, 2, 1, 256, 1, 1, 1024], 0x5151, 1, [6, 1], 0xABC0, (37, (1 << 33) + 5), None),
                     ([3, 2, 1, 256, 1, 1, 1024], 0x6262, 1, [6, 1], 0xABC0, (5, 7), None)]
-    from cupy_backends.cuda.api import driver
-
-    plain_calls = []
-
-    def fake_launch(func, gx, gy, gz, bx, by, bz, smem, stream, kernel_params, extra):
-        plain_calls.append(((func, gx, gy, gz, bx, by, bz, smem, stream),
-                            _merge_params(kernel_params)[4]))
-
-    monkeypatch.setattr(driver, "launchKernel", fake_launch)
+    assert plain_calls == []
     launch(0xBAD, *values)  # refused: launched plainly
     launch(0x7373, *values[:4], 9, 7, 64, 1)  # and plainly from then on
     assert not launch.programmatic and len(seen) == 3
