@@ -1,8 +1,8 @@
 """The KV cache's memory order side by side (development tool): the public (batch, seqlen,
 kv_heads, head_dim) buffer ("NHD": a token's KV heads adjacent) against the same shape as a
 strided view of a (batch, kv_heads, seqlen, head_dim) buffer ("HND": each KV head's tokens
-contiguous), for cupydecode and torch SDPA (cuDNN, FA2; for torch, HND is its own contiguous
-layout). Tells whether a block's stream of one KV head, 256-byte rows 2 KB apart in NHD, reads
+contiguous), for cupydecode and torch SDPA's cuDNN backend (for torch, HND is its own
+contiguous layout). Tells whether a block's stream of one KV head, 256-byte rows 2 KB apart in NHD, reads
 slower than a contiguous one. GPU µs per call by graph replay over rotated buffer sets; every
 output checked against float64.
 
