@@ -181,6 +181,22 @@ __device__ __forceinline__ void row_sums(float (&l)[2]) {
 
 #if DTYPE_ID != 2
 // ---------------------------------------------------------------- tensor-core helpers (f16/bf16)
+// The online-softmax rescale of a tensor-core thread's state for its two rows, after a tile: the
+// denominators take the tile's sums rs, and where a row's maximum moved in any lane (alpha ≠ 1)
+// the accumulator fragments are scaled too. Fragment element e belongs to row (e >> SHIFT) & 1.
+template <int SHIFT, int N>
+__device__ __forceinline__ void rescale_state(float (&acc)[N][4], float (&l2)[2],
+                                              const float (&alpha)[2], const float (&rs)[2]) {
+    l2[0] = l2[0] * alpha[0] + rs[0];
+    l2[1] = l2[1] * alpha[1] + rs[1];
+    if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
+#pragma unroll
+        for (int n = 0; n < N; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[n][e] *= alpha[(e >> SHIFT) & 1];
+    }
+}
+
 __device__ __forceinline__ void ldsm_x4(u32& r0, u32& r1, u32& r2, u32& r3, u32 addr) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(addr));
@@ -466,15 +482,7 @@ cd_decode_split(const cd_decode_params p) {
                 s[e] = cd_exp2(s[e] - ref[e & 1]);
                 rs[e & 1] += s[e];
             }
-            l2[0] = l2[0] * alpha[0] + rs[0];
-            l2[1] = l2[1] * alpha[1] + rs[1];
-            if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
-#pragma unroll
-                for (int d = 0; d < HEAD_DIM / 16; ++d) {
-                    acc[d][0] *= alpha[0]; acc[d][1] *= alpha[1];
-                    acc[d][2] *= alpha[0]; acc[d][3] *= alpha[1];
-                }
-            }
+            rescale_state<0>(acc, l2, alpha, rs);  // acc[d][e]: query head 2t + (e & 1)
             // Pᵀ as the B operand (k = tokens, n = heads) is the transpose of the Sᵀ accumulator
             // (tokens × heads) in fragment layout: one movmatrix per 8 tokens.
             const u32 pb0 = movmatrix_t(pack2(s[0], s[1]));
@@ -560,15 +568,7 @@ cd_decode_split(const cd_decode_params p) {
                     s[j][e] = cd_exp2(s[j][e] - ref[e >> 1]);
                     rs[e >> 1] += s[j][e];
                 }
-            l2[0] = l2[0] * alpha[0] + rs[0];
-            l2[1] = l2[1] * alpha[1] + rs[1];
-            if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
-#pragma unroll
-                for (int n = 0; n < HEAD_DIM / 8; ++n) {
-                    acc[n][0] *= alpha[0]; acc[n][1] *= alpha[0];
-                    acc[n][2] *= alpha[1]; acc[n][3] *= alpha[1];
-                }
-            }
+            rescale_state<1>(acc, l2, alpha, rs);  // acc[n][e]: row g + 8 · (e >> 1)
             // The S accumulator layout of two n-tiles is exactly the A layout of one k16 step.
             const u32 pa[4] = {pack2(s[0][0], s[0][1]), pack2(s[0][2], s[0][3]),
                                pack2(s[1][0], s[1][1]), pack2(s[1][2], s[1][3])};
