@@ -321,8 +321,7 @@ def choose_num_splits(work_blocks: int, max_seqlen: int, num_sms: int, blocks_pe
     end 6% later than 32 of 2048, measured 1.0 µs slower at qwen2.5-7b b1 × 64k). The
     partials are written and read once: work_blocks · s · rows · (head_dim + 1) · 4 · 2 bytes,
     and the merge (fused or a second kernel, as merge_mode picks it for ``merge`` and
-    ``programmatic``) costs a fixed
-    tail plus its serial L2 trips beyond the first. The fused merge's warps are those of the
+    ``programmatic``) costs a fixed tail plus its serial L2 trips beyond the first. The fused merge's warps are those of the
     block shape each candidate's chunk length selects for ``dtype``, ``m_tiles`` and ``group``
     (split_kernel_config).
     The smallest s within 3% of the best estimate wins (fewer partials, shorter merge).
