@@ -72,15 +72,21 @@ class SplitKernelConfig:
     stages: int
     m_tiles: int = 1  # M-tiles of 16 query rows per block; the warps are slots × m_tiles
     heads_as_n: bool = False  # the ≤ 8 query heads as the mma's N dimension (heads_as_n())
+    kv_per_block: int = 1  # adjacent KV heads per block, one per warp of a slot (kv_per_block())
 
     @property
     def threads(self) -> int:
         return 32 * self.num_warps
 
     @property
-    def slots(self) -> int:
-        """Token slots: K/V rings, each read by the slot's m_tiles warps."""
+    def rings(self) -> int:
+        """K/V rings: one per token slot and KV head, each read by its m_tiles warps."""
         return self.num_warps // self.m_tiles
+
+    @property
+    def slots(self) -> int:
+        """Token slots (each with one ring per KV head of the block)."""
+        return self.rings // self.kv_per_block
 
     @property
     def block_rows(self) -> int:
@@ -90,8 +96,9 @@ class SplitKernelConfig:
     def smem_bytes(self) -> int:
         """Dynamic shared memory; mirrors SMEM_BYTES in decode_split.cu (checked there)."""
         es = ITEMSIZE[self.dtype]
-        q = self.block_rows * self.head_dim * es
-        pipe = self.slots * self.stages * 2 * TILE_N * self.head_dim * es
+        q_rows = 8 * self.kv_per_block if self.kv_per_block > 1 else self.block_rows
+        q = q_rows * self.head_dim * es
+        pipe = self.rings * self.stages * 2 * TILE_N * self.head_dim * es
         acc = self.num_warps * ROWS * (self.head_dim + 8) * 4  # rows padded (ACC_STRIDE)
         ml = 2 * self.num_warps * ROWS * 4
         return q + max(pipe, acc) + ml
@@ -106,6 +113,7 @@ class SplitKernelConfig:
             "TILE_N": TILE_N,
             "MTILES": self.m_tiles,
             "HEADS_AS_N": int(self.heads_as_n),
+            "KV_PER_BLOCK": self.kv_per_block,
         }
 
 
@@ -155,7 +163,8 @@ def heads_as_n(dtype: str, group: int | None) -> bool:
 
 
 def split_kernel_config(dtype: str, head_dim: int, chunk_tokens: int = 0,
-                        m_tiles: int = 1, group: int | None = None) -> SplitKernelConfig:
+                        m_tiles: int = 1, group: int | None = None,
+                        kv_per_block: int = 1) -> SplitKernelConfig:
     """Block shape for one specialisation: about 128 KB of K/V ring per block, one block per SM
     (with ``m_tiles`` > 1, 16-bit types only: the M-tile shape of MTILE_SHAPES, 64–72 KB of ring;
     the driver's occupancy calculator says how many such blocks an SM holds).
@@ -179,6 +188,9 @@ def split_kernel_config(dtype: str, head_dim: int, chunk_tokens: int = 0,
     ``group`` (query heads per KV head) selects the heads-as-N path where :func:`heads_as_n`
     says so; its blocks take the long-chunk shape from HEADS_AS_N_LONG_CHUNK tokens instead of
     LONG_CHUNK (half the tile math per block: see there).
+
+    ``kv_per_block`` > 1 (:func:`kv_per_block`): blocks of that many KV heads, heads-as-N, in
+    the long-chunk shape whatever the chunk (one warp per KV head of each slot).
     """
     if dtype not in DTYPE_IDS:
         raise ValueError(f"unsupported dtype {dtype!r}")
@@ -191,6 +203,13 @@ def split_kernel_config(dtype: str, head_dim: int, chunk_tokens: int = 0,
         return SplitKernelConfig(dtype, head_dim, num_warps=slots * m_tiles, stages=stages,
                                  m_tiles=m_tiles)
     narrow = heads_as_n(dtype, group)
+    if kv_per_block > 1:
+        warps, stages = LONG_SHAPES.get(head_dim, (0, 0))
+        if not narrow or not warps or warps % kv_per_block:
+            raise ValueError(f"no block shape of {kv_per_block} KV heads for {dtype} head_dim "
+                             f"{head_dim}, {group} query heads per KV head")
+        return SplitKernelConfig(dtype, head_dim, num_warps=warps, stages=stages,
+                                 heads_as_n=True, kv_per_block=kv_per_block)
     if dtype == "float32":
         warps, stages = {64: (4, 4), 128: (4, 2), 256: (2, 2)}[head_dim]
     elif (chunk_tokens >= (HEADS_AS_N_LONG_CHUNK if narrow else LONG_CHUNK)
@@ -228,9 +247,53 @@ def warps_in_step(config: SplitKernelConfig, chunk_tokens: int) -> bool:
 def split_kernel_configs(dtype: str, head_dim: int) -> list[SplitKernelConfig]:
     """Every block shape a plan of this dtype and head_dim can use (for compile checks)."""
     most = 1 if dtype == "float32" else MTILE_SHAPES.get(head_dim, (0, 1, 0))[1]
-    return list(dict.fromkeys(split_kernel_config(dtype, head_dim, c, m, g)
-                              for m in range(1, most + 1) for c in (0, LONG_CHUNK)
-                              for g in (None, 1)))
+    configs = [split_kernel_config(dtype, head_dim, c, m, g)
+               for m in range(1, most + 1) for c in (0, LONG_CHUNK) for g in (None, 1)]
+    if heads_as_n(dtype, 1) and head_dim in KV_GROUP_HEAD_DIMS:
+        configs.append(split_kernel_config(dtype, head_dim, group=1, kv_per_block=KV_GROUP))
+    return list(dict.fromkeys(configs))
+
+
+# Blocks of KV_GROUP adjacent KV heads (kernels/decode_split.cu, KV_PER_BLOCK): in the public
+# (batch, seqlen, kv_heads, head_dim) cache a KV head's rows are one 256-byte piece of each
+# token's row at head_dim 128 fp16 (2 KB apart at 8 KV heads), and a block streaming one head
+# over a long chunk read measurably slower than with each head's tokens contiguous (b16 × 64k
+# 947 vs 939 µs; cuDNN 942 either way). Blocks of 4 KV heads (1 KB of each token's row), their
+# warps in step, stream up to 1.2% faster, but take 4 times fewer blocks per split, so more
+# splits and a merge, or fewer, longer blocks (H200, grouped against one head per block;
+# docs/PERFORMANCE.md, v17):
+#   grouped plan, one wave          b64 × 8k, b64 × 16k, 70b b64 × 8k, qwen b128 × 8k,
+#     of 1 split                    llama-2 b16 × 16k–32k: −0.41 to −0.97%
+#     of 2–4 splits of 16k tokens   b32 × 32k, b16 × 64k (fp16, bf16, 70b): −0.39 to −1.24%
+#     of 2 splits of 8k tokens      b32 × 16k −0.40%, qwen b64 × 16k +0.59%
+#     of 4 splits of 4k–8k tokens   b16 × 32k +0.05 to +0.22%, b16 × 16k (8b, 70b) +1.25%, +2.14%
+#   grouped plan of two waves       b128 × 8k: +0.92%
+# (8 KV heads a block: more splits still, and mixed.) So plans that would stream one split of at
+# least KV_GROUP_MIN_TOKENS tokens take grouped blocks where the grouped plan is one wave of one
+# split, or of splits of at least 2 · KV_GROUP_MIN_TOKENS tokens (kv_group_pays).
+KV_GROUP = 4
+KV_GROUP_HEAD_DIMS = (128,)
+KV_GROUP_MIN_TOKENS = 8192
+
+
+def kv_group_pays(num_splits: int, chunk_tokens: int, blocks: int, slots: int) -> bool:
+    """Whether a grouped plan of ``blocks`` blocks, ``num_splits`` splits of ``chunk_tokens``
+    tokens, on ``slots`` resident blocks, beats one KV head per block (the table above): one
+    wave, and one split or splits of at least 2 · KV_GROUP_MIN_TOKENS tokens."""
+    return blocks <= slots and (num_splits == 1 or chunk_tokens >= 2 * KV_GROUP_MIN_TOKENS)
+
+
+def kv_per_block(dtype: str, head_dim: int, group: int, num_kv_heads: int, num_splits: int,
+                 chunk_tokens: int, forced: bool = False) -> int:
+    """KV heads per block for a plan whose one-KV-head blocks would take ``num_splits`` splits of
+    ``chunk_tokens`` tokens: KV_GROUP for long one-split streams of the heads-as-N path at
+    KV_GROUP_HEAD_DIMS with a multiple of KV_GROUP KV heads, else 1 (always 1 where the caller
+    ``forced`` the split count or size)."""
+    if (forced or num_splits != 1 or chunk_tokens < KV_GROUP_MIN_TOKENS
+            or not heads_as_n(dtype, group) or head_dim not in KV_GROUP_HEAD_DIMS
+            or num_kv_heads % KV_GROUP):
+        return 1
+    return KV_GROUP
 
 
 def head_tiles(group: int, m_tiles: int = 1) -> int:
@@ -307,7 +370,7 @@ def choose_num_splits(work_blocks: int, max_seqlen: int, num_sms: int, blocks_pe
                       rows_per_block: int = ROWS, head_dim: int = 128,
                       min_chunk: int = MIN_CHUNK, merge: str = "auto", dtype: str = "float16",
                       m_tiles: int = 1, group: int | None = None,
-                      programmatic: bool = False) -> tuple[int, int]:
+                      programmatic: bool = False, kv_per_block: int = 1) -> tuple[int, int]:
     """Split count and chunk length for a grid of ``work_blocks`` (batch × kv_heads × head tiles).
 
     Returns ``(num_splits, chunk_tokens)``. Chunks are multiples of SPLIT_GRANULE tokens and at
@@ -321,9 +384,9 @@ def choose_num_splits(work_blocks: int, max_seqlen: int, num_sms: int, blocks_pe
     end 6% later than 32 of 2048, measured 1.0 µs slower at qwen2.5-7b b1 × 64k). The
     partials are written and read once: work_blocks · s · rows · (head_dim + 1) · 4 · 2 bytes,
     and the merge (fused or a second kernel, as merge_mode picks it for ``merge`` and
-    ``programmatic``) costs a fixed tail plus its serial L2 trips beyond the first. The fused merge's warps are those of the
-    block shape each candidate's chunk length selects for ``dtype``, ``m_tiles`` and ``group``
-    (split_kernel_config).
+    ``programmatic``) costs a fixed tail plus its serial L2 trips beyond the first. The fused
+    merge's warps are those of the block shape each candidate's chunk length selects for
+    ``dtype``, ``m_tiles``, ``group`` and ``kv_per_block`` (split_kernel_config).
     The smallest s within 3% of the best estimate wins (fewer partials, shorter merge).
 
     Worked example (H200: 132 SMs, 1 block/SM → 132 slots; llama-3-8b: 8 KV heads, G = 4):
@@ -355,7 +418,7 @@ def choose_num_splits(work_blocks: int, max_seqlen: int, num_sms: int, blocks_pe
         eff = blocks / (waves * slots)
         stream = kv_bytes if waves > 1 else kv_bytes * (s * min(chunk, max_seqlen)) / max_seqlen
         partial = 0 if s == 1 else work_blocks * s * rows_per_block * (head_dim + 1) * 8
-        warps = split_kernel_config(dtype, head_dim, chunk, m_tiles, group).num_warps
+        warps = split_kernel_config(dtype, head_dim, chunk, m_tiles, group, kv_per_block).num_warps
         cost = (stream + partial) / eff + merge_cost_bytes(s, rows_per_block, head_dim, warps,
                                                            merge, programmatic)
         best.append((cost, s, chunk))
@@ -376,13 +439,17 @@ def fixed_split_size(max_seqlen: int, split_size: int) -> tuple[int, int]:
 def plan_shape(dtype: str, head_dim: int, group: int, batch: int, num_kv_heads: int,
                max_seqlen: int, num_sms: int, blocks_per_sm, num_splits: int | None = None,
                split_size: int | None = None, merge: str = "auto",
-               programmatic: bool = False) -> tuple[int, int, int]:
-    """``(m_tiles, num_splits, chunk_tokens)`` of a plan: the split count forced, fixed by
+               programmatic: bool = False) -> tuple[int, int, int, int]:
+    """``(m_tiles, num_splits, chunk_tokens, kv_per_block)`` of a plan: the split count forced, fixed by
     ``split_size``, or chosen by :func:`choose_num_splits` for the block shape of each candidate
     ``m_tiles`` (``blocks_per_sm(config)``: resident blocks of that shape per SM, from the
     driver). G > 16 takes several M-tiles per block (:func:`m_tiles`) where each block then
     streams at least MTILE_MIN_CHUNK tokens, and one M-tile per block otherwise.
-    ``programmatic``: the merge kernel is launched as a programmatic dependent (merge_mode)."""
+    ``programmatic``: the merge kernel is launched as a programmatic dependent (merge_mode).
+    One-M-tile plans then take blocks of several KV heads where :func:`kv_per_block` says so and
+    the split count chosen again for their fewer blocks pays for its merge (:func:`kv_group_pays`);
+    never where the split count or size is the caller's."""
+    forced = num_splits is not None or split_size is not None
     for mt in dict.fromkeys((m_tiles(dtype, head_dim, group), 1)):
         if num_splits is not None:
             splits, chunk = num_splits, chunk_for_splits(max_seqlen, num_splits)
@@ -395,8 +462,22 @@ def plan_shape(dtype: str, head_dim: int, group: int, batch: int, num_kv_heads: 
                 rows_per_block=min(group, ROWS * mt), head_dim=head_dim,
                 merge=merge, dtype=dtype, m_tiles=mt, group=group,
                 programmatic=programmatic)
-        if mt == 1 or chunk >= MTILE_MIN_CHUNK:
-            return mt, splits, chunk
+        if mt > 1 and chunk >= MTILE_MIN_CHUNK:
+            return mt, splits, chunk, 1
+        if mt == 1:
+            kpb = kv_per_block(dtype, head_dim, group, num_kv_heads, splits, chunk, forced)
+            if kpb > 1 and not forced:
+                units = batch * (num_kv_heads // kpb)
+                bps = blocks_per_sm(split_kernel_config(dtype, head_dim, group=group,
+                                                        kv_per_block=kpb))
+                grouped = choose_num_splits(
+                    units, max_seqlen, num_sms, bps, rows_per_block=kpb * group,
+                    head_dim=head_dim, merge=merge, dtype=dtype, group=group,
+                    programmatic=programmatic, kv_per_block=kpb)
+                if not kv_group_pays(*grouped, units * grouped[0], num_sms * bps):
+                    return 1, splits, chunk, 1
+                splits, chunk = grouped
+            return 1, splits, chunk, kpb
     raise AssertionError("unreachable: m_tiles 1 always returns")
 
 

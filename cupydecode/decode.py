@@ -134,15 +134,18 @@ class DecodePlan:
         # where the GPU allows, the merge kernel is launched as a programmatic dependent of the
         # split kernel: its blocks are then resident and waiting when the split kernel ends
         programmatic = _kernels.programmatic_launch_supported(self.device_id)
-        self.m_tiles, self.num_splits, self.chunk_tokens = _policy.plan_shape(
+        self.m_tiles, self.num_splits, self.chunk_tokens, self.kv_per_block = _policy.plan_shape(
             self.dtype, self.head_dim, self.group, self.batch, self.num_kv_heads, self.max_seqlen,
             _sm_count(self.device_id), lambda cfg: _blocks_per_sm(cfg, self.device_id),
             num_splits, split_size, merge, programmatic)
         self.head_tiles = _policy.head_tiles(self.group, self.m_tiles)
-        rows_per_block = min(self.group, _policy.ROWS * self.m_tiles)  # query rows of a block
+        kpb = self.kv_per_block  # KV heads per block (1, or _policy.KV_GROUP)
+        # query rows of a block: its M-tiles' rows of one KV head, or all of its KV heads' rows
+        rows_per_block = (kpb * self.group if kpb > 1
+                          else min(self.group, _policy.ROWS * self.m_tiles))
         # The block shape depends on how long each block streams.
         self.config = _policy.split_kernel_config(self.dtype, self.head_dim, self.chunk_tokens,
-                                                  self.m_tiles, self.group)
+                                                  self.m_tiles, self.group, kpb)
         self.merge = _policy.merge_mode(self.num_splits, rows_per_block, self.head_dim,
                                         self.config.num_warps, merge, programmatic)
         rows = self.batch * self.num_heads
@@ -167,8 +170,8 @@ class DecodePlan:
                 # stream) waits for that fill through an event — no host synchronisation. While
                 # this stream is captured, the fill is a graph node instead (ahead of the plan's
                 # kernel in the graph), so the first eager run fills again (_launch).
-                self._counters = cupy.zeros(self.batch * self.num_kv_heads * self.head_tiles,
-                                            cupy.int32)
+                self._counters = cupy.zeros(
+                    self.batch * (self.num_kv_heads // kpb) * self.head_tiles, cupy.int32)
                 stream = cupy.cuda.get_current_stream()
                 if _is_capturing(stream):
                     self._counters_refill = True
@@ -177,7 +180,7 @@ class DecodePlan:
                     self._counters_wait.record(stream)
         self.out = cupy.empty((self.batch, self.num_heads, self.head_dim), self.dtype)
         self.lse = cupy.empty((self.batch, self.num_heads), cupy.float32)
-        self._grid = (self.num_kv_heads * self.head_tiles, self.num_splits, self.batch)
+        self._grid = ((self.num_kv_heads // kpb) * self.head_tiles, self.num_splits, self.batch)
         # Kernel scalars that never change for this plan, packed once.
         self._static = (self.max_seqlen, self.num_heads, self.group, self.head_tiles,
                         self.chunk_tokens)
@@ -197,7 +200,8 @@ class DecodePlan:
         return (f"DecodePlan(batch={self.batch}, num_heads={self.num_heads}, "
                 f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
                 f"max_seqlen={self.max_seqlen}, dtype={self.dtype}, num_splits={self.num_splits}, "
-                f"chunk_tokens={self.chunk_tokens}, m_tiles={self.m_tiles})")
+                f"chunk_tokens={self.chunk_tokens}, m_tiles={self.m_tiles}, "
+                f"kv_per_block={self.kv_per_block})")
 
     @property
     def workspace_bytes(self) -> int:

@@ -9,7 +9,8 @@
 // An empty chunk (or empty sequence) writes Õ_i = 0 and LSE_i = −inf and never forms NaN.
 //
 // Grid mapping:  blockIdx.x = kv_head · head_tiles + head_tile,  blockIdx.y = split,
-//                blockIdx.z = batch.
+//                blockIdx.z = batch  (with KV_PER_BLOCK > 1, below: blockIdx.x = the block's
+//                group of KV_PER_BLOCK KV heads; head_tiles is 1 there).
 // KV heads vary fastest, so the blocks that start together read the same tokens of every KV head
 // (one token's heads are adjacent in memory: 2 KB rows at 8 heads × 128 × fp16) — measured 4–8%
 // faster than splits-fastest on large batches (docs/PERFORMANCE.md). Sibling head tiles of one KV
@@ -56,21 +57,37 @@
 //
 // Compile-time constants (prepended by cupydecode/_kernels.py, chosen by cupydecode/_policy.py):
 //   DTYPE_ID (0 f16, 1 bf16, 2 f32), HEAD_DIM, NUM_WARPS, STAGES, ROWS (16), TILE_N (16), MTILES,
-//   HEADS_AS_N (0 or 1).
+//   HEADS_AS_N (0 or 1), KV_PER_BLOCK (1, or a divisor of NUM_WARPS for HEADS_AS_N: below).
+//
+// KV_PER_BLOCK > 1 (heads-as-N only): a block holds KV_PER_BLOCK adjacent KV heads, warp w
+// computing KV head (unit · KV_PER_BLOCK + w % KV_PER_BLOCK) in token slot w / KV_PER_BLOCK,
+// every warp through its own ring, the block's warps in step. Where KV heads are adjacent in a
+// token's row (the public (batch, seqlen, kv_heads, head_dim) cache), the block then reads whole
+// row pieces of KV_PER_BLOCK heads together instead of one head's 2·HEAD_DIM-byte pieces spread
+// a row apart: measured 0.5–1.2% faster on long batch-16 streams at head_dim 128
+// (docs/PERFORMANCE.md, v16). The block's rows are the KV_PER_BLOCK · G query heads of its KV
+// heads (contiguous query heads); each warp's state is its own head's, so the warps' merge at the
+// end folds only the warps of one KV head.
 #include "common.cuh"
 
 typedef cd_elem<DTYPE_ID> E;
 typedef E::storage elem_t;
 
 #define NUM_THREADS (NUM_WARPS * 32)
-#define SLOTS (NUM_WARPS / MTILES)          // token slots, each with its K/V ring
-#define BLOCK_ROWS (ROWS * MTILES)          // query rows of one block
+#ifndef KV_PER_BLOCK
+#define KV_PER_BLOCK 1
+#endif
+#define RINGS (NUM_WARPS / MTILES)          // K/V rings: one per token slot and KV head
+#define SLOTS (RINGS / KV_PER_BLOCK)        // token slots
+#define BLOCK_ROWS (ROWS * MTILES)          // query rows of one M-tile block
+// Query rows held in shared memory: BLOCK_ROWS, or 8 (the mma's N) per KV head of the block
+#define Q_ROWS (KV_PER_BLOCK > 1 ? KV_PER_BLOCK * 8 : BLOCK_ROWS)
 #define ES ((int)sizeof(elem_t))
 #define CPR (HEAD_DIM * ES / 16)            // 16-byte chunks per K/V/Q row
 #define EPC (16 / ES)                       // elements per 16-byte chunk
 #define TILE_BYTES (TILE_N * HEAD_DIM * ES) // one K (or V) tile of one slot
-#define Q_BYTES (BLOCK_ROWS * HEAD_DIM * ES)
-#define PIPE_BYTES (SLOTS * STAGES * 2 * TILE_BYTES)
+#define Q_BYTES (Q_ROWS * HEAD_DIM * ES)
+#define PIPE_BYTES (RINGS * STAGES * 2 * TILE_BYTES)
 // Per-warp accumulators in shared memory, rows padded by 8 floats: the mma-layout float2 stores
 // (lanes g = 0..7 write rows g) would otherwise hit the same banks 8 times.
 #define ACC_STRIDE (HEAD_DIM + 8)
@@ -93,6 +110,9 @@ typedef E::storage elem_t;
 #endif
 #if HEADS_AS_N && (DTYPE_ID == 2 || MTILES != 1)
 #error "HEADS_AS_N is a 16-bit tensor-core path of one M-tile per block"
+#endif
+#if KV_PER_BLOCK < 1 || (KV_PER_BLOCK > 1 && (!HEADS_AS_N || NUM_WARPS % KV_PER_BLOCK != 0))
+#error "KV_PER_BLOCK > 1 is a heads-as-N layout whose warps split evenly over the KV heads"
 #endif
 
 // Rows of 128+ bytes put every row's chunk c in the same banks; XOR-ing the chunk index with
@@ -279,12 +299,18 @@ cd_decode_split(const cd_decode_params p) {
     extern __shared__ __align__(128) unsigned char smem[];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int split = blockIdx.y, head_tile = blockIdx.x % head_tiles;
-    const int kv_head = blockIdx.x / head_tiles, b = blockIdx.z, batch = gridDim.z;
-    const int num_kv_heads = gridDim.x / head_tiles, num_splits = gridDim.y;
+    // unit: the block's group of KV_PER_BLOCK KV heads (one KV head where KV_PER_BLOCK is 1)
+    const int unit = blockIdx.x / head_tiles, b = blockIdx.z, batch = gridDim.z;
+    const int num_units = gridDim.x / head_tiles, num_splits = gridDim.y;
     const int row0 = head_tile * BLOCK_ROWS;               // first row of this tile in the group
-    const int rows = min(BLOCK_ROWS, group - row0);        // live query rows in this block
-    const int mt = warp % MTILES, slot = warp / MTILES;    // this warp's M-tile and token slot
-    const int h0 = kv_head * group + row0;                 // first query head
+    // live query rows in this block: its M-tiles' rows, or all query heads of its KV heads
+    const int rows = KV_PER_BLOCK > 1 ? KV_PER_BLOCK * group : min(BLOCK_ROWS, group - row0);
+    const int mt = warp % MTILES;                          // this warp's M-tile
+    const int ring_id = warp / MTILES;                     // its ring (its slot's, for M-tiles)
+    const int slot = ring_id / KV_PER_BLOCK;               // its token slot
+    const int kh = ring_id % KV_PER_BLOCK;                 // its KV head within the block
+    const int kv_head = unit * KV_PER_BLOCK + kh;          // the KV head this warp computes
+    const int h0 = unit * KV_PER_BLOCK * group + row0;     // the block's first query head
     // Once every block of this grid has passed here (so none is left to be scheduled), a merge
     // kernel launched after it may start and wait on the SMs for this grid's end (common.cuh).
     cd_launch_dependents();
@@ -310,7 +336,7 @@ cd_decode_split(const cd_decode_params p) {
     if (chunk_start < chunk_end) {
         elem_t* sq = reinterpret_cast<elem_t*>(smem);
         // ---------------------------------------------------------------- per-slot K/V ring
-        unsigned char* ring = smem + Q_BYTES + slot * (STAGES * 2 * TILE_BYTES);
+        unsigned char* ring = smem + Q_BYTES + ring_id * (STAGES * 2 * TILE_BYTES);
         const u32 ring_u32 = smem_u32(ring);
         const elem_t* kbase = k + b * k_sb + (long long)kv_head * k_sh;
         const elem_t* vbase = v + b * v_sb + (long long)kv_head * v_sh;
@@ -322,7 +348,9 @@ cd_decode_split(const cd_decode_params p) {
         // stay in step: measured 0.2–1.4% faster on long streams, slower on short chunks
         // (docs/PERFORMANCE.md, v15). Only where every slot has as many tiles, so that every
         // warp meets the barrier equally often (a uniform condition over the block).
-        const bool in_step = MTILES == 1 && p.warps_in_step && n_tiles % SLOTS == 0;
+        // (Blocks of several KV heads always keep their warps in step: that is their point.)
+        const bool in_step = MTILES == 1 && (KV_PER_BLOCK > 1 || p.warps_in_step) &&
+                             n_tiles % SLOTS == 0;
         const bool loader = mt == 0;  // the slot's warp that copies its tiles
         // With MTILES > 1, a slot with fewer tiles than the first meets its named barrier once
         // more after its loop (an idle turn), so that every slot meets its barrier equally often.
@@ -387,11 +415,14 @@ cd_decode_split(const cd_decode_params p) {
             }
         }
         // ---------------------------------------------------------------- Q tile → shared
-        for (int i = tid; i < BLOCK_ROWS * CPR; i += NUM_THREADS) {
+        for (int i = tid; i < Q_ROWS * CPR; i += NUM_THREADS) {
             const int r = i / CPR, c = i % CPR;
+            // shared row r: the block's row r, or query head r % 8 of the block's KV head r / 8
+            const bool live = KV_PER_BLOCK > 1 ? (r & 7) < group : r < rows;
+            const int qh = KV_PER_BLOCK > 1 ? h0 + (r >> 3) * group + (r & 7) : h0 + r;
             uint4 val = make_uint4(0u, 0u, 0u, 0u);
-            if (r < rows)
-                val = *reinterpret_cast<const uint4*>(q + b * q_sb + (long long)(h0 + r) * q_sh + c * EPC);
+            if (live)
+                val = *reinterpret_cast<const uint4*>(q + b * q_sb + (long long)qh * q_sh + c * EPC);
 #if DTYPE_ID != 2
             reinterpret_cast<uint4*>(sq)[swz(r, c)] = val;
 #else
@@ -431,7 +462,7 @@ cd_decode_split(const cd_decode_params p) {
 #if HEADS_AS_N
         // ---------------------------------------------------- heads as N: Sᵀ = K·Qᵀ, Oᵀ = Vᵀ·Pᵀ
         // The mma's N holds 8 heads: a launch with more (a host bug) must not read unset rows.
-        if (rows > 8) __trap();
+        if ((KV_PER_BLOCK > 1 ? group : rows) > 8) __trap();
         // Here pattern A reads K as the A operand and pattern B reads Vᵀ (V transposed) as the A
         // operand. The thread's query heads (columns of Sᵀ and Oᵀ) are 2t and 2t + 1.
         // Qᵀ as B operands (k = head dims, n = query heads 0..7), in registers for the whole chunk:
@@ -441,7 +472,7 @@ cd_decode_split(const cd_decode_params p) {
 #pragma unroll
         for (int kk2 = 0; kk2 < HEAD_DIM / 32; ++kk2)
             ldsm_x4(qb[2 * kk2][0], qb[2 * kk2][1], qb[2 * kk2 + 1][0], qb[2 * kk2 + 1][1],
-                    sq_u32 + swz(lane & 7, 4 * kk2 + (lane >> 3)) * 16);
+                    sq_u32 + swz(8 * kh + (lane & 7), 4 * kk2 + (lane >> 3)) * 16);
 
         float m2[2] = {CD_NEG_INF, CD_NEG_INF};  // running max (log2 units) of heads 2t, 2t+1
         float l2[2] = {0.f, 0.f};                // this thread's share of their denominators
@@ -697,8 +728,13 @@ cd_decode_split(const cd_decode_params p) {
     // warps R / 16 + MTILES·t, t < SLOTS (the index of (warp, row) in sm_m, sm_l, sm_acc is below).
     // One thread per row turns those warps' (m, l) into final weights, in place: sm_l[w][r]
     // becomes 2^(m_w − m) / l (0 for an empty row) and s_lse[R] the row's LSE (natural log).
-    __shared__ float s_lse[BLOCK_ROWS];
-    auto wrow = [](int R, int t) { return (R / ROWS + t * MTILES) * ROWS + R % ROWS; };
+    __shared__ float s_lse[KV_PER_BLOCK > 1 ? KV_PER_BLOCK * 8 : BLOCK_ROWS];
+    // With several KV heads, row R is query head R % G of KV head R / G, held by warps
+    // (R / G + KV_PER_BLOCK·t), t < SLOTS.
+    auto wrow = [group](int R, int t) {
+        return KV_PER_BLOCK > 1 ? (R / group + t * KV_PER_BLOCK) * ROWS + R % group
+                                : (R / ROWS + t * MTILES) * ROWS + R % ROWS;
+    };
     if (tid < rows) {
         const int R = tid;
         float mmax = CD_NEG_INF;
@@ -759,7 +795,7 @@ cd_decode_split(const cd_decode_params p) {
     __syncthreads();
     if (tid == 0) {
         unsigned* ctr = reinterpret_cast<unsigned*>(counters) +
-                        ((long long)b * num_kv_heads + kv_head) * head_tiles + head_tile;
+                        ((long long)b * num_units + unit) * head_tiles + head_tile;
         // inc wraps to 0 on the last arrival: the counter is clean for the next launch without a
         // second access.
         s_last = cd_atomic_inc_acq_rel(ctr, num_splits - 1) == (unsigned)(num_splits - 1);

@@ -37,17 +37,20 @@ if has sanitizer; then
     $PY -m pytest -q -p no:cacheprovider tests/test_gpu_decode.py tests/test_gpu_merge.py \
     tests/test_gpu_plan.py -k "clamped or transposed or slice or large_logits or gqa or empty \
     or cache_seqlens or split_counts or many_forced or merge or graph or long_chunk or m_tile \
-    or both_tensor_core_paths or (warps_in_step and not bfloat16)" 2>&1 \
+    or both_tensor_core_paths or (warps_in_step and not bfloat16) or (kv_groups and not bfloat16)" \
+    2>&1 \
     | tail -n 40 > "$OUT_DIR/sanitizer.log"
   add_summary "memcheck: $(grep -E 'ERROR SUMMARY' "$OUT_DIR/sanitizer.log" | tail -n 1) | $(grep -E 'passed|failed' "$OUT_DIR/sanitizer.log" | tail -n 1)"
 fi
 
 if has racecheck; then
   # shared-memory hazards of the split kernel (ring reuse, shared M-tile rings, epilogue) on a
-  # few small cases (the M-tile layouts in both 16-bit types, both tensor-core paths in fp16)
+  # few small cases (the M-tile layouts in both 16-bit types, both tensor-core paths in fp16,
+  # blocks of several KV heads in fp16 with one split and with the fused merge)
   timeout 300 compute-sanitizer --tool racecheck --error-exitcode 3 \
     $PY -m pytest -q -p no:cacheprovider tests/test_gpu_plan.py tests/test_gpu_decode.py \
-    -k "merge_modes_agree or m_tile_layouts or (both_tensor_core_paths and not bfloat16)" 2>&1 \
+    -k "merge_modes_agree or m_tile_layouts or (both_tensor_core_paths and not bfloat16) \
+    or (kv_groups and float16 and nhd and not kernel)" 2>&1 \
     | tail -n 20 > "$OUT_DIR/racecheck.log"
   add_summary "racecheck: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT_DIR/racecheck.log" | tail -n 1) | $(grep -E 'passed|failed' "$OUT_DIR/racecheck.log" | tail -n 1)"
 fi

@@ -34,7 +34,7 @@ MERGE_WARPS = "    __syncthreads();\n\n    // " + "-" * 64 + " merge the warps, 
 # (anchor in decode_split.cu, text to insert, before/after the anchor)
 INJECT = [
     ("#define CD_MERGE_GROUP 16\n", "__device__ unsigned long long cd_dbg[1 << 18];\n", "before"),
-    ("    const int h0 = kv_head * group + row0;                 // first query head\n", stamp(0)
+    ("    const int h0 = unit * KV_PER_BLOCK * group + row0;     // the block's first query head\n", stamp(0)
      + "    if (tid == 0) { unsigned smid_; asm volatile(\"mov.u32 %0, %%smid;\" : \"=r\"(smid_)); "
        "cd_dbg[((blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x) * 16 + 8] = smid_; }\n",
      "after"),

@@ -214,6 +214,45 @@ def test_warps_in_step(cupy, rng, seed, dtype, group):
         assert not cupy.any(got[2]) and bool(cupy.all(cupy.isneginf(got_lse[2]))), ctx
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("group", [1, 4, 7, 8])
+@pytest.mark.parametrize("opts", [{"num_splits": 1}, {"num_splits": 3, "merge": "kernel"},
+                                  {"num_splits": 3, "merge": "fused"}], ids=["one", "kernel", "fused"])
+@pytest.mark.parametrize("order", ["nhd", "hnd"])
+def test_kv_groups(cupy, rng, seed, monkeypatch, dtype, group, opts, order):
+    """Blocks of KV_GROUP KV heads (the policy's choice for long one-split streams; forced here
+    on a small shape) against float64: two groups of KV heads, ragged lengths (0, 1, chunk
+    boundaries, max_seqlen), one split (direct output) and three merged by the kernel or fused,
+    the cache as a (batch, seqlen, kv_heads, head_dim) buffer or a view of (batch, kv_heads,
+    seqlen, head_dim) memory; each plan run twice."""
+    from cupydecode import _policy
+
+    monkeypatch.setattr(_policy, "kv_per_block", lambda *a, **k: _policy.KV_GROUP)
+    num_kv_heads, head_dim, max_seqlen = 2 * _policy.KV_GROUP, 128, 1000
+    lens = [max_seqlen, 0, 1, 333, 334, 999]
+    ctx = context(seed, dtype=dtype, group=group, opts=opts, order=order)
+    q, k, v = decode_inputs(rng, len(lens), group * num_kv_heads, num_kv_heads, head_dim,
+                            max_seqlen, dtype)
+    k, v = nan_tail(k, lens), nan_tail(v, lens)
+    ref_out, ref_lse = R.decode_attention(q, k, v, lens)
+    dq, dk, dv = to_device(q), to_device(k), to_device(v)
+    if order == "hnd":
+        dk = cupy.ascontiguousarray(dk.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
+        dv = cupy.ascontiguousarray(dv.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
+    seqlens = cupy.asarray(np.asarray(lens, np.int32))
+    plan = cupydecode.DecodePlan(len(lens), group * num_kv_heads, num_kv_heads, head_dim,
+                                 max_seqlen, dtype, **opts)
+    assert plan.kv_per_block == _policy.KV_GROUP and plan.config.kv_per_block == plan.kv_per_block
+    assert plan._grid[0] == 2 and plan.merge == ("none" if opts["num_splits"] == 1 else opts["merge"])
+    out = cupy.full(q.shape, np.nan, dtype=q.dtype)
+    lse = cupy.full(q.shape[:2], np.nan, dtype=cupy.float32)
+    for _ in range(2):  # again, after the first launch (the fused merge's counters wrap)
+        got, got_lse = plan.run(dq, dk, dv, seqlens, out=out, lse=lse)
+        assert_out_close(got, ref_out, OUT_TOL[dtype], ctx)
+        assert_lse_close(got_lse, ref_lse, LSE_TOL[dtype], ctx)
+    assert not cupy.any(got[1]) and bool(cupy.all(cupy.isneginf(got_lse[1]))), ctx
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("form", ["device", "host_list", "host_ndarray", "int", "none"])
 def test_cache_seqlens_forms(cupy, rng, seed, dtype, form):

@@ -141,17 +141,85 @@ def test_plan_shape_takes_m_tiles_only_where_chunks_are_long():
     one = lambda cfg: 1  # noqa: E731  (blocks per SM of any shape)
     # falcon-7b (71/1/64): batch 1 × 16k would give 128-token chunks to blocks of 5 M-tiles
     assert P.plan_shape("float16", 64, 71, 1, 1, 16384, 132, one)[0] == 1
-    mt, _, chunk = P.plan_shape("float16", 64, 71, 16, 1, 16384, 132, one)
-    assert mt == 5 and chunk >= P.MTILE_MIN_CHUNK
+    mt, _, chunk, kpb = P.plan_shape("float16", 64, 71, 16, 1, 16384, 132, one)
+    assert mt == 5 and chunk >= P.MTILE_MIN_CHUNK and kpb == 1
     # forced split counts and split sizes: their chunk length decides
-    assert P.plan_shape("float16", 64, 71, 2, 1, 3000, 132, one, num_splits=3) == (5, 3, 1000)
+    assert P.plan_shape("float16", 64, 71, 2, 1, 3000, 132, one, num_splits=3) == (5, 3, 1000, 1)
     assert P.plan_shape("float16", 64, 71, 2, 1, 3000, 132, one, num_splits=17)[0] == 1
-    assert P.plan_shape("bfloat16", 128, 48, 2, 1, 3000, 132, one, split_size=128) == (1, 24, 128)
-    assert P.plan_shape("bfloat16", 128, 48, 2, 1, 3000, 132, one, split_size=1024) == (3, 3, 1024)
+    assert P.plan_shape("bfloat16", 128, 48, 2, 1, 3000, 132, one, split_size=128) == (1, 24, 128, 1)
+    assert P.plan_shape("bfloat16", 128, 48, 2, 1, 3000, 132, one, split_size=1024) == (3, 3, 1024, 1)
     # G ≤ 16, and float32 at any G: one M-tile and choose_num_splits' split count
     assert P.plan_shape("float16", 128, 4, 1, 8, 16384, 132, one) == (
-        1, *P.choose_num_splits(8, 16384, 132, 1, rows_per_block=4, dtype="float16"))
+        1, *P.choose_num_splits(8, 16384, 132, 1, rows_per_block=4, dtype="float16"), 1)
     assert P.plan_shape("float32", 64, 71, 16, 1, 16384, 132, one)[0] == 1
+
+
+def test_kv_per_block_rule():
+    """Blocks of KV_GROUP KV heads only for long one-split heads-as-N streams at head_dim 128
+    with a multiple of KV_GROUP KV heads, never where the split count or size is the caller's."""
+    long, n = P.KV_GROUP_MIN_TOKENS, P.KV_GROUP
+    assert P.kv_per_block("float16", 128, 4, 8, 1, long) == n
+    assert P.kv_per_block("bfloat16", 128, 1, 32, 1, 4 * long) == n
+    for args in [("float16", 128, 4, 8, 1, long - 64),    # shorter chunks
+                 ("float16", 128, 4, 8, 2, long),         # more than one split
+                 ("float16", 128, 4, n // 2, 1, long),    # fewer KV heads than a group
+                 ("float16", 128, 4, n + 2, 1, long),     # not a multiple of the group
+                 ("float16", 64, 4, 8, 1, long), ("float16", 256, 4, 8, 1, long),
+                 ("float16", 128, 16, 8, 1, long),        # G > 8: not heads-as-N
+                 ("float32", 128, 4, 8, 1, long)]:
+        assert P.kv_per_block(*args) == 1, args
+    assert P.kv_per_block("float16", 128, 4, 8, 1, long, forced=True) == 1
+
+
+def test_plan_shape_takes_kv_groups_for_long_one_split_streams():
+    one = lambda cfg: 1  # noqa: E731
+    # llama-3-8b (32/8/128) batch 16: one split of one KV head per block, so KV_GROUP KV heads
+    # a block, and its fewer units are split again to fill the SMs
+    n = P.KV_GROUP
+    mt, splits, chunk, kpb = P.plan_shape("float16", 128, 4, 16, 8, 65536, 132, one)
+    assert (mt, kpb) == (1, n)
+    assert (splits, chunk) == P.choose_num_splits(16 * 8 // n, 65536, 132, 1,
+                                                  rows_per_block=4 * n, dtype="float16",
+                                                  group=4, kv_per_block=n)
+    assert splits > 1 and 16 * 8 // n * splits <= 2 * 132
+    # b16 × 16k: grouped, 4 splits of 4096 tokens would not pay for their merge
+    assert P.plan_shape("float16", 128, 4, 16, 8, 16384, 132, one) == (
+        1, *P.choose_num_splits(128, 16384, 132, 1, rows_per_block=4, dtype="float16",
+                                group=4), 1)
+    assert P.plan_shape("float16", 128, 4, 64, 8, 8192, 132, one) == (1, 1, 8192, n)  # no split
+    assert P.plan_shape("float16", 128, 4, 128, 8, 8192, 132, one)[3] == 1  # two waves
+    assert P.plan_shape("float16", 128, 4, 1, 8, 65536, 132, one)[3] == 1   # split at batch 1
+    assert P.plan_shape("float16", 128, 4, 16, 8, 65536, 132, one, num_splits=1) == (
+        1, 1, 65536, 1)                                                     # forced
+    assert P.plan_shape("float16", 128, 4, 16, 8, 65536, 132, one, split_size=65536) == (
+        1, 1, 65536, 1)                                                     # fixed
+
+
+def test_kv_group_pays():
+    """One wave, and one split or splits of at least 2 · KV_GROUP_MIN_TOKENS tokens (the
+    measured table in _policy)."""
+    t = P.KV_GROUP_MIN_TOKENS
+    assert P.kv_group_pays(1, t, 128, 132) and P.kv_group_pays(1, 2 * t, 132, 132)
+    assert P.kv_group_pays(2, 2 * t, 128, 132) and P.kv_group_pays(4, 2 * t, 128, 132)
+    assert not P.kv_group_pays(1, t, 256, 132)        # two waves (b128 × 8k)
+    assert not P.kv_group_pays(2, t, 128, 132)        # two splits of 8k (qwen b64 × 16k)
+    assert not P.kv_group_pays(4, t, 128, 132)        # four splits of 8k (b16 × 32k)
+    assert not P.kv_group_pays(4, 2 * t - 64, 128, 132)
+
+
+def test_kv_group_config():
+    n = P.KV_GROUP
+    cfg = P.split_kernel_config("float16", 128, group=4, kv_per_block=n)
+    assert (cfg.num_warps, cfg.heads_as_n, cfg.kv_per_block, cfg.slots, cfg.rings) == (
+        8, True, n, 8 // n, 8)
+    assert cfg.defines()["KV_PER_BLOCK"] == n
+    assert cfg.smem_bytes == (8 * n * 128 * 2 + 8 * cfg.stages * 2 * 16 * 128 * 2
+                              + 2 * 8 * 16 * 4)
+    assert cfg in P.split_kernel_configs("float16", 128)
+    for dt, hd, g in [("float16", 64, 4), ("float16", 256, 4), ("float16", 128, 16),
+                      ("float32", 128, 4)]:
+        with pytest.raises(ValueError):
+            P.split_kernel_config(dt, hd, group=g, kv_per_block=n)
 
 
 @pytest.mark.parametrize("dtype", list(P.DTYPE_IDS))
@@ -187,7 +255,10 @@ def test_long_chunk_config(dtype, head_dim):
     assert ring(long) == ring(short) and long.stages >= 2
     assert long.smem_bytes <= SMEM_PER_BLOCK_MAX
     narrow = {P.split_kernel_config(dtype, head_dim, c, 1, 4) for c in (0, P.LONG_CHUNK)}
-    assert {c for c in P.split_kernel_configs(dtype, head_dim) if c.m_tiles == 1} == {short, long} | narrow
+    groups = {P.split_kernel_config(dtype, head_dim, group=1, kv_per_block=P.KV_GROUP)
+              for _ in (1,) if P.heads_as_n(dtype, 1) and head_dim in P.KV_GROUP_HEAD_DIMS}
+    assert {c for c in P.split_kernel_configs(dtype, head_dim) if c.m_tiles == 1} == (
+        {short, long} | narrow | groups)
     if dtype != "float32" and head_dim == 128:
         assert (long.num_warps, long.stages) == (8, 2)
 
@@ -220,7 +291,7 @@ def test_heads_as_n_only_for_small_groups(dtype, head_dim):
     # the plan's block: llama-3-8b (G = 4) takes it, llama-3-405b (G = 16) does not
     one = lambda cfg: 1  # noqa: E731
     for g, want in ((4, True), (8, True), (16, False)):
-        mt, _, chunk = P.plan_shape(dtype, head_dim, g, 1, 8, 16384, 132, one)
+        mt, _, chunk, _ = P.plan_shape(dtype, head_dim, g, 1, 8, 16384, 132, one)
         cfg = P.split_kernel_config(dtype, head_dim, chunk, mt, g)
         assert cfg.heads_as_n == (want and dtype != "float32"), (g, cfg)
 
@@ -331,10 +402,10 @@ def test_programmatic_split_choices():
     kernel (951.7 µs, against 960.9 with 4 fused), and keeps 4 fused ones where the kernel's
     launch is plain."""
     one = lambda cfg: 1  # noqa: E731
-    assert P.plan_shape("float16", 128, 8, 1, 8, 1024, 132, one, programmatic=True) == (1, 16, 64)
+    assert P.plan_shape("float16", 128, 8, 1, 8, 1024, 132, one, programmatic=True) == (1, 16, 64, 1)
     # with a plain merge launch, the group's 8-warp heads-as-N blocks (128-token chunks) fold
     # the 8 rows of 8 splits in one trip each: 8 fused splits (the group must reach the choice)
-    assert P.plan_shape("float16", 128, 8, 1, 8, 1024, 132, one) == (1, 8, 128)
+    assert P.plan_shape("float16", 128, 8, 1, 8, 1024, 132, one) == (1, 8, 128, 1)
     assert P.plan_shape("float16", 128, 1, 1, 32, 262144, 132, one, programmatic=True)[1] == 33
     assert P.plan_shape("float16", 128, 1, 1, 32, 262144, 132, one)[1] == 4
 
