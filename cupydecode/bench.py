@@ -509,7 +509,7 @@ def empty_row(w: Workload, model: str) -> dict:
         "model": model, "dtype": w.dtype, "batch": w.batch, "seqlen": w.seqlen,
         "num_heads": w.num_heads, "num_kv_heads": w.num_kv_heads, "head_dim": w.head_dim,
         "splits_requested": w.splits_label, "num_splits": None, "chunk_tokens": None,
-        "kv_bytes": w.kv_bytes(), "buffer_sets": None, "ceiling_gbps": None, "floor_us": None,
+        "kv_per_block": None, "kv_bytes": w.kv_bytes(), "buffer_sets": None, "ceiling_gbps": None, "floor_us": None,
         "eager_us": None, "host_us": None, "gpu_us": None, "gpu_us_p20": None, "gpu_us_p80": None, "gbps": None,
         "pct_of_floor": None, "split1_us": None, "speedup_vs_split1": None, "naive_us": None,
         "speedup_vs_naive": None,
@@ -559,6 +559,7 @@ def bench_point(w: Workload, ceiling_gbps: float, l2_bytes: int, model: str = ""
         plan = DecodePlan(w.batch, w.num_heads, w.num_kv_heads, w.head_dim, w.seqlen, w.dtype,
                           num_splits=w.num_splits)
         row["num_splits"], row["chunk_tokens"] = plan.num_splits, plan.chunk_tokens
+        row["kv_per_block"] = plan.kv_per_block
 
         def run_plan(i, _plan=plan):
             q, k, v, _ = sets[i % nsets]
