@@ -12,9 +12,8 @@ import sys
 
 sys.path.insert(0, ".")
 sys.path.insert(0, "scripts")
-import cupydecode as cd  # noqa: E402
 from cupydecode import _policy  # noqa: E402
-from tune import on_off_points, time_plans  # noqa: E402
+from tune import on_off_points, policy_value, time_model_plans  # noqa: E402
 
 POINTS = ["llama-3-8b:float16:64x8192", "llama-3-8b:float16:16x16384",
           "llama-3-8b:float16:16x65536", "llama-3-8b:float16:4x65536",
@@ -26,12 +25,8 @@ MIN_CHUNK = _policy.WARPS_IN_STEP_MIN_CHUNK
 def timed(m, dtype, b, L, sets, on, min_chunk=MIN_CHUNK):
     """(µs, a plan) with the warps in step from ``min_chunk``-token heads-as-N chunks (``on``)
     or nowhere."""
-    _policy.WARPS_IN_STEP_MIN_CHUNK = min_chunk if on else 1 << 62
-    try:
-        return time_plans(lambda: cd.DecodePlan(b, m.num_heads, m.num_kv_heads, m.head_dim, L,
-                                                dtype), sets)
-    finally:
-        _policy.WARPS_IN_STEP_MIN_CHUNK = MIN_CHUNK
+    with policy_value("WARPS_IN_STEP_MIN_CHUNK", min_chunk if on else 1 << 62):
+        return time_model_plans(m, dtype, b, L, sets)
 
 
 def main():

@@ -11,9 +11,8 @@ import sys
 
 sys.path.insert(0, ".")
 sys.path.insert(0, "scripts")
-import cupydecode as cd  # noqa: E402
 from cupydecode import _policy  # noqa: E402
-from tune import on_off_points, time_plans  # noqa: E402
+from tune import on_off_points, policy_value, time_model_plans  # noqa: E402
 
 POINTS = ["llama-3-8b:float16:16x65536", "llama-3-8b:float16:16x32768",
           "llama-3-70b:float16:16x65536", "llama-2-7b:bfloat16:16x32768"]
@@ -22,12 +21,8 @@ RULE = _policy.kv_per_block
 
 def timed(m, dtype, b, L, sets, on):
     """(µs, a plan) with the policy's KV heads per block (``on``) or one KV head per block."""
-    _policy.kv_per_block = RULE if on else (lambda *a, **k: 1)
-    try:
-        return time_plans(lambda: cd.DecodePlan(b, m.num_heads, m.num_kv_heads, m.head_dim, L,
-                                                dtype), sets)
-    finally:
-        _policy.kv_per_block = RULE
+    with policy_value("kv_per_block", RULE if on else (lambda *a, **k: 1)):
+        return time_model_plans(m, dtype, b, L, sets)
 
 
 def main():

@@ -50,28 +50,41 @@ def time_plans(make_plan, sets):
 
 def force_shape(num_warps, stages):
     """A stand-in for ``_policy.split_kernel_config`` that gives one-M-tile plans the block shape
-    ``num_warps`` × ``stages`` (M-tile shapes, G > 16, stay the policy's). Assign it, then put
-    the original back (or use :func:`forced_shape`)."""
+    ``num_warps`` × ``stages`` (M-tile shapes, G > 16, and blocks of several KV heads stay the
+    policy's). Assign it, then put the original back (or use :func:`forced_shape`)."""
     orig = _policy.split_kernel_config
 
-    def config(dt, hd, chunk=0, m_tiles=1, group=None):
-        cfg = orig(dt, hd, chunk, m_tiles, group)
-        return (cfg if m_tiles > 1
+    def config(dt, hd, chunk=0, m_tiles=1, group=None, kv_per_block=1):
+        cfg = orig(dt, hd, chunk, m_tiles, group, kv_per_block)
+        return (cfg if m_tiles > 1 or kv_per_block > 1
                 else dataclasses.replace(cfg, num_warps=num_warps, stages=stages))
 
     return config
 
 
 @contextlib.contextmanager
-def forced_shape(num_warps, stages):
-    """:func:`force_shape` in place of ``_policy.split_kernel_config`` inside the ``with`` block
-    (plans take their config when they are built); the original is put back on leaving it."""
-    orig = _policy.split_kernel_config
-    _policy.split_kernel_config = force_shape(num_warps, stages)
+def policy_value(name, value):
+    """``_policy.<name>`` is ``value`` inside the ``with`` block (plans read the policy when they
+    are built); the original is put back on leaving it."""
+    orig = getattr(_policy, name)
+    setattr(_policy, name, value)
     try:
         yield
     finally:
-        _policy.split_kernel_config = orig
+        setattr(_policy, name, orig)
+
+
+def forced_shape(num_warps, stages):
+    """:func:`force_shape` in place of ``_policy.split_kernel_config`` inside a ``with`` block
+    (plans take their config when they are built); the original is put back on leaving it."""
+    return policy_value("split_kernel_config", force_shape(num_warps, stages))
+
+
+def time_model_plans(m, dtype, b, L, sets, **plan_kw):
+    """:func:`time_plans` of the policy's plans for model ``m`` (a workloads.MODELS entry),
+    batch ``b`` and ``L`` tokens, with DecodePlan keywords ``plan_kw``."""
+    return time_plans(lambda: cd.DecodePlan(b, m.num_heads, m.num_kv_heads, m.head_dim, L, dtype,
+                                            **plan_kw), sets)
 
 
 def alternating(arms, time_arm, reps=2):
