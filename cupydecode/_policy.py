@@ -265,7 +265,7 @@ def split_kernel_configs(dtype: str, head_dim: int) -> list[SplitKernelConfig]:
 #   grouped plan, one wave          b64 × 8k, b64 × 16k, 70b b64 × 8k, qwen b128 × 8k,
 #     of 1 split                    llama-2 b16 × 16k–32k: −0.41 to −0.97%
 #     of 2–4 splits of 16k tokens   b32 × 32k, b16 × 64k (fp16, bf16, 70b): −0.39 to −1.24%
-#     of 2 splits of 8k tokens      b32 × 16k −0.40%, qwen b64 × 16k +0.59%
+#     of 2 splits of 8k tokens      b32 × 16k −0.35 to −0.40%, qwen b64 × 16k +0.59%
 #     of 4 splits of 4k–8k tokens   b16 × 32k +0.05 to +0.22%, b16 × 16k (8b, 70b) +1.25%, +2.14%
 #   grouped plan of two waves       b128 × 8k: +0.92%
 # (8 KV heads a block: more splits still, and mixed.) So plans that would stream one split of at
