@@ -29,17 +29,17 @@ LOG2E = 1.4426950408889634  # the kernels take softmax_scale · log2(e) (scores 
 MERGE_OVERHEAD_BYTES = 8 * 2**20
 # On top, a merge is a chain of dependent L2 round trips (~1–1.3 µs each on the H200 as these
 # costs were calibrated, ~5 MB of streaming at full speed; ~0.6 µs since the merge issues its
-# loads back to back, docs/PERFORMANCE.md v10): a warp takes 16 partials of a row's pass per
-# trip. The fused merge (the last block of a KV head) has only that block's warps, so it is used
-# only where it takes one trip per warp (merge_mode); otherwise merge_states.cu runs as a second
-# kernel, which spreads rows, passes and groups of 16 partials over many warps (one trip each up
-# to 16 · MERGE_WARPS splits) at the cost of a second launch (~1 µs in a graph). Where the merge
-# kernel is launched as a programmatic dependent of the split kernel (Hopper on; 0.7–0.9 µs
-# faster, docs/PERFORMANCE.md v13), it is charged 3 MB instead of 4: lower, the split count
-# moves to many-wave plans measured no faster at several points (llama-3-8b b4 × 256k 33
-# splits 934.3 µs vs 4 fused 929.3; qwen2.5-7b b2 × 256k 236.5 vs 235.2) and, for G = 7 and 8
-# at batch 1 × 1k, to 8 fused splits (0.3–0.4 µs slower than 16 with the kernel); at 3 MB the
-# plans that change are ones measured as fast or faster (docs/PERFORMANCE.md, v14).
+# loads back to back, docs/PERFORMANCE.md v10): a warp takes 16 partials of a row's pass per trip.
+# The fused merge (the last block of a KV head, or of a block's KV heads) has only that block's
+# warps, so it is used only where it takes one trip per warp (merge_mode); otherwise
+# merge_states.cu runs as a second kernel, which spreads rows, passes and groups of 16 partials
+# over many warps (one trip each up to 16 · MERGE_WARPS splits) at the cost of a second launch
+# (~1 µs in a graph). Where the merge kernel is launched as a programmatic dependent of the split
+# kernel (Hopper on; 0.7–0.9 µs faster, docs/PERFORMANCE.md v13), it is charged 3 MB instead of 4:
+# lower, the split count moves to many-wave plans measured no faster at several points (llama-3-8b
+# b4 × 256k 33 splits 934.3 µs vs 4 fused 929.3; qwen2.5-7b b2 × 256k 236.5 vs 235.2) and, for
+# G = 7 and 8 at batch 1 × 1k, to 8 fused splits (0.3–0.4 µs slower than 16 with the kernel); at 3
+# MB the plans that change are ones measured as fast or faster (docs/PERFORMANCE.md, v14).
 MERGE_TRIP_BYTES = 5 * 2**20
 MERGE_KERNEL_BYTES = 4 * 2**20
 MERGE_KERNEL_BYTES_PROGRAMMATIC = 3 * 2**20
@@ -196,6 +196,8 @@ def split_kernel_config(dtype: str, head_dim: int, chunk_tokens: int = 0,
         raise ValueError(f"unsupported dtype {dtype!r}")
     if head_dim not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"unsupported head_dim {head_dim}")
+    if m_tiles > 1 and kv_per_block > 1:
+        raise ValueError(f"no block shape of {m_tiles} M-tiles and {kv_per_block} KV heads")
     if m_tiles > 1:
         slots, most, stages = MTILE_SHAPES.get(head_dim, (0, 0, 0))
         if dtype == "float32" or m_tiles > most:
@@ -240,8 +242,11 @@ WARPS_IN_STEP_MIN_CHUNK = 8192
 
 
 def warps_in_step(config: SplitKernelConfig, chunk_tokens: int) -> bool:
-    """Whether a plan's blocks keep their warps in step (a runtime flag of the split kernel)."""
-    return config.heads_as_n and chunk_tokens >= WARPS_IN_STEP_MIN_CHUNK
+    """Whether a plan's blocks keep their warps in step (a runtime flag of the split kernel):
+    heads-as-N blocks of several KV heads always (reading their heads' row pieces together is
+    their point), others on chunks of at least WARPS_IN_STEP_MIN_CHUNK tokens."""
+    return config.heads_as_n and (config.kv_per_block > 1
+                                  or chunk_tokens >= WARPS_IN_STEP_MIN_CHUNK)
 
 
 def split_kernel_configs(dtype: str, head_dim: int) -> list[SplitKernelConfig]:
@@ -371,7 +376,8 @@ def choose_num_splits(work_blocks: int, max_seqlen: int, num_sms: int, blocks_pe
                       min_chunk: int = MIN_CHUNK, merge: str = "auto", dtype: str = "float16",
                       m_tiles: int = 1, group: int | None = None,
                       programmatic: bool = False, kv_per_block: int = 1) -> tuple[int, int]:
-    """Split count and chunk length for a grid of ``work_blocks`` (batch × kv_heads × head tiles).
+    """Split count and chunk length for a grid of ``work_blocks`` (batch × units × head tiles,
+    a unit being one KV head, or ``kv_per_block`` of them).
 
     Returns ``(num_splits, chunk_tokens)``. Chunks are multiples of SPLIT_GRANULE tokens and at
     least ``min_chunk`` long; ``num_splits`` is the number of chunks that cover ``max_seqlen``.

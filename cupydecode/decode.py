@@ -79,7 +79,7 @@ class DecodePlan:
     depend on the rest of the batch; by default both are chosen from the shape and SM count.
 
     ``merge`` says how split partials are combined: ``"fused"`` lets the last split block of
-    each KV head merge them inside the one launch; ``"kernel"`` runs merge_states.cu as a second
+    each KV head (or block of KV heads) merge them inside the one launch; ``"kernel"`` runs merge_states.cu as a second
     kernel (same math, one more launch, spread over many warps); ``"auto"`` (default) takes the
     fused merge where it costs each of the block's warps one trip to L2 — and, where the merge
     kernel is launched as a programmatic dependent (Hopper on), folds at most 64 partial states
@@ -140,6 +140,10 @@ class DecodePlan:
             num_splits, split_size, merge, programmatic)
         self.head_tiles = _policy.head_tiles(self.group, self.m_tiles)
         kpb = self.kv_per_block  # KV heads per block (1, or _policy.KV_GROUP)
+        # a block of several KV heads takes all of their query heads (one head tile), and the
+        # grid below has one block per kpb KV heads: anything else would leave heads unwritten
+        assert kpb == 1 or (self.num_kv_heads % kpb == 0 and self.head_tiles == 1), (
+            kpb, self.num_kv_heads, self.head_tiles)
         # query rows of a block: its M-tiles' rows of one KV head, or all of its KV heads' rows
         rows_per_block = (kpb * self.group if kpb > 1
                           else min(self.group, _policy.ROWS * self.m_tiles))

@@ -27,7 +27,8 @@
 // M-tile's 16 rows over its slot's tiles; the warps' states are merged once at the end (the same
 // merge as kernel 2). MTILES = 1 (G ≤ 16): each warp is a slot with a ring of its own. MTILES > 1
 // (G > 16): the slot's first warp loads each tile once and the slot's MTILES warps all compute
-// on it, meeting at a named barrier per tile.
+// on it, meeting at a named barrier per tile. (KV_PER_BLOCK > 1, below: NUM_WARPS = SLOTS ×
+// KV_PER_BLOCK, one warp and ring per KV head of each slot.)
 //
 // Two compute paths on the same pipeline:
 //   float16 / bfloat16: tensor cores (mma.m16n8k16, fp32 accumulate). Few instructions per byte
@@ -46,7 +47,8 @@
 // Three ways to finish, chosen by the host:
 //   single split (`o_part` null): the block writes the final output (input dtype) and LSE.
 //   fused merge (`counters` non-null): every block writes its partials, then counts itself in
-//     on its (batch, kv_head, head_tile) counter; the last block of the group to arrive merges
+//     on its (batch, unit, head_tile) counter (unit: the block's KV head, or its KV_PER_BLOCK
+//     KV heads); the last block of the group to arrive merges
 //     the live splits with cd_merge_row_pass and writes the final output — one launch in all, which
 //     saves the ~0.9 µs a second dependent kernel costs in a graph (docs/PERFORMANCE.md, v9). The
 //     host's merge="auto" picks it only where each warp of that block has one L2 trip to make
@@ -61,11 +63,12 @@
 //
 // KV_PER_BLOCK > 1 (heads-as-N only): a block holds KV_PER_BLOCK adjacent KV heads, warp w
 // computing KV head (unit · KV_PER_BLOCK + w % KV_PER_BLOCK) in token slot w / KV_PER_BLOCK,
-// every warp through its own ring, the block's warps in step. Where KV heads are adjacent in a
-// token's row (the public (batch, seqlen, kv_heads, head_dim) cache), the block then reads whole
-// row pieces of KV_PER_BLOCK heads together instead of one head's 2·HEAD_DIM-byte pieces spread
-// a row apart: measured 0.5–1.2% faster on long batch-16 streams at head_dim 128
-// (docs/PERFORMANCE.md, v16). The block's rows are the KV_PER_BLOCK · G query heads of its KV
+// every warp through its own ring; the host keeps the block's warps in step (warps_in_step).
+// Where KV heads are adjacent in a token's row (the public (batch, seqlen, kv_heads, head_dim)
+// cache), the block then reads KV_PER_BLOCK heads' pieces of each row together instead of one
+// head's 2·HEAD_DIM-byte piece a row apart: with 4 KV heads, measured 0.4–1.2% faster on long
+// batch-16–64 streams at head_dim 128 where the plan stays one wave (docs/PERFORMANCE.md, v17).
+// The block's rows are the KV_PER_BLOCK · G query heads of its KV
 // heads (contiguous query heads); each warp's state is its own head's, so the warps' merge at the
 // end folds only the warps of one KV head.
 #include "common.cuh"
@@ -311,6 +314,9 @@ cd_decode_split(const cd_decode_params p) {
     const int kh = ring_id % KV_PER_BLOCK;                 // its KV head within the block
     const int kv_head = unit * KV_PER_BLOCK + kh;          // the KV head this warp computes
     const int h0 = unit * KV_PER_BLOCK * group + row0;     // the block's first query head
+    // A block of several KV heads holds 8 query rows per KV head (the mma's N): a launch with
+    // more (a host bug) must not index past them, even on an empty chunk.
+    if (KV_PER_BLOCK > 1 && group > 8) __trap();
     // Once every block of this grid has passed here (so none is left to be scheduled), a merge
     // kernel launched after it may start and wait on the SMs for this grid's end (common.cuh).
     cd_launch_dependents();
@@ -335,7 +341,7 @@ cd_decode_split(const cd_decode_params p) {
 
     if (chunk_start < chunk_end) {
         elem_t* sq = reinterpret_cast<elem_t*>(smem);
-        // ---------------------------------------------------------------- per-slot K/V ring
+        // ------------------------------------------------- this warp's K/V ring (its slot's)
         unsigned char* ring = smem + Q_BYTES + ring_id * (STAGES * 2 * TILE_BYTES);
         const u32 ring_u32 = smem_u32(ring);
         const elem_t* kbase = k + b * k_sb + (long long)kv_head * k_sh;
@@ -346,11 +352,10 @@ cd_decode_split(const cd_decode_params p) {
         // own tiles. With warps_in_step (the host's choice for long heads-as-N chunks,
         // _policy.warps_in_step) the block's warps meet at a barrier per tile instead, so they
         // stay in step: measured 0.2–1.4% faster on long streams, slower on short chunks
-        // (docs/PERFORMANCE.md, v15). Only where every slot has as many tiles, so that every
-        // warp meets the barrier equally often (a uniform condition over the block).
-        // (Blocks of several KV heads always keep their warps in step: that is their point.)
-        const bool in_step = MTILES == 1 && (KV_PER_BLOCK > 1 || p.warps_in_step) &&
-                             n_tiles % SLOTS == 0;
+        // (docs/PERFORMANCE.md, v15); the host sets it for every plan of several KV heads per
+        // block. Only where every slot has as many tiles, so that every warp meets the barrier
+        // equally often (a uniform condition over the block).
+        const bool in_step = MTILES == 1 && p.warps_in_step && n_tiles % SLOTS == 0;
         const bool loader = mt == 0;  // the slot's warp that copies its tiles
         // With MTILES > 1, a slot with fewer tiles than the first meets its named barrier once
         // more after its loop (an idle turn), so that every slot meets its barrier equally often.

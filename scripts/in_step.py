@@ -25,7 +25,9 @@ MIN_CHUNK = _policy.WARPS_IN_STEP_MIN_CHUNK
 def timed(m, dtype, b, L, sets, on, min_chunk=MIN_CHUNK):
     """(µs, a plan) with the warps in step from ``min_chunk``-token heads-as-N chunks (``on``)
     or nowhere."""
-    with policy_value("WARPS_IN_STEP_MIN_CHUNK", min_chunk if on else 1 << 62):
+    # one KV head per block in both arms: blocks of several KV heads always go in step
+    with policy_value("WARPS_IN_STEP_MIN_CHUNK", min_chunk if on else 1 << 62), \
+            policy_value("kv_per_block", lambda *a, **k: 1):
         return time_model_plans(m, dtype, b, L, sets)
 
 

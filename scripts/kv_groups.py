@@ -4,7 +4,8 @@ process, each cell timed twice in alternating order. "on" is the policy's plan; 
 the policy would make with one KV head per block.
 
 Usage: python scripts/kv_groups.py [--min-tokens N] [MODEL:DTYPE:BxL ...]
-       (default: the points below; --min-tokens sets _policy.KV_GROUP_MIN_TOKENS)
+       (default: the points below; --min-tokens sets _policy.KV_GROUP_MIN_TOKENS, which also
+       moves kv_group_pays' chunk threshold, 2 × N)
 """
 
 import sys
@@ -14,7 +15,7 @@ sys.path.insert(0, "scripts")
 from cupydecode import _policy  # noqa: E402
 from tune import on_off_points, policy_value, time_model_plans  # noqa: E402
 
-POINTS = ["llama-3-8b:float16:16x65536", "llama-3-8b:float16:16x32768",
+POINTS = ["llama-3-8b:float16:16x65536", "llama-3-8b:float16:64x8192",
           "llama-3-70b:float16:16x65536", "llama-2-7b:bfloat16:16x32768"]
 RULE = _policy.kv_per_block
 

@@ -224,12 +224,14 @@ def test_kv_groups(cupy, rng, seed, monkeypatch, dtype, group, opts, order):
     on a small shape) against float64: two groups of KV heads, ragged lengths (0, 1, chunk
     boundaries, max_seqlen), one split (direct output) and three merged by the kernel or fused,
     the cache as a (batch, seqlen, kv_heads, head_dim) buffer or a view of (batch, kv_heads,
-    seqlen, head_dim) memory; each plan run twice."""
+    seqlen, head_dim) memory; each plan run twice. One launch mixes blocks whose warps go in
+    step (an even tile count per slot: 1024 tokens = 64 tiles, chunks of 342 = 22 tiles; the
+    only way the policy's plans run) with blocks whose warps cannot (odd tile counts)."""
     from cupydecode import _policy
 
     monkeypatch.setattr(_policy, "kv_per_block", lambda *a, **k: _policy.KV_GROUP)
-    num_kv_heads, head_dim, max_seqlen = 2 * _policy.KV_GROUP, 128, 1000
-    lens = [max_seqlen, 0, 1, 333, 334, 999]
+    num_kv_heads, head_dim, max_seqlen = 2 * _policy.KV_GROUP, 128, 1024
+    lens = [max_seqlen, 0, 1, 333, 352, 1023]
     ctx = context(seed, dtype=dtype, group=group, opts=opts, order=order)
     q, k, v = decode_inputs(rng, len(lens), group * num_kv_heads, num_kv_heads, head_dim,
                             max_seqlen, dtype)
@@ -244,6 +246,8 @@ def test_kv_groups(cupy, rng, seed, monkeypatch, dtype, group, opts, order):
                                  max_seqlen, dtype, **opts)
     assert plan.kv_per_block == _policy.KV_GROUP and plan.config.kv_per_block == plan.kv_per_block
     assert plan._grid[0] == 2 and plan.merge == ("none" if opts["num_splits"] == 1 else opts["merge"])
+    slots = plan.config.slots
+    assert plan._in_step == 1 and slots == 2 and (-(-plan.chunk_tokens // 16)) % slots == 0, plan
     out = cupy.full(q.shape, np.nan, dtype=q.dtype)
     lse = cupy.full(q.shape[:2], np.nan, dtype=cupy.float32)
     for _ in range(2):  # again, after the first launch (the fused merge's counters wrap)

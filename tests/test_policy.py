@@ -181,8 +181,13 @@ def test_plan_shape_takes_kv_groups_for_long_one_split_streams():
     assert (splits, chunk) == P.choose_num_splits(16 * 8 // n, 65536, 132, 1,
                                                   rows_per_block=4 * n, dtype="float16",
                                                   group=4, kv_per_block=n)
-    assert splits > 1 and 16 * 8 // n * splits <= 2 * 132
-    # b16 × 16k: grouped, 4 splits of 4096 tokens would not pay for their merge
+    assert splits > 1 and 16 * 8 // n * splits <= 132  # one wave (kv_group_pays)
+    # b16 × 16k: one split of one KV head per block would group, but grouped it takes 4 splits
+    # of 4096 tokens, which do not pay for their merge
+    assert P.kv_per_block("float16", 128, 4, 8, 1, 16384) == n
+    grouped = P.choose_num_splits(16 * 8 // n, 16384, 132, 1, rows_per_block=4 * n,
+                                  dtype="float16", group=4, kv_per_block=n)
+    assert grouped == (4, 4096) and not P.kv_group_pays(*grouped, 16 * 8 // n * 4, 132)
     assert P.plan_shape("float16", 128, 4, 16, 8, 16384, 132, one) == (
         1, *P.choose_num_splits(128, 16384, 132, 1, rows_per_block=4, dtype="float16",
                                 group=4), 1)
@@ -220,6 +225,14 @@ def test_kv_group_config():
                       ("float32", 128, 4)]:
         with pytest.raises(ValueError):
             P.split_kernel_config(dt, hd, group=g, kv_per_block=n)
+    with pytest.raises(ValueError, match="M-tiles"):
+        P.split_kernel_config("float16", 128, m_tiles=2, group=32, kv_per_block=n)
+    # its warps always go in step, whatever the chunk (one KV head per block: long chunks only)
+    assert P.warps_in_step(cfg, 64) and P.warps_in_step(cfg, 1 << 20)
+    one = P.split_kernel_config("float16", 128, 64, group=4)
+    assert not P.warps_in_step(one, 64) and P.warps_in_step(
+        P.split_kernel_config("float16", 128, P.WARPS_IN_STEP_MIN_CHUNK, group=4),
+        P.WARPS_IN_STEP_MIN_CHUNK)
 
 
 @pytest.mark.parametrize("dtype", list(P.DTYPE_IDS))
