@@ -2,7 +2,9 @@
 (development tool): the heads-as-N path (Sᵀ = K·Qᵀ, Oᵀ = Vᵀ·Pᵀ, the default) against the 16-row
 path (S = Q·Kᵀ with 16 query rows as M), with the block shape, split count and merge of the
 heads-as-N plan in both, GPU µs per call by graph replay over rotated buffer sets, in one
-process, each cell timed twice in alternating order.
+process, each cell timed twice in alternating order. Both arms fix the plan's split size, and a
+plan with a fixed split size keeps one KV head per block: where the policy's plan reads several
+KV heads per block (_policy.kv_per_block), both arms here read one.
 
 Usage: python scripts/heads_as_n.py [MODEL:DTYPE:BxL ...]   (default: the points below)
 """
