@@ -301,6 +301,12 @@ def kv_per_block(dtype: str, head_dim: int, group: int, num_kv_heads: int, num_s
     return KV_GROUP
 
 
+def block_rows(group: int, m_tiles: int = 1, kv_per_block: int = 1) -> int:
+    """Live query rows of one block: its M-tiles' rows of one KV head (at most the group), or
+    all query heads of its KV heads."""
+    return kv_per_block * group if kv_per_block > 1 else min(group, ROWS * m_tiles)
+
+
 def head_tiles(group: int, m_tiles: int = 1) -> int:
     """Blocks per KV head: one per ``m_tiles`` · 16 query heads of the group."""
     return -(-group // (ROWS * m_tiles))
@@ -446,8 +452,8 @@ def plan_shape(dtype: str, head_dim: int, group: int, batch: int, num_kv_heads: 
                max_seqlen: int, num_sms: int, blocks_per_sm, num_splits: int | None = None,
                split_size: int | None = None, merge: str = "auto",
                programmatic: bool = False) -> tuple[int, int, int, int]:
-    """``(m_tiles, num_splits, chunk_tokens, kv_per_block)`` of a plan: the split count forced, fixed by
-    ``split_size``, or chosen by :func:`choose_num_splits` for the block shape of each candidate
+    """``(m_tiles, num_splits, chunk_tokens, kv_per_block)`` of a plan: the split count forced,
+    fixed by ``split_size``, or chosen by :func:`choose_num_splits` for the block shape of each candidate
     ``m_tiles`` (``blocks_per_sm(config)``: resident blocks of that shape per SM, from the
     driver). G > 16 takes several M-tiles per block (:func:`m_tiles`) where each block then
     streams at least MTILE_MIN_CHUNK tokens, and one M-tile per block otherwise.
@@ -465,7 +471,7 @@ def plan_shape(dtype: str, head_dim: int, group: int, batch: int, num_kv_heads: 
             splits, chunk = choose_num_splits(
                 batch * num_kv_heads * head_tiles(group, mt), max_seqlen, num_sms,
                 blocks_per_sm(split_kernel_config(dtype, head_dim, m_tiles=mt, group=group)),
-                rows_per_block=min(group, ROWS * mt), head_dim=head_dim,
+                rows_per_block=block_rows(group, mt), head_dim=head_dim,
                 merge=merge, dtype=dtype, m_tiles=mt, group=group,
                 programmatic=programmatic)
         if mt > 1 and chunk >= MTILE_MIN_CHUNK:
@@ -477,7 +483,7 @@ def plan_shape(dtype: str, head_dim: int, group: int, batch: int, num_kv_heads: 
                 bps = blocks_per_sm(split_kernel_config(dtype, head_dim, group=group,
                                                         kv_per_block=kpb))
                 grouped = choose_num_splits(
-                    units, max_seqlen, num_sms, bps, rows_per_block=kpb * group,
+                    units, max_seqlen, num_sms, bps, rows_per_block=block_rows(group, 1, kpb),
                     head_dim=head_dim, merge=merge, dtype=dtype, group=group,
                     programmatic=programmatic, kv_per_block=kpb)
                 if not kv_group_pays(*grouped, units * grouped[0], num_sms * bps):

@@ -79,12 +79,12 @@ class DecodePlan:
     depend on the rest of the batch; by default both are chosen from the shape and SM count.
 
     ``merge`` says how split partials are combined: ``"fused"`` lets the last split block of
-    each KV head (or block of KV heads) merge them inside the one launch; ``"kernel"`` runs merge_states.cu as a second
-    kernel (same math, one more launch, spread over many warps); ``"auto"`` (default) takes the
-    fused merge where it costs each of the block's warps one trip to L2 — and, where the merge
-    kernel is launched as a programmatic dependent (Hopper on), folds at most 64 partial states
-    per block — and the kernel elsewhere (``plan.merge`` tells which: ``"fused"``, ``"kernel"``,
-    or ``"none"`` for one split; ``_policy.merge_mode``).
+    each KV head (or block of KV heads) merge them inside the one launch; ``"kernel"`` runs
+    merge_states.cu as a second kernel (same math, one more launch, spread over many warps);
+    ``"auto"`` (default) takes the fused merge where it costs each of the block's warps one trip
+    to L2 — and, where the merge kernel is launched as a programmatic dependent (Hopper on),
+    folds at most 64 partial states per block — and the kernel elsewhere (``plan.merge`` tells
+    which: ``"fused"``, ``"kernel"``, or ``"none"`` for one split; ``_policy.merge_mode``).
 
     A plan's workspace (partials and the fused merge's arrival counters) is shared by its runs:
     run one plan on one stream at a time, and make one plan per stream for concurrent decoding
@@ -144,9 +144,7 @@ class DecodePlan:
         # grid below has one block per kpb KV heads: anything else would leave heads unwritten
         assert kpb == 1 or (self.num_kv_heads % kpb == 0 and self.head_tiles == 1), (
             kpb, self.num_kv_heads, self.head_tiles)
-        # query rows of a block: its M-tiles' rows of one KV head, or all of its KV heads' rows
-        rows_per_block = (kpb * self.group if kpb > 1
-                          else min(self.group, _policy.ROWS * self.m_tiles))
+        rows_per_block = _policy.block_rows(self.group, self.m_tiles, kpb)
         # The block shape depends on how long each block streams.
         self.config = _policy.split_kernel_config(self.dtype, self.head_dim, self.chunk_tokens,
                                                   self.m_tiles, self.group, kpb)

@@ -68,9 +68,9 @@
 // cache), the block then reads KV_PER_BLOCK heads' pieces of each row together instead of one
 // head's 2·HEAD_DIM-byte piece a row apart: with 4 KV heads, measured 0.4–1.2% faster on long
 // batch-16–64 streams at head_dim 128 where the plan stays one wave (docs/PERFORMANCE.md, v17).
-// The block's rows are the KV_PER_BLOCK · G query heads of its KV
-// heads (contiguous query heads); each warp's state is its own head's, so the warps' merge at the
-// end folds only the warps of one KV head.
+// The block's rows are the KV_PER_BLOCK · G query heads of its KV heads (contiguous query
+// heads); each warp's state is its own head's, so the warps' merge at the end folds only the
+// warps of one KV head.
 #include "common.cuh"
 
 typedef cd_elem<DTYPE_ID> E;

@@ -200,6 +200,14 @@ def test_plan_shape_takes_kv_groups_for_long_one_split_streams():
         1, 1, 65536, 1)                                                     # fixed
 
 
+def test_block_rows():
+    """A block's live query rows: the group up to its M-tiles' 16 rows each, or every query head
+    of its KV heads."""
+    assert [P.block_rows(g) for g in (1, 4, 8, 16, 71)] == [1, 4, 8, 16, 16]
+    assert P.block_rows(71, 5) == 71 and P.block_rows(48, 2) == 32
+    assert P.block_rows(4, 1, P.KV_GROUP) == 4 * P.KV_GROUP and P.block_rows(7, 1, 4) == 28
+
+
 def test_kv_group_pays():
     """One wave, and one split or splits of at least 2 · KV_GROUP_MIN_TOKENS tokens (the
     measured table in _policy)."""
