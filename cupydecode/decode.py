@@ -372,7 +372,7 @@ def flash_decode(q, k_cache, v_cache, cache_seqlens=None, *, softmax_scale=None,
         dt, shape, plan, strides = hit
         k, v = k_cache, v_cache
     else:
-        q, k, v, dt, shape = V.check_decode_inputs(q, k_cache, v_cache)
+        q, k, v, dt, shape = V.check_decode_inputs(q, k_cache, v_cache, layout)
         plan = strides = None
     seqlens, seqlen_all = V.check_seqlens(cache_seqlens, shape["batch"], shape["max_seqlen"])
     scale = V.check_scale(softmax_scale, shape["head_dim"])

@@ -467,7 +467,8 @@ cd_decode_split(const cd_decode_params p) {
 #if HEADS_AS_N
         // ---------------------------------------------------- heads as N: Sᵀ = K·Qᵀ, Oᵀ = Vᵀ·Pᵀ
         // The mma's N holds 8 heads: a launch with more (a host bug) must not read unset rows.
-        if ((KV_PER_BLOCK > 1 ? group : rows) > 8) __trap();
+        // (Blocks of several KV heads checked their group at entry, before any write.)
+        if (KV_PER_BLOCK == 1 && rows > 8) __trap();
         // Here pattern A reads K as the A operand and pattern B reads Vᵀ (V transposed) as the A
         // operand. The thread's query heads (columns of Sᵀ and Oᵀ) are 2t and 2t + 1.
         // Qᵀ as B operands (k = head dims, n = query heads 0..7), in registers for the whole chunk:

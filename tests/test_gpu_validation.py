@@ -289,3 +289,21 @@ def test_layouts_in_turn_on_one_stream(cupy, good):
                            ("strided K/V", (q, ks, vs)), ("strided q", (qs, k, v))):
             got = cupydecode.flash_decode(*args)
             assert_out_close(got, ref, OUT_TOL["float16"], f"{name}, round {rnd}")
+
+
+def test_first_call_computes_the_layout_key_once(cupy, good, monkeypatch):
+    """A layout's first flash_decode call derives its layout key once (the checks take the one
+    flash_decode computed); the next call is a cache hit, and both are correct."""
+    from cupydecode import _validate as V
+    from cupydecode import decode as D
+
+    (q, k, v), (hq, hk, hv) = good
+    calls = []
+    real = V.layout_key
+    monkeypatch.setattr(V, "layout_key", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(D, "_EAGER", {})
+    monkeypatch.setattr(V, "_VALIDATED", {})
+    ref, _ = R.decode_attention(hq, hk, hv)
+    for n in (1, 2):
+        assert_out_close(cupydecode.flash_decode(q, k, v), ref, OUT_TOL["float16"], f"call {n}")
+        assert len(calls) == n, f"call {n}: layout_key computed {len(calls)} times in all"
