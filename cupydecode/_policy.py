@@ -391,8 +391,14 @@ def choose_num_splits(work_blocks: int, max_seqlen: int, num_sms: int, blocks_pe
     Estimated cost of ``s`` splits, in bytes of HBM traffic at full speed:
         (KV bytes(s) + partial bytes(s)) / wave_efficiency(s) + merge_cost_bytes(s)
     where wave_efficiency = blocks / (waves · slots), slots = num_sms · blocks_per_sm. KV bytes
-    are the cache's; in one wave, where the longest block sets the end, they are counted as s
-    whole chunks per sequence (s · chunk ≥ max_seqlen tokens: 31 chunks of 2176 tokens for 65536
+    are one KV head's per unit: the cache's for one-KV-head blocks, but 1 / kv_per_block of it for
+    blocks of several KV heads, whose merge and partials then weigh kv_per_block times more
+    against the stream. The grouped plans were measured and shipped with that weighting (v17);
+    counting their whole cache instead moves 26 of 358 grouped plans of a grid of shapes to more
+    splits (llama-3-8b b16 × 256k: 33 splits, many waves), which kv_group_pays then refuses; b16 ×
+    256k took 3785.7 µs with one KV head per block (v16 sweep) and 3727.0 grouped (v17). So it
+    stays until the cost prices what a block's start costs (docs/PERFORMANCE.md, Next steps 4). In one wave, where the
+    longest block sets the end, KV bytes are counted as s whole chunks per sequence (s · chunk ≥ max_seqlen tokens: 31 chunks of 2176 tokens for 65536
     end 6% later than 32 of 2048, measured 1.0 µs slower at qwen2.5-7b b1 × 64k). The
     partials are written and read once: work_blocks · s · rows · (head_dim + 1) · 4 · 2 bytes,
     and the merge (fused or a second kernel, as merge_mode picks it for ``merge`` and
