@@ -1,13 +1,19 @@
 """Benchmark: HBM read ceiling, flash_decode timings, baselines, result rows.
 
-Protocol (see BENCH.md):
+Protocol (see docs/PERFORMANCE.md):
   * The read ceiling is measured in the same run by a read-only kernel over a ~2 GB buffer, and
     every time is compared with floor_us = bytes(K + V) / ceiling.
-  * Two times per point: eager (host wall time of one ``flash_decode`` call, launch and
-    synchronise included: what a plain Python caller sees) and GPU time per call from a CUDA
-    graph of several ``DecodePlan.run`` calls replayed 20 times (median, p20, p80), every
-    replay and its start event queued behind a short spin kernel (:func:`hold_stream`) so that
-    the host's launch latency is not counted; peers are timed the same way.
+  * GPU time per call from CUDA graphs replayed 20 times (median, p20, p80), every replay and
+    its start event queued behind a short spin kernel (:func:`hold_stream`) so that the host's
+    launch latency is not counted; peers are timed the same way, on the same buffers. Two
+    protocols (:data:`PROTOCOLS`): "step" (default), the decode-step protocol — each attention
+    call follows the other kernels of a decode step in the graph (:class:`StepTraffic`: an
+    L2-evicting write and the QKV projection's traffic), and the graph without the attention
+    calls is subtracted, trial by trial — and "back-to-back", a graph of attention calls alone
+    (an optimistic view: each call starts on SMs its predecessor just left).
+  * Host costs in the same process: eager (wall time of one ``flash_decode`` call, launch and
+    synchronise included), the host µs of ``flash_decode`` and of ``DecodePlan.run`` alone, and
+    of CuPy's own launch of an empty kernel, the yardstick of both.
   * Calls rotate among enough independent KV buffer sets that together they exceed 4× L2, so
     no call finds its cache in L2.
   * Data is fresh random data (seed recorded in the row); the timed configuration's output is
@@ -15,10 +21,10 @@ Protocol (see BENCH.md):
     the data is made and before anything is timed (see :func:`settle`).
   * Baselines: the same kernels forced to num_splits=1; a naive CuPy version (cuBLAS matmul,
     softmax in float32; timed by events over back-to-back calls, because CuPy refuses cuBLAS
-    calls inside a graph capture); optionally torch SDPA (cuDNN, FlashAttention-2) and FlashInfer, each
-    imported only when asked for and never a dependency.
+    calls inside a graph capture); optionally torch SDPA (cuDNN, FlashAttention-2) and
+    FlashInfer, each imported only when asked for and never a dependency.
 
-Rows are plain dicts (one per point), ready for CSV or JSON.
+Rows are plain dicts (one per point and protocol), ready for CSV or JSON.
 """
 
 from __future__ import annotations
@@ -145,58 +151,99 @@ def hold_stream(stream) -> None:
     kernel((1,), (1,), (np.uint64(HOLD_NS),), stream=stream)
 
 
-def _event_times(run, stream, n_calls: int, trials: int, hold: bool) -> tuple[float, float, float]:
-    """GPU µs per call of ``run()``, which queues ``n_calls`` calls on ``stream``: (median, p20,
-    p80) over ``trials`` event pairs on ``stream``, each queued behind :func:`hold_stream` if
-    ``hold``. The one timing loop of every GPU time the benchmark reports, ours and the peers'."""
+def _event_once(run, stream, hold: bool) -> float:
+    """GPU ms of what ``run()`` queues on ``stream``, between two events (queued behind
+    :func:`hold_stream` if ``hold``)."""
     import cupy
 
+    e0, e1 = cupy.cuda.Event(), cupy.cuda.Event()
+    if hold:
+        hold_stream(stream)
+    e0.record(stream)
+    run()
+    e1.record(stream)
+    e1.synchronize()
+    return cupy.cuda.get_elapsed_time(e0, e1)
+
+
+def _event_times(run, stream, n_calls: int, trials: int, hold: bool, run_without=None
+                 ) -> tuple[float, float, float]:
+    """GPU µs per call of ``run()``, which queues ``n_calls`` calls on ``stream``: (median, p20,
+    p80) over ``trials`` event pairs on ``stream``, each queued behind :func:`hold_stream` if
+    ``hold``. The one timing loop of every GPU time the benchmark reports, ours and the peers'.
+
+    With ``run_without`` (the decode-step protocol: the same work without the timed calls),
+    each trial times ``run()`` and then ``run_without()``, and the time per call is their
+    difference over ``n_calls``: paired trials, so a slow drift of the GPU cancels."""
     times = []
     for _ in range(trials):
-        e0, e1 = cupy.cuda.Event(), cupy.cuda.Event()
-        if hold:
-            hold_stream(stream)
-        e0.record(stream)
-        run()
-        e1.record(stream)
-        e1.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(e0, e1) * 1e3 / n_calls)
+        ms = _event_once(run, stream, hold)
+        if run_without is not None:
+            ms -= _event_once(run_without, stream, hold)
+        times.append(ms * 1e3 / n_calls)
     return _stats(times)
 
 
+def _capture_cupy(stream, calls):
+    """A CUDA graph of ``calls()`` captured on the CuPy ``stream`` (ended on error too)."""
+    stream.begin_capture()
+    try:
+        calls()
+    except BaseException:
+        try:
+            stream.end_capture()
+        except Exception:
+            pass
+        raise
+    return stream.end_capture()
+
+
 def graph_time_cupy(call, n_calls: int, trials: int = GRAPH_TRIALS,
-                    hold: bool = True) -> tuple[float, float, float]:
+                    hold: bool = True, before=None, span: int | None = None
+                    ) -> tuple[float, float, float]:
     """GPU µs per call of ``call(i)``, i = 0..n_calls-1, captured in one CUDA graph.
 
     ``call`` launches work on the current CuPy stream. It is run once per i first (compiles,
     allocates, initialises cuBLAS) on the capture stream, then captured and replayed, each
     replay queued behind :func:`hold_stream` with its events (``hold=False``: recorded on an
     idle stream, the protocol before v11, kept for scripts/timing_bias.py).
+    With ``before`` (the decode-step protocol, :class:`StepTraffic`), ``before(i)`` is captured
+    ahead of every ``call(i)``, and the time of the graph of the ``before`` calls alone is
+    subtracted (:func:`_event_times`).
+    ``span`` > n_calls (e.g. more buffer sets than calls per graph): i runs over 0..span-1 in
+    ceil(span / n_calls) graphs of n_calls calls, replayed in turn, so that short graphs still
+    rotate over every buffer set.
     Temporaries that ``call`` allocates during capture go back to CuPy's pool and are written
     by every replay: nothing must be allocated between capture and the last replay.
     """
+    import itertools
+
     import cupy
 
+    n_graphs = -(-max(span or n_calls, n_calls) // n_calls)
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream:
-        for i in range(n_calls):
+        for i in range(n_calls * n_graphs):
+            if before is not None:
+                before(i)
             call(i)
         stream.synchronize()
-        stream.begin_capture()
-        try:
-            for i in range(n_calls):
-                call(i)
-        except BaseException:
-            try:
-                stream.end_capture()
-            except Exception:
-                pass
-            raise
-        graph = stream.end_capture()
-        graph.launch(stream)
+
+        def calls(g, timed=True):
+            for i in range(g * n_calls, (g + 1) * n_calls):
+                if before is not None:
+                    before(i)
+                if timed:
+                    call(i)
+        graphs = [_capture_cupy(stream, lambda g=g: calls(g)) for g in range(n_graphs)]
+        without = None if before is None else _capture_cupy(stream, lambda: calls(0, False))
+        for graph in graphs:
+            graph.launch(stream)
         stream.synchronize()
-        stats = _event_times(lambda: graph.launch(stream), stream, n_calls, trials, hold)
-    del graph
+        turn = itertools.cycle(graphs)
+        stats = _event_times(lambda: next(turn).launch(stream), stream, n_calls, trials, hold,
+                             None if without is None else (lambda: without.launch(stream)))
+    del graphs, without
     return stats
 
 
@@ -334,28 +381,50 @@ def flashinfer_available() -> str | None:
     return None
 
 
-def _torch_graph_time(torch, call, n_calls: int, trials: int = GRAPH_TRIALS):
-    """Like :func:`graph_time_cupy` (held stream too) with torch.cuda.CUDAGraph; returns
-    (stats, first output)."""
+def _torch_graph_time(torch, call, n_calls: int, trials: int = GRAPH_TRIALS, before=None,
+                      span: int | None = None):
+    """Like :func:`graph_time_cupy` (held stream, ``before`` and ``span`` too) with
+    torch.cuda.CUDAGraph; returns (stats, first output)."""
+    import itertools
+
     import cupy
 
+    def torch_stream():
+        return cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
+
+    def run(i, timed=True):
+        if before is not None:
+            before(i, torch_stream())
+        return call(i) if timed else None
+
+    n_graphs = -(-max(span or n_calls, n_calls) // n_calls)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         for i in range(min(n_calls, 3)):
-            call(i)
+            run(i)
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = [call(i) for i in range(n_calls)]
-    graph.replay()
+    graphs, outs = [], []
+    for g in range(n_graphs):
+        graphs.append(torch.cuda.CUDAGraph())
+        with torch.cuda.graph(graphs[-1]):
+            outs.append([run(i) for i in range(g * n_calls, (g + 1) * n_calls)])
+    without = None
+    if before is not None:
+        without = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(without):
+            for i in range(n_calls):
+                run(i, timed=False)
+    for graph in graphs:
+        graph.replay()
     torch.cuda.synchronize()
+    turn = itertools.cycle(graphs)
     # events on the stream torch replays on, through the same loop as ours
-    stream = cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
-    stats = _event_times(graph.replay, stream, n_calls, trials, hold=True)
-    first = outs[0].clone()
-    del graph, outs
+    stats = _event_times(lambda: next(turn).replay(), torch_stream(), n_calls, trials, hold=True,
+                         run_without=None if without is None else without.replay)
+    first = outs[0][0].clone()
+    del graphs, without, outs
     return stats, first
 
 
@@ -370,8 +439,10 @@ def _torch_views(torch, sets):
     return views
 
 
-def torch_sdpa_times(sets, w: Workload, scale: float, n_calls: int, check) -> dict:
-    """GPU µs per call of torch SDPA with the cuDNN and FlashAttention-2 backends.
+def torch_sdpa_times(sets, w: Workload, scale: float, n_calls: int, check, before=None,
+                     span=None) -> dict:
+    """GPU µs per call of torch SDPA with the cuDNN and FlashAttention-2 backends (``before``:
+    the decode-step protocol's other kernels, as for ours).
 
     Returns {column: (µs or None, note)} for PEERS["torch"]'s columns; a backend that
     refuses these inputs gives None with the reason, never an exception.
@@ -394,7 +465,8 @@ def torch_sdpa_times(sets, w: Workload, scale: float, n_calls: int, check) -> di
         # the reason lands in the row's notes
         with warnings.catch_warnings(), sdpa_kernel([backend]):
             warnings.simplefilter("ignore")
-            return _timed_peer(torch, call, n_calls, check, w.dtype, col, lambda t: t.squeeze(2))
+            return _timed_peer(torch, call, n_calls, check, w.dtype, col, lambda t: t.squeeze(2),
+                               before, span)
 
     backends = (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION)
     results = {col: _peer_column(torch, col, lambda col=col, b=b: timed(col, b))
@@ -404,11 +476,12 @@ def torch_sdpa_times(sets, w: Workload, scale: float, n_calls: int, check) -> di
     return results
 
 
-def _timed_peer(torch, call, n_calls: int, check, dtype: str, col: str, view=lambda t: t):
+def _timed_peer(torch, call, n_calls: int, check, dtype: str, col: str, view=lambda t: t,
+                before=None, span=None):
     """(GPU µs per call, note) of a peer's graph-replayed ``call``, its first output checked."""
     import cupy
 
-    (med, _, _), first = _torch_graph_time(torch, call, n_calls)
+    (med, _, _), first = _torch_graph_time(torch, call, n_calls, before=before, span=span)
     err = check(cupy.from_dlpack(view(first).contiguous()))
     return med, "" if err <= REL_TOL[dtype] else f"{col}: rel err {err:.1e}"
 
@@ -425,7 +498,8 @@ def _peer_column(torch, col: str, timed) -> tuple:
     return result
 
 
-def flashinfer_times(sets, w: Workload, scale: float, n_calls: int, check) -> dict:
+def flashinfer_times(sets, w: Workload, scale: float, n_calls: int, check, before=None,
+                     span=None) -> dict:
     """GPU µs per call of FlashInfer's batch decode (CUDA-core and tensor-core variants).
 
     The cache is used as a paged cache without copying: our contiguous (B, L, Hkv, D) cache
@@ -467,7 +541,7 @@ def flashinfer_times(sets, w: Workload, scale: float, n_calls: int, check) -> di
         def call(i, _w=wrapper):
             tq, tk, tv = tsets[i % len(tsets)]
             return _w.run(tq, (tk, tv))
-        return _timed_peer(torch, call, n_calls, check, w.dtype, col)
+        return _timed_peer(torch, call, n_calls, check, w.dtype, col, before=before, span=span)
 
     results = {col: _peer_column(torch, col, lambda col=col, tc=tc: timed(col, tc))
                for col, tc in zip(PEERS["flashinfer"][2], (False, True))}
@@ -488,6 +562,84 @@ PEERS = {
 
 
 # ---------------------------------------------------------------------------- one point
+
+# How GPU µs are measured (``cupydecode bench --protocol``): "step" puts the other kernels of a
+# decode step (:class:`StepTraffic`) ahead of every attention call in the graph and subtracts
+# the graph without the attention calls; "back-to-back" times a graph of attention calls alone.
+# ":N" sets the calls per graph (default MIN_GRAPH_CALLS, more if there are more buffer sets).
+PROTOCOLS = ("step", "back-to-back")
+DEFAULT_PROTOCOL = "step"
+
+
+def parse_protocol(text: str) -> tuple[str, int | None]:
+    """"step", "back-to-back", "step:8", "back-to-back:2" → (name, calls per graph or None)."""
+    name, sep, calls = str(text).strip().partition(":")
+    if name not in PROTOCOLS:
+        raise ValueError(f"protocol: expected one of {', '.join(PROTOCOLS)} (optionally "
+                         f"followed by :CALLS), got {text!r}")
+    if not sep:
+        return name, None
+    if not calls.isdigit() or not 1 <= int(calls) <= 1000:
+        raise ValueError(f"protocol: the calls per graph after ':' must be 1..1000, got {text!r}")
+    return name, int(calls)
+
+
+class StepTraffic:
+    """The other kernels of one decode step, put ahead of each timed attention call by the "step"
+    protocol (kernels/step_traffic.cu): a write of ``l2_bytes`` (the MLP output that pushes the
+    cache out of L2), then the QKV projection's traffic — a read of its weights, hidden ×
+    (H + 2·Hkv)·D elements with hidden = H·D, and a write of its output, batch × (H + 2·Hkv)·D.
+
+    A CuPy kernel of the projection's traffic rather than a cuBLAS GEMM: CuPy refuses cuBLAS
+    calls during stream capture, and at decode batch sizes the projection is a read of its
+    weights (llama-3-8b: 50 MB, ~11 µs at the read ceiling) with little arithmetic per byte.
+    """
+
+    def __init__(self, w: Workload, l2_bytes: int):
+        import cupy
+
+        from ._kernels import get_function
+        from .decode import _sm_count
+
+        self.fill_bytes, self.weight_bytes, self.proj_out_bytes = self.sizes(w, l2_bytes)
+        self._fill = cupy.empty(self.fill_bytes // 4, cupy.uint32)
+        # random weights: never read a constant a memory system could compress
+        self._weights = cupy.random.randint(0, 2**31 - 1, size=self.weight_bytes // 4,
+                                            dtype=cupy.int32)
+        self._proj_out = cupy.empty(self.proj_out_bytes // 4, cupy.uint32)
+        self._fn = get_function("step_traffic.cu", "cd_step_traffic", {})
+        self._grid = (4 * _sm_count(cupy.cuda.Device().id), 1, 1)
+        self._fill_args = (self._weights, np.uint64(0), self._fill, np.uint64(self.fill_bytes // 16))
+        self._proj_args = (self._weights, np.uint64(self.weight_bytes // 16), self._proj_out,
+                           np.uint64(self.proj_out_bytes // 16))
+
+    @staticmethod
+    def sizes(w: Workload, l2_bytes: int) -> tuple[int, int, int]:
+        """(L2 write, projection weights read, projection output write) in bytes, each a
+        whole number of 16-byte words."""
+        from .workloads import ITEMSIZE
+
+        es = ITEMSIZE[w.dtype]
+        qkv = (w.num_heads + 2 * w.num_kv_heads) * w.head_dim
+        return tuple(16 * max(1, -(-int(n) // 16)) for n in
+                     (l2_bytes, w.num_heads * w.head_dim * qkv * es, w.batch * qkv * es))
+
+    @classmethod
+    def describe(cls, w: Workload, l2_bytes: int) -> str:
+        fill, weights, out = cls.sizes(w, l2_bytes)
+        return (f"{fill / 1e6:.0f} MB write (L2), then {weights / 1e6:.1f} MB read + "
+                f"{out / 1e6:.2f} MB write (QKV projection traffic)")
+
+    def __call__(self, i: int = 0, stream=None) -> None:
+        """Queue both kernels on ``stream`` (a CuPy stream; default: the current one)."""
+        import contextlib
+
+        from ._kernels import launch
+
+        with (stream if stream is not None else contextlib.nullcontext()):
+            launch(self._fn, self._grid, (512, 1, 1), self._fill_args)
+            launch(self._fn, self._grid, (512, 1, 1), self._proj_args)
+
 
 def buffer_sets_needed(w: Workload, l2_bytes: int) -> int:
     """Independent KV sets so that together they exceed L2_FACTOR × L2 (at least one)."""
@@ -510,14 +662,25 @@ def empty_row(w: Workload, model: str) -> dict:
         "num_heads": w.num_heads, "num_kv_heads": w.num_kv_heads, "head_dim": w.head_dim,
         "splits_requested": w.splits_label, "num_splits": None, "chunk_tokens": None,
         "kv_per_block": None, "kv_bytes": w.kv_bytes(), "buffer_sets": None, "ceiling_gbps": None,
-        "floor_us": None,
-        "eager_us": None, "host_us": None, "gpu_us": None, "gpu_us_p20": None, "gpu_us_p80": None, "gbps": None,
+        "floor_us": None, "protocol": None, "graph_calls": None,
+        "eager_us": None, "host_us": None, "plan_host_us": None, "launch_host_us": None,
+        "gpu_us": None, "gpu_us_p20": None, "gpu_us_p80": None, "gbps": None,
         "pct_of_floor": None, "split1_us": None, "speedup_vs_split1": None, "naive_us": None,
         "speedup_vs_naive": None,
         **{col: None for _, _, cols in PEERS.values() for col in cols},
+        "best_peer_us": None, "speedup_vs_best_peer": None,
         "rel_err": None, "check": "",
         "seed": w.seed, "skipped": "", "notes": "",
     }
+
+
+def empty_launch_host_us() -> float:
+    """Host µs of CuPy's own launch of an empty kernel (kernels/hold.cu, cd_empty): the yardstick
+    of the host cost of ``flash_decode`` and ``DecodePlan.run``, measured in the same process."""
+    from ._kernels import get_function
+
+    kernel = get_function("hold.cu", "cd_empty", {})
+    return host_time_cupy(lambda i: kernel((1,), (1,), ()))
 
 
 def _subset_checker(w: Workload, q, k, v):
@@ -532,84 +695,119 @@ def _subset_checker(w: Workload, q, k, v):
 
 
 def bench_point(w: Workload, ceiling_gbps: float, l2_bytes: int, model: str = "",
-                peers=()) -> dict:
-    """Measure one workload; returns a result row (``skipped`` says why if it could not run)."""
+                peers=(), protocols=(DEFAULT_PROTOCOL,)) -> list[dict]:
+    """Measure one workload: one result row per protocol of ``protocols`` (see
+    :func:`parse_protocol`), on the same buffers, with the peers timed the same way in each.
+
+    The host costs, the split-1 and naive baselines and the correctness check are measured once
+    and copied into every row. A row's ``skipped`` says why if the point could not run.
+    """
     import cupy
 
     from .decode import DecodePlan, flash_decode
 
     if w.seed is None:
         w.seed = fresh_seed()
-    row = empty_row(w, model)
-    row["ceiling_gbps"] = ceiling_gbps
-    row["floor_us"] = w.kv_bytes() / (ceiling_gbps * 1e3)
+    base = empty_row(w, model)
+    base["ceiling_gbps"] = ceiling_gbps
+    base["floor_us"] = w.kv_bytes() / (ceiling_gbps * 1e3)
     nsets = buffer_sets_needed(w, l2_bytes)
-    row["buffer_sets"] = nsets
+    base["buffer_sets"] = nsets
+    specs = [str(p) for p in protocols]
+    protocols = [parse_protocol(p) for p in specs]
+    rows = [dict(base, protocol=spec) for spec in specs]
     free = cupy.cuda.runtime.memGetInfo()[0]
     need = nsets * w.cache_bytes() + MARGIN_BYTES
     if need > free:
-        row["skipped"] = (f"needs {need / 1e9:.1f} GB ({nsets} buffer set(s) of "
-                          f"{w.cache_bytes() / 1e9:.2f} GB + margin), {free / 1e9:.1f} GB free")
-        return row
+        why = (f"needs {need / 1e9:.1f} GB ({nsets} buffer set(s) of "
+               f"{w.cache_bytes() / 1e9:.2f} GB + margin), {free / 1e9:.1f} GB free")
+        return [dict(r, skipped=why) for r in rows]
     notes = []
     sets = [make_inputs(dataclasses.replace(w, seed=(w.seed + i) % 2**32)) for i in range(nsets)]
+    step = StepTraffic(w, l2_bytes) if any(n == "step" for n, _ in protocols) else None
     settle()
     try:
-        n_calls = max(MIN_GRAPH_CALLS, nsets)
         scale = 1.0 / math.sqrt(w.head_dim)
         plan = DecodePlan(w.batch, w.num_heads, w.num_kv_heads, w.head_dim, w.seqlen, w.dtype,
                           num_splits=w.num_splits)
-        row["num_splits"], row["chunk_tokens"] = plan.num_splits, plan.chunk_tokens
-        row["kv_per_block"] = plan.kv_per_block
+        base.update(num_splits=plan.num_splits, chunk_tokens=plan.chunk_tokens,
+                    kv_per_block=plan.kv_per_block)
+        q0, k0, v0, _ = sets[0]
+        check = _subset_checker(w, q0, k0, v0)
 
         def run_plan(i, _plan=plan):
             q, k, v, _ = sets[i % nsets]
             _plan.run(q, k, v)
-        med, p20, p80 = graph_time_cupy(run_plan, n_calls)
-        row.update(gpu_us=med, gpu_us_p20=p20, gpu_us_p80=p80, gbps=w.kv_bytes() / (med * 1e3),
-                   pct_of_floor=100.0 * row["floor_us"] / med)
+        for row, (name, calls) in zip(rows, protocols):
+            n_calls = calls or max(MIN_GRAPH_CALLS, nsets)
+            before = step if name == "step" else None
+            med, p20, p80 = graph_time_cupy(run_plan, n_calls, before=before, span=nsets)
+            row.update(graph_calls=n_calls, gpu_us=med, gpu_us_p20=p20, gpu_us_p80=p80,
+                       gbps=w.kv_bytes() / (med * 1e3), pct_of_floor=100.0 * base["floor_us"] / med)
+            if row is rows[0]:
+                first_calls, first_before = n_calls, before
+        med = rows[0]["gpu_us"]
 
         def eager(i):
             q, k, v, _ = sets[i % nsets]
             flash_decode(q, k, v, num_splits=w.num_splits)
-        row["eager_us"] = eager_time_cupy(eager, int(min(200, max(20, 2.5e5 / (med + 20)))))
-        row["host_us"] = host_time_cupy(eager)
+        base["eager_us"] = eager_time_cupy(eager, int(min(200, max(20, 2.5e5 / (med + 20)))))
+        base["host_us"] = host_time_cupy(eager)
+        base["plan_host_us"] = host_time_cupy(run_plan)
+        base["launch_host_us"] = empty_launch_host_us()
 
-        q0, k0, v0, _ = sets[0]
-        check = _subset_checker(w, q0, k0, v0)
         out, _ = plan.run(q0, k0, v0)
-        row["rel_err"] = check(out)
-        row["check"] = "ok" if row["rel_err"] <= REL_TOL[w.dtype] else "FAIL"
+        base["rel_err"] = check(out)
+        base["check"] = "ok" if base["rel_err"] <= REL_TOL[w.dtype] else "FAIL"
 
         if plan.num_splits == 1:
-            row["split1_us"] = med
+            base["split1_us"] = med
         else:
             plan1 = DecodePlan(w.batch, w.num_heads, w.num_kv_heads, w.head_dim, w.seqlen,
                                w.dtype, num_splits=1)
-            row["split1_us"] = graph_time_cupy(lambda i: plan1.run(*sets[i % nsets][:3]), n_calls)[0]
+            base["split1_us"] = graph_time_cupy(lambda i: plan1.run(*sets[i % nsets][:3]),
+                                                first_calls, before=first_before, span=nsets)[0]
             del plan1
-        row["speedup_vs_split1"] = row["split1_us"] / med
+        base["speedup_vs_split1"] = base["split1_us"] / med
 
-        _naive(row, w, sets, n_calls, scale, check, notes)
+        _naive(base, w, sets, first_calls, scale, check, notes)
+        if base["naive_us"]:
+            base["speedup_vs_naive"] = base["naive_us"] / med
         if peers:
             settle()  # the peers start from an idle GPU too, not right after the naive baseline
         for name in peers:
             _, fn, _ = PEERS[name]
-            if cupy.cuda.runtime.memGetInfo()[0] < MARGIN_BYTES:
-                notes.append(f"{name}: skipped, GPU memory is full")
-                continue
-            for col, (us, note) in fn(sets, w, scale, n_calls, check).items():
-                row[col] = us
-                if note:
-                    notes.append(note)
+            for row, (proto, calls) in zip(rows, protocols):
+                if cupy.cuda.runtime.memGetInfo()[0] < MARGIN_BYTES:
+                    notes.append(f"{name}: skipped, GPU memory is full")
+                    break
+                before = step if proto == "step" else None
+                for col, (us, note) in fn(sets, w, scale, row["graph_calls"], check,
+                                          before, nsets).items():
+                    row[col] = us
+                    if note and note not in notes:
+                        notes.append(note)
     except Exception as exc:
         notes.append(f"error: {type(exc).__name__}: {exc}")
-        row["check"] = row["check"] or "ERROR"
+        base["check"] = base["check"] or "ERROR"
     finally:
-        del sets
+        del sets, step
         cupy.get_default_memory_pool().free_all_blocks()
-    row["notes"] = "; ".join(notes)
-    return row
+    base["notes"] = "; ".join(notes)
+    shared = {k: v for k, v in base.items() if k not in _PER_PROTOCOL}
+    for row in rows:
+        row.update(shared)
+        peer_us = [row[c] for _, _, cols in PEERS.values() for c in cols if row[c]]
+        if peer_us and row["gpu_us"]:
+            row["best_peer_us"] = min(peer_us)
+            row["speedup_vs_best_peer"] = row["best_peer_us"] / row["gpu_us"]
+    return rows
+
+
+# Row fields that each protocol measures for itself (everything else is the point's).
+_PER_PROTOCOL = frozenset({"protocol", "graph_calls", "gpu_us", "gpu_us_p20", "gpu_us_p80",
+                           "gbps", "pct_of_floor", "best_peer_us", "speedup_vs_best_peer",
+                           *(c for _, _, cols in PEERS.values() for c in cols)})
 
 
 def _naive(row: dict, w: Workload, sets, n_calls: int, scale: float, check, notes: list) -> None:
@@ -629,7 +827,6 @@ def _naive(row: dict, w: Workload, sets, n_calls: int, scale: float, check, note
         row["naive_us"] = stream_time_cupy(
             lambda i: naive_decode(*sets[i % len(sets)][:3], scale, mm), n_calls,
             trials=max(3, GRAPH_TRIALS // 4))[0]
-        row["speedup_vs_naive"] = row["naive_us"] / row["gpu_us"]
         if mm != w.dtype:
             notes.append(f"naive: matmul in {mm}")
     except Exception as exc:

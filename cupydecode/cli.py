@@ -318,24 +318,58 @@ def check(ctx, batch, seqlen, heads, kv_heads, head_dim, dtype, splits, seed, va
 
 # ---------------------------------------------------------------------------- bench
 
-def _bench_columns(peer_cols: dict) -> list[tuple[str, str, str]]:
+def _bench_columns(peer_cols: dict, processes: bool = False) -> list[tuple[str, str, str]]:
     """Table columns (label, row key, format); ``peer_cols`` maps peer columns to labels."""
     cols = [("batch", "batch", "d"), ("seqlen", "seqlen", "d"), ("KV MB", "kv_mb", ".1f"),
-            ("splits", "num_splits", "d"), ("floor µs", "floor_us", ".1f"),
-            ("eager µs", "eager_us", ".1f"), ("host µs", "host_us", ".1f"),
-            ("GPU µs", "gpu_us", ".1f"),
-            ("p20–p80", "spread", "s"), ("GB/s", "gbps", ".0f"), ("% floor", "pct_of_floor", ".0f"),
-            ("×split1", "speedup_vs_split1", ".2f"), ("naive µs", "naive_us", ".1f"),
-            ("×naive", "speedup_vs_naive", ".1f")]
+            ("splits", "num_splits", "d"), ("protocol", "protocol_label", "s")]
+    if processes:
+        cols.append(("proc", "process", "d"))
+    cols += [("floor µs", "floor_us", ".1f"), ("GPU µs", "gpu_us", ".1f"),
+             ("p20–p80", "spread", "s"), ("GB/s", "gbps", ".0f"), ("% floor", "pct_of_floor", ".0f"),
+             ("eager µs", "eager_us", ".1f"), ("host µs", "host_us", ".1f"),
+             ("run µs", "plan_host_us", ".1f"), ("launch µs", "launch_host_us", ".1f"),
+             ("×split1", "speedup_vs_split1", ".2f"), ("naive µs", "naive_us", ".1f"),
+             ("×naive", "speedup_vs_naive", ".1f")]
     cols += [(label, c, ".1f") for c, label in peer_cols.items()]
+    if peer_cols:
+        cols.append(("×best peer", "speedup_vs_best_peer", ".3f"))
     cols.append(("check", "check", "s"))
     return cols
 
 
 def _bench_display(row: dict) -> dict:
     spread = (f"{row['gpu_us_p20']:.1f}–{row['gpu_us_p80']:.1f}"
-              if row["gpu_us_p20"] is not None else None)
-    return dict(row, kv_mb=row["kv_bytes"] / 1e6, spread=spread)
+              if row.get("gpu_us_p20") is not None else None)
+    name = str(row["protocol"]).partition(":")[0]
+    label = f"{name}×{row['graph_calls']}" if row.get("graph_calls") else name
+    return dict(row, kv_mb=row.get("kv_bytes", 0) / 1e6, spread=spread, protocol_label=label)
+
+
+def stability(rows: list[dict]) -> list[dict]:
+    """Per point (batch, seqlen), over every protocol and process that timed it: the best and
+    the worst GPU µs, the spread (worst / best − 1, %), and the lowest speed-up over the best
+    peer of the same row (None without peers)."""
+    points: dict = {}
+    for r in rows:
+        if r["gpu_us"]:
+            points.setdefault((r["batch"], r["seqlen"]), []).append(r)
+    out = []
+    for (batch, seqlen), rs in points.items():
+        us = [r["gpu_us"] for r in rs]
+        ratios = [r["speedup_vs_best_peer"] for r in rs if r.get("speedup_vs_best_peer")]
+        worst = max(rs, key=lambda r: r["gpu_us"])
+        out.append({"batch": batch, "seqlen": seqlen, "runs": len(rs), "best_us": min(us),
+                    "worst_us": max(us), "spread_pct": 100.0 * (max(us) / min(us) - 1),
+                    "worst_in": _bench_display(worst)["protocol_label"]
+                    + (f" (process {worst['process']})" if "process" in worst else ""),
+                    "min_speedup_vs_best_peer": min(ratios) if ratios else None})
+    return out
+
+
+STABILITY_COLUMNS = [("batch", "batch", "d"), ("seqlen", "seqlen", "d"), ("runs", "runs", "d"),
+                     ("best µs", "best_us", ".1f"), ("worst µs", "worst_us", ".1f"),
+                     ("spread %", "spread_pct", ".1f"), ("slowest in", "worst_in", "s"),
+                     ("min ×best peer", "min_speedup_vs_best_peer", ".3f")]
 
 
 def _check_plot_available(ctx) -> None:
@@ -346,6 +380,51 @@ def _check_plot_available(ctx) -> None:
                    "install it with `pip install matplotlib` (not a dependency of cupydecode)",
                    err=True)
         ctx.exit(EXIT_USAGE)
+
+
+def _protocol_callback(ctx, param, value):
+    from .bench import DEFAULT_PROTOCOL, parse_protocol
+
+    items = [p.strip() for v in (value or (DEFAULT_PROTOCOL,)) for p in str(v).split(",")]
+    for item in items:
+        try:
+            parse_protocol(item)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc).split(": ", 1)[1], ctx, param) from None
+    return list(dict.fromkeys(items))
+
+
+def _bench_in_processes(n: int, argv: list[str]) -> list[dict]:
+    """Run this bench command again in ``n`` fresh processes (one at a time, each with its own
+    allocations and start state) and return all their rows, each tagged with ``process``."""
+    import subprocess
+    import tempfile
+
+    rows = []
+    for i in range(n):
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "rows.json")
+            cmd = [sys.executable, "-m", "cupydecode.cli", "bench", *argv, "--processes", "1",
+                   "--json", path]
+            done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            if done.returncode not in (0, EXIT_FAILED) or not os.path.exists(path):
+                raise click.ClickException(f"bench process {i + 1} of {n} failed (exit "
+                                           f"{done.returncode}):\n{done.stdout[-2000:]}")
+            with open(path) as f:
+                payload = json.load(f)
+        for r in payload["rows"]:
+            rows.append(dict(r, process=i + 1))
+    return rows
+
+
+def _forwarded_bench_args(model, dtype, seqlens, batches, splits, protocols, baselines) -> list[str]:
+    """The options of this bench run, for the processes of --processes (outputs stay here)."""
+    argv = ["--model", model, "--dtype", dtype, "--seqlens", ",".join(map(str, seqlens)),
+            "--batch", ",".join(map(str, batches)), "--splits", str(splits),
+            "--protocol", ",".join(protocols)]
+    for name in baselines:
+        argv += ["--baseline", name]
+    return argv
 
 
 @main.command()
@@ -359,6 +438,14 @@ def _check_plot_available(ctx) -> None:
               help="Comma list of batch sizes.")
 @click.option("--splits", type=SplitsType(), default="auto", show_default=True,
               help="'auto' or a forced split count.")
+@click.option("--protocol", "protocols", multiple=True, callback=_protocol_callback,
+              metavar="step|back-to-back[:CALLS]",
+              help="How GPU µs are measured (repeatable or comma list; default step): 'step' "
+                   "puts the other kernels of a decode step before each call in the graph and "
+                   "subtracts them, 'back-to-back' times a graph of attention calls alone; "
+                   ":CALLS sets the calls per graph (default 10, more with more buffer sets).")
+@click.option("--processes", type=click.IntRange(1, 16), default=1, show_default=True,
+              help="Run the sweep in this many fresh processes and report the spread per point.")
 @click.option("--baseline", "baselines", type=click.Choice(["torch", "flashinfer"]),
               multiple=True, help="Also time a peer (repeatable); needs torch / flashinfer.")
 @click.option("--csv", "csv_path", type=click.Path(dir_okay=False, writable=True),
@@ -368,20 +455,25 @@ def _check_plot_available(ctx) -> None:
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, writable=True),
               help="Plot µs and % of floor vs seqlen to this PNG (needs matplotlib).")
 @click.pass_context
-def bench(ctx, model, dtype, seqlens, batches, splits, baselines, csv_path, json_path, plot_path):
+def bench(ctx, model, dtype, seqlens, batches, splits, protocols, processes, baselines, csv_path,
+          json_path, plot_path):
     """Time flash_decode against the HBM read floor and against baselines.
 
-    Per point: floor = bytes(K+V) / read ceiling measured in this run; eager µs (host wall time
-    of one flash_decode call); GPU µs per call from a replayed CUDA graph (median, p20–p80),
-    rotating over KV buffers larger than 4× L2; speedups over the same kernels with
-    num_splits=1 and over a naive CuPy version (cuBLAS + float32 softmax). The output of the
-    timed configuration is checked against float64.
+    Per point: floor = bytes(K+V) / read ceiling measured in this run; GPU µs per call from a
+    replayed CUDA graph (median, p20–p80), rotating over KV buffers larger than 4× L2, in the
+    decode-step protocol by default (see --protocol); host µs of flash_decode, of
+    DecodePlan.run and of CuPy's own launch of an empty kernel, and eager µs (one flash_decode
+    call with its synchronise); speedups over the same kernels with num_splits=1 and over a
+    naive CuPy version (cuBLAS + float32 softmax). Peers are timed in the same protocol on the
+    same buffers. The output of the timed configuration is checked against float64. With
+    several protocols or processes, a last table gives each point's spread over all of them.
 
     \b
     Examples:
       cupydecode bench
       cupydecode bench --seqlens 4096,65536 --batch 1,16 --csv out.csv --plot out.png
       cupydecode bench --model qwen2.5-7b --dtype bf16 --baseline torch
+      cupydecode bench --protocol step,back-to-back:2,back-to-back:10 --processes 3
     """
     from . import bench as B
 
@@ -397,35 +489,58 @@ def bench(ctx, model, dtype, seqlens, batches, splits, baselines, csv_path, json
     device, header = _device_header()
     for line in header:
         click.echo(line)
-    ceiling = B.measure_read_ceiling()
-    click.echo(f"HBM read ceiling: {ceiling['gbps']:.0f} GB/s (read-only kernel over "
-               f"{ceiling['nbytes'] / 1e9:.2f} GB, {ceiling['us']:.0f} µs)")
-    points = B.sweep(model, dtype, seqlens, batches, None if splits == "auto" else splits)
     p = MODELS[model]
-    click.echo(f"{model}: {p.num_heads} query heads, {p.num_kv_heads} KV heads, head_dim "
-               f"{p.head_dim}, {dtype}, splits {splits}")
-    click.echo(f"bytes per point: {B.napkin(points[0], symbolic=True)} "
-               f"(e.g. {B.napkin(points[0])})")
-    click.echo(f"GPU µs: {B.GRAPH_TRIALS} replays of a graph of ≥{B.MIN_GRAPH_CALLS} calls; "
-               f"floor µs = KV bytes / {ceiling['gbps']:.0f} GB/s")
-    click.echo("naive µs: cuBLAS q·Kᵀ, float32 softmax, cuBLAS P·V, timed by events over "
-               "back-to-back calls (CuPy cannot capture cuBLAS in a graph)\n")
-    rows = []
-    with click.progressbar(points, label="bench", file=sys.stderr,
-                           item_show_func=lambda w: w and f"B={w.batch} L={w.seqlen}") as bar:
-        for w in bar:
-            rows.append(B.bench_point(w, ceiling["gbps"], device["l2_bytes"], model, peers))
+    if processes > 1:
+        click.echo(f"{model}: {p.num_heads} query heads, {p.num_kv_heads} KV heads, head_dim "
+                   f"{p.head_dim}, {dtype}, splits {splits}; {processes} processes, protocols "
+                   f"{', '.join(protocols)}")
+        rows = _bench_in_processes(processes, _forwarded_bench_args(
+            model, dtype, seqlens, batches, splits, protocols, peers))
+        ceiling = {"gbps": [r["ceiling_gbps"] for r in rows if r["ceiling_gbps"]]}
+    else:
+        ceiling = B.measure_read_ceiling()
+        click.echo(f"HBM read ceiling: {ceiling['gbps']:.0f} GB/s (read-only kernel over "
+                   f"{ceiling['nbytes'] / 1e9:.2f} GB, {ceiling['us']:.0f} µs)")
+        points = B.sweep(model, dtype, seqlens, batches, None if splits == "auto" else splits)
+        click.echo(f"{model}: {p.num_heads} query heads, {p.num_kv_heads} KV heads, head_dim "
+                   f"{p.head_dim}, {dtype}, splits {splits}")
+        click.echo(f"bytes per point: {B.napkin(points[0], symbolic=True)} "
+                   f"(e.g. {B.napkin(points[0])})")
+        click.echo(f"GPU µs: {B.GRAPH_TRIALS} replays of a graph per protocol; floor µs = KV "
+                   f"bytes / {ceiling['gbps']:.0f} GB/s; protocols: {', '.join(protocols)}")
+        if any(B.parse_protocol(x)[0] == "step" for x in protocols):
+            click.echo(f"step: before each attention call, "
+                       f"{B.StepTraffic.describe(points[0], device['l2_bytes'])} "
+                       f"(sizes of the first point); the graph without the attention calls "
+                       f"is subtracted")
+        click.echo("host µs: flash_decode; run µs: DecodePlan.run; launch µs: CuPy's own launch "
+                   "of an empty kernel; naive µs: cuBLAS q·Kᵀ, float32 softmax, cuBLAS P·V, "
+                   "timed by events over back-to-back calls (CuPy cannot capture cuBLAS)\n")
+        rows = []
+        with click.progressbar(points, label="bench", file=sys.stderr,
+                               item_show_func=lambda w: w and f"B={w.batch} L={w.seqlen}") as bar:
+            for w in bar:
+                rows.extend(B.bench_point(w, ceiling["gbps"], device["l2_bytes"], model, peers,
+                                          protocols))
     peer_cols = {c: label for name in peers for c, label in B.PEERS[name][2].items()}
     done = [r for r in rows if not r["skipped"]]
     if done:
-        for line in format_table([_bench_display(r) for r in done], _bench_columns(peer_cols)):
+        for line in format_table([_bench_display(r) for r in done],
+                                 _bench_columns(peer_cols, processes > 1)):
             click.echo(line)
     for r in rows:
         if r["skipped"]:
             click.echo(f"skipped batch {r['batch']} seqlen {r['seqlen']}: {r['skipped']}")
         if r["notes"]:
-            click.echo(f"note batch {r['batch']} seqlen {r['seqlen']}: {r['notes']}")
-    payload = {"device": device, "ceiling": ceiling, "model": model, "rows": rows}
+            click.echo(f"note batch {r['batch']} seqlen {r['seqlen']} ({r['protocol']}): "
+                       f"{r['notes']}")
+    spread = stability(done) if (processes > 1 or len(protocols) > 1) else []
+    if spread:
+        click.echo("\nspread per point over every protocol and process:")
+        for line in format_table(spread, STABILITY_COLUMNS):
+            click.echo(line)
+    payload = {"device": device, "ceiling": ceiling, "model": model, "protocols": protocols,
+               "processes": processes, "rows": rows, "stability": spread}
     if csv_path:
         write_csv(csv_path, rows)
         click.echo(f"wrote {csv_path}")
@@ -433,8 +548,9 @@ def bench(ctx, model, dtype, seqlens, batches, splits, baselines, csv_path, json
         write_json(json_path, payload)
         click.echo(f"wrote {json_path}")
     if plot_path:
-        B.plot_rows(rows, plot_path, f"{model} {dtype} on {device['name']} "
-                                     f"(ceiling {ceiling['gbps']:.0f} GB/s)")
+        first = protocols[0]
+        B.plot_rows([r for r in rows if r["protocol"] == first and r.get("process", 1) == 1],
+                    plot_path, f"{model} {dtype} on {device['name']}, {first} protocol")
         click.echo(f"wrote {plot_path}")
     if any(r["check"] in ("FAIL", "ERROR") for r in rows):
         click.echo("error: a timed configuration failed its correctness check", err=True)

@@ -201,3 +201,31 @@ def test_plot_without_matplotlib_exits_2(runner, monkeypatch):
     result = runner.invoke(cli.main, ["bench", "--plot", "out.png"])
     assert result.exit_code == 2, result.output
     assert "matplotlib" in result.output
+
+
+def test_bench_protocol_parsing():
+    from cupydecode.bench import parse_protocol
+
+    assert parse_protocol("step") == ("step", None)
+    assert parse_protocol("back-to-back:2") == ("back-to-back", 2)
+    for bad in ("steps", "step:0", "step:x", "back-to-back:", ":3"):
+        with pytest.raises(ValueError, match="protocol"):
+            parse_protocol(bad)
+
+
+def test_bench_rejects_unknown_protocol_before_any_gpu_work(runner):
+    result = runner.invoke(cli.main, ["bench", "--protocol", "warm"])
+    assert result.exit_code == 2 and "protocol" in result.output
+
+
+def test_stability_table_over_protocols_and_processes():
+    rows = [dict(batch=1, seqlen=16, protocol="step", graph_calls=10, gpu_us=10.0,
+                 speedup_vs_best_peer=1.2, process=1),
+            dict(batch=1, seqlen=16, protocol="back-to-back:2", graph_calls=2, gpu_us=12.0,
+                 speedup_vs_best_peer=1.05, process=2),
+            dict(batch=4, seqlen=16, protocol="step", graph_calls=10, gpu_us=None)]
+    (point,) = cli.stability(rows)
+    assert point["best_us"] == 10.0 and point["worst_us"] == 12.0
+    assert point["spread_pct"] == pytest.approx(20.0)
+    assert point["worst_in"] == "back-to-back×2 (process 2)"
+    assert point["min_speedup_vs_best_peer"] == 1.05

@@ -120,3 +120,24 @@ def test_info_compile_builds_every_specialisation(runner, cupy):
                 shape = " ".join(f"{k}={v}" for k, v in sorted(cfg.defines().items()))
                 assert shape in result.output, (shape, result.output)
     assert "merge_states.cu:cd_merge_states" in result.output, result.output
+
+
+def test_bench_protocols_side_by_side(runner, tmp_path):
+    """One row per protocol on the same point, the host costs measured in the same process, and
+    the spread table over the protocols."""
+    json_path = tmp_path / "b.json"
+    result = runner.invoke(cli.main, ["bench", "--seqlens", "4096", "--batch", "2", "--protocol",
+                                      "step,back-to-back:2", "--json", str(json_path)])
+    assert result.exit_code == 0, result.output
+    assert "step: before each attention call" in result.output
+    assert "spread per point" in result.output
+    payload = json.loads(json_path.read_text())
+    step, b2b = payload["rows"]
+    assert (step["protocol"], b2b["protocol"]) == ("step", "back-to-back:2")
+    assert b2b["graph_calls"] == 2 and step["graph_calls"] >= 10
+    for row in (step, b2b):
+        assert row["check"] == "ok" and row["gpu_us"] > 0
+        assert row["host_us"] > 0 and row["plan_host_us"] > 0 and row["launch_host_us"] > 0
+        assert row["eager_us"] == step["eager_us"]  # measured once per point
+    (point,) = payload["stability"]
+    assert point["runs"] == 2 and point["spread_pct"] >= 0

@@ -68,7 +68,7 @@ def test_merge_kernel_compiles(nvrtc, in_dtype, out_dtype, vec, arch):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("filename", ["read_ceiling.cu", "hold.cu"])
+@pytest.mark.parametrize("filename", ["read_ceiling.cu", "hold.cu", "step_traffic.cu"])
 def test_benchmark_kernels_compile(nvrtc, filename, arch):
     _check_build(_kernels.compile_for_arch(filename, {}, arch, ptxas_info=True))
 
@@ -121,5 +121,6 @@ def test_source_digest_tracks_defines():
 
 def test_kernel_dir_holds_the_sources():
     d = _kernels.kernel_dir()
-    for name in ("decode_split.cu", "merge_states.cu", "common.cuh", "read_ceiling.cu", "hold.cu"):
+    for name in ("decode_split.cu", "merge_states.cu", "common.cuh", "read_ceiling.cu", "hold.cu",
+                 "step_traffic.cu"):
         assert (d / name).is_file(), d
