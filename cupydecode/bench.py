@@ -595,7 +595,7 @@ class StepTraffic:
     weights (llama-3-8b: 50 MB, ~11 µs at the read ceiling) with little arithmetic per byte.
     """
 
-    def __init__(self, w: Workload, l2_bytes: int):
+    def __init__(self, w: Workload, l2_bytes: int, early_trigger: bool = False):
         import cupy
 
         from ._kernels import get_function
@@ -607,7 +607,8 @@ class StepTraffic:
         self._weights = cupy.random.randint(0, 2**31 - 1, size=self.weight_bytes // 4,
                                             dtype=cupy.int32)
         self._proj_out = cupy.empty(self.proj_out_bytes // 4, cupy.uint32)
-        self._fn = get_function("step_traffic.cu", "cd_step_traffic", {})
+        self._fn = get_function("step_traffic.cu", "cd_step_traffic",
+                                {"EARLY_TRIGGER": int(early_trigger)})
         self._grid = (4 * _sm_count(cupy.cuda.Device().id), 1, 1)
         self._fill_args = (self._weights, np.uint64(0), self._fill, np.uint64(self.fill_bytes // 16))
         self._proj_args = (self._weights, np.uint64(self.weight_bytes // 16), self._proj_out,

@@ -193,7 +193,8 @@ class DecodePlan:
         self._strides: dict = {}
         self._split_launch = (None if self.batch == 0 else _kernels.StructLaunch(
             _split_function(self.config), self._grid, (self.config.threads, 1, 1),
-            self.config.smem_bytes, _PARAMS))
+            self.config.smem_bytes, _PARAMS,
+            programmatic=programmatic and _policy.PROGRAMMATIC_SPLIT))
         self._shape = dict(batch=self.batch, num_heads=self.num_heads,
                            num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
                            max_seqlen=self.max_seqlen)

@@ -9,11 +9,19 @@
 // projection's traffic) — and subtracts the time of the same graph without the attention calls.
 // It moves exactly the bytes it is given: n_read 16-byte words of src (XOR-folded, so the loads
 // cannot be removed), then n_write 16-byte words of dst. Launched with 512 threads per block,
-// 4 blocks per SM.
+// 4 blocks per SM. EARLY_TRIGGER (default 0) lets a programmatic dependent start as soon as
+// every block of this grid is running, as a kernel written for programmatic launch would.
+#ifndef EARLY_TRIGGER
+#define EARLY_TRIGGER 0
+#endif
 
 extern "C" __global__ void __launch_bounds__(512)
 cd_step_traffic(const uint4* __restrict__ src, unsigned long long n_read,
                 uint4* __restrict__ dst, unsigned long long n_write) {
+#if EARLY_TRIGGER && __CUDA_ARCH__ >= 900
+    // (a previous kernel that lets a programmatic dependent start before it ends)
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
     const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
     const unsigned long long first = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
     unsigned int acc = 0;
