@@ -47,10 +47,6 @@ MERGE_STATES_PER_TRIP = 16   # CD_MERGE_GROUP in kernels/common.cuh
 MERGE_WARPS = 8              # CD_MERGE_MAX_WARPS in kernels/merge_states.cu: warps per merge block
 FUSED_PASS = 128             # elements of head_dim per warp pass in the fused merge (4 per lane)
 MERGE_MODES = ("auto", "fused", "kernel")
-# Whether a plan launches its split kernel as a programmatic dependent of whatever kernel runs
-# before it on the stream (where the GPU allows): its blocks may then be made resident while that
-# kernel ends, and wait in the kernel before reading anything (kernels/decode_split.cu).
-PROGRAMMATIC_SPLIT = False
 # Where the merge kernel is launched as a programmatic dependent (Hopper on), merge="auto" fuses
 # the merge only where the merging block folds at most this many partial states (its rows × the
 # splits): it fetches them all through its one SM, while the kernel spreads them over many.

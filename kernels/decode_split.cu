@@ -285,7 +285,7 @@ static_assert(sizeof(cd_decode_params) == 184, "cd_decode_params: 184 bytes expe
 // M-tile shapes leave room for a second block; the host asks the driver's occupancy calculator.)
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
 cd_decode_split(const cd_decode_params p) {
-    // Launched as a programmatic dependent of the kernel before it (_policy.PROGRAMMATIC_SPLIT),
+    // Launched as a programmatic dependent of the kernel before it (DecodePlan(enable_pdl=True)),
     // the grid may be resident before that kernel ends: nothing it wrote (q, lengths, the cache's
     // new rows) is read before this wait. A no-op for a plain launch (common.cuh).
     cd_wait_prerequisites();

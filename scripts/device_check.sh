@@ -37,7 +37,8 @@ if has sanitizer; then
     $PY -m pytest -q -p no:cacheprovider tests/test_gpu_decode.py tests/test_gpu_merge.py \
     tests/test_gpu_plan.py -k "clamped or transposed or slice or large_logits or gqa or empty \
     or cache_seqlens or split_counts or many_forced or merge or graph or long_chunk or m_tile \
-    or both_tensor_core_paths or (warps_in_step and not bfloat16) or (kv_groups and not bfloat16)" \
+    or both_tensor_core_paths or (warps_in_step and not bfloat16) or (kv_groups and not bfloat16) \
+    or enable_pdl" \
     2>&1 \
     | tail -n 40 > "$OUT_DIR/sanitizer.log"
   add_summary "memcheck: $(grep -E 'ERROR SUMMARY' "$OUT_DIR/sanitizer.log" | tail -n 1) | $(grep -E 'passed|failed' "$OUT_DIR/sanitizer.log" | tail -n 1)"
@@ -50,7 +51,7 @@ if has racecheck; then
   timeout 300 compute-sanitizer --tool racecheck --error-exitcode 3 \
     $PY -m pytest -q -p no:cacheprovider tests/test_gpu_plan.py tests/test_gpu_decode.py \
     -k "merge_modes_agree or m_tile_layouts or (both_tensor_core_paths and not bfloat16) \
-    or (kv_groups and not bfloat16 and nhd and not kernel)" 2>&1 \
+    or (kv_groups and not bfloat16 and nhd and not kernel) or enable_pdl" 2>&1 \
     | tail -n 20 > "$OUT_DIR/racecheck.log"
   add_summary "racecheck: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT_DIR/racecheck.log" | tail -n 1) | $(grep -E 'passed|failed' "$OUT_DIR/racecheck.log" | tail -n 1)"
 fi
@@ -63,14 +64,15 @@ fi
 BASELINES=""  # peers only where they are installed (a missing one would stop the bench)
 $PY -c "import torch" 2>/dev/null && BASELINES="--baseline torch"
 $PY -c "import flashinfer" 2>/dev/null && BASELINES="$BASELINES --baseline flashinfer"
+PROTOCOLS=${PROTOCOLS:-"step,back-to-back"}  # the sweeps' protocols (layouts: the first)
 PLOT=""
 $PY -c "import matplotlib" 2>/dev/null && PLOT="--plot $OUT_DIR/bench.png"
 if has bench; then
-  $PY -m cupydecode.cli bench $BASELINES --csv "$OUT_DIR/bench.csv" --json "$OUT_DIR/bench.json" \
-    $PLOT 2>"$OUT_DIR/bench.err" | tee "$OUT_DIR/bench.txt"
-  $PY -m cupydecode.cli bench $BASELINES --seqlens 8192 --batch 4,16,64 \
+  $PY -m cupydecode.cli bench $BASELINES --protocol "$PROTOCOLS" --csv "$OUT_DIR/bench.csv" \
+    --json "$OUT_DIR/bench.json" $PLOT 2>"$OUT_DIR/bench.err" | tee "$OUT_DIR/bench.txt"
+  $PY -m cupydecode.cli bench $BASELINES --protocol "$PROTOCOLS" --seqlens 8192 --batch 4,16,64 \
     --csv "$OUT_DIR/bench_b8k.csv" 2>>"$OUT_DIR/bench.err" | tee -a "$OUT_DIR/bench.txt"
-  $PY -m cupydecode.cli bench $BASELINES --seqlens 32768 --batch 16 \
+  $PY -m cupydecode.cli bench $BASELINES --protocol "$PROTOCOLS" --seqlens 32768 --batch 16 \
     --csv "$OUT_DIR/bench_b32k.csv" 2>>"$OUT_DIR/bench.err" | tee -a "$OUT_DIR/bench.txt"
   add_summary "bench: $(awk 'FNR > 1' "$OUT_DIR"/bench*.csv | wc -l) rows in bench*.csv"
 fi
@@ -80,7 +82,7 @@ if has layouts; then
   for spec in "llama-3-70b float16" "qwen2.5-7b bfloat16" "llama-2-7b float16" "gemma-2b bfloat16" \
               "gemma-2-9b float16" "gpt-2 bfloat16" "falcon-7b float16"; do
     set -- $spec
-    $PY -m cupydecode.cli bench $BASELINES --model "$1" --dtype "$2" --seqlens 16384,65536 \
+    $PY -m cupydecode.cli bench $BASELINES --protocol "${PROTOCOLS%%,*}" --model "$1" --dtype "$2" --seqlens 16384,65536 \
       --batch 1,16 --csv "$OUT_DIR/layouts_$1.csv" 2>>"$OUT_DIR/bench.err" | tee -a "$OUT_DIR/layouts.txt"
   done
   add_summary "layouts: $(awk 'FNR > 1' "$OUT_DIR"/layouts_*.csv | wc -l) rows in layouts_*.csv"

@@ -5,7 +5,7 @@ docs/PERFORMANCE.md):
           cupydecode more than cuDNN? Each arm timed right after 0.4 s of bf16 matrix products,
           with NVML's SM clock over the timed window.
   pdl   — the split kernel launched as a programmatic dependent of the kernel before it
-          (_policy.PROGRAMMATIC_SPLIT), in the decode-step protocol, with a previous kernel that
+          (DecodePlan(enable_pdl=True)), in the decode-step protocol, with a previous kernel that
           triggers its dependents early and one that does not.
   host  — where the host time of DecodePlan.run and flash_decode goes (cProfile).
 
@@ -28,7 +28,7 @@ import cupydecode as cd  # noqa: E402
 from cupydecode import bench as B  # noqa: E402
 from cupydecode.workloads import Workload, make_inputs  # noqa: E402
 from stability import Clocks  # noqa: E402
-from tune import alternating, policy_value  # noqa: E402
+from tune import alternating  # noqa: E402
 
 L2 = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["l2CacheSize"]
 
@@ -84,8 +84,7 @@ def pdl_part():
 
         def time_arm(arm):
             prog, trig = arm
-            with policy_value("PROGRAMMATIC_SPLIT", prog):
-                plan = cd.DecodePlan(b, 32, 8, 128, L, "float16")
+            plan = cd.DecodePlan(b, 32, 8, 128, L, "float16", enable_pdl=prog)
             assert plan._split_launch.programmatic == prog
             us = B.graph_time_cupy(lambda i: plan.run(*sets[i % n][:3]), max(10, n),
                                    before=steps[trig], span=n)[0]

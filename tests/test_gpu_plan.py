@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import cupydecode
-from cupydecode import _policy
+from cupydecode import _kernels, _policy
 from cupydecode import reference as R
 from helpers import (DTYPES, LSE_TOL, OUT_TOL, assert_lse_close, assert_out_close, context,
                      decode_inputs, np_dtype, poison_pool, to_device)
@@ -454,3 +454,63 @@ def test_plan_built_during_capture_runs_eagerly_before_replay(cupy, rng, seed):
     stream.synchronize()
     assert_out_close(plan.out, ref_out, OUT_TOL["float16"], f"replay {ctx}")
     assert_lse_close(plan.lse, ref_lse, LSE_TOL["float16"], f"replay {ctx}")
+
+
+_LATE_WRITER = r"""
+extern "C" __global__ void late_copy(const unsigned short* src, unsigned short* dst, int n,
+                                     unsigned long long spin_ns) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");  // dependents may start now
+#endif
+    unsigned long long t0, t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+    do { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); } while (t - t0 < spin_ns);
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x)
+        dst[i] = src[i];
+}
+"""
+
+
+@pytest.mark.parametrize("splits", [1, 4])
+def test_enable_pdl_waits_for_the_kernel_before_it(cupy, rng, seed, splits):
+    """With enable_pdl, the split kernel may be resident before the kernel ahead of it ends: it
+    must still see what that kernel writes. Here that kernel lets its dependents start at once,
+    then spins 50 µs and only then writes q and the lengths over NaN / zero; eager and graph."""
+    batch, num_heads, num_kv_heads, head_dim, max_seqlen = 3, 32, 8, 128, 1500
+    lens = [1500, 7, 1024]
+    ctx = context(seed, splits=splits)
+    q, k, v = decode_inputs(rng, batch, num_heads, num_kv_heads, head_dim, max_seqlen, "float16")
+    dq_src, dk, dv = to_device(q), to_device(k), to_device(v)
+    lens_src = cupy.asarray(np.asarray(lens, np.int32))
+    copy = cupy.RawKernel(_LATE_WRITER, "late_copy")
+    plan = cupydecode.DecodePlan(batch, num_heads, num_kv_heads, head_dim, max_seqlen,
+                                 "float16", num_splits=splits, enable_pdl=True)
+    programmatic = _kernels.programmatic_launch_supported(cupy.cuda.Device().id)
+    assert plan._split_launch.programmatic == programmatic, ctx
+    ref_out, ref_lse = R.decode_attention(q, k, v, lens)
+    dq = cupy.full(dq_src.shape, np.nan, dq_src.dtype)
+    seqlens = cupy.zeros(batch, cupy.int32)
+
+    def step():
+        dq.fill(np.nan)
+        seqlens.fill(0)
+        plan.out.fill(np.nan)
+        copy((4,), (128,), (dq_src.view(cupy.uint16), dq.view(cupy.uint16), np.int32(dq.size),
+                            np.uint64(50_000)))
+        copy((1,), (32,), (lens_src.view(cupy.uint16), seqlens.view(cupy.uint16),
+                           np.int32(2 * batch), np.uint64(50_000)))
+        return plan.run(dq, dk, dv, seqlens)
+
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        out, lse = step()
+        assert_out_close(out, ref_out, OUT_TOL["float16"], ctx, "eager out")
+        assert_lse_close(lse, ref_lse, LSE_TOL["float16"], ctx)
+        stream.begin_capture()
+        step()
+        graph = stream.end_capture()
+        for _ in range(3):
+            graph.launch(stream)
+        stream.synchronize()
+        assert_out_close(plan.out, ref_out, OUT_TOL["float16"], ctx, "graph out")
+        assert_lse_close(plan.lse, ref_lse, LSE_TOL["float16"], ctx)

@@ -72,6 +72,7 @@ def test_import_does_not_import_cupy():
     (dict(num_splits=0), "num_splits"),
     (dict(batch=True), "batch"),
     (dict(batch=65536), "batch"),
+    (dict(enable_pdl=1), "enable_pdl"),
 ])
 def test_plan_arguments_checked_before_any_gpu_use(cupy_importable, kwargs, name):
     """Token counts are int32 in the kernels: out-of-range plan arguments fail by name, early."""
