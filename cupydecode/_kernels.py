@@ -14,6 +14,7 @@ prepared buffer and handed to ``cuLaunchKernel`` directly).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -60,13 +61,31 @@ def _inline(path: Path, seen: set[Path], directories: tuple[Path, ...]) -> str:
     return _INCLUDE.sub(repl, text)
 
 
+# Folders whose files replace the shipped ones while :func:`kernel_sources` is active.
+_SOURCE_DIRS: tuple[Path, ...] = ()
+
+
+@contextlib.contextmanager
+def kernel_sources(folder: Path | str):
+    """A/B of kernel variants: inside the ``with`` block, every kernel is built from the files
+    ``folder`` holds (the others stay the shipped ones). Plans built inside keep the kernels they
+    were built with after the block ends."""
+    global _SOURCE_DIRS
+    previous = _SOURCE_DIRS
+    _SOURCE_DIRS = (Path(folder).resolve(), *previous)
+    try:
+        yield
+    finally:
+        _SOURCE_DIRS = previous
+
+
 def program_source(filename: str, defines: dict[str, int], folder: Path | str | None = None) -> str:
     """The complete source of one specialisation: defines, then the file with headers inlined.
 
     With ``folder`` (for A/B of kernel variants), each file of the program that ``folder`` holds
-    is read from there, the others from :func:`kernel_dir`.
+    is read from there, the others from :func:`kernel_dir` (and :func:`kernel_sources`' folders).
     """
-    directories = (*([Path(folder)] if folder is not None else []), kernel_dir())
+    directories = (*([Path(folder)] if folder is not None else []), *_SOURCE_DIRS, kernel_dir())
     path = _find(filename, directories)
     head = "".join(f"#define {k} {int(v)}\n" for k, v in sorted(defines.items()))
     return head + _inline(path, {path.resolve()}, directories)
@@ -92,7 +111,7 @@ def get_function(filename: str, name: str, defines: dict[str, int]):
     The cache key holds the source text itself (through ``_module``'s argument), so a file
     edited while the process runs is recompiled rather than served stale.
     """
-    key = (filename, name, tuple(sorted(defines.items())))
+    key = (filename, name, tuple(sorted(defines.items())), _SOURCE_DIRS)
     fn = _compiled.get(key)
     if fn is None:
         fn = _module(program_source(filename, defines), COMPILE_OPTIONS).get_function(name)
@@ -104,7 +123,7 @@ def compiled_specialisations() -> list[str]:
     """Human-readable list of the specialisations compiled in this process, with the registers
     per thread and local (spill) bytes the compiler gave each kernel on the current GPU."""
     rows = []
-    for (f, n, d), fn in _compiled.items():
+    for (f, n, d, _), fn in _compiled.items():
         try:
             res = f"  [{fn.num_regs} registers, {fn.local_size_bytes} B local]"
         except Exception:  # attributes need a loaded module (a GPU)

@@ -8,8 +8,10 @@ docs/PERFORMANCE.md):
           (DecodePlan(enable_pdl=True)), in the decode-step protocol, with a previous kernel that
           triggers its dependents early and one that does not.
   host  — where the host time of DecodePlan.run and flash_decode goes (cProfile).
+  hint  — the split kernel's K/V copies with and without the L2 evict-first hint, in the
+          decode-step protocol and back to back.
 
-Usage: python scripts/step_extras.py [heat] [pdl] [host]
+Usage: python scripts/step_extras.py [heat] [pdl] [host] [hint]
 """
 
 import cProfile
@@ -125,8 +127,72 @@ def host_part():
     _ = np
 
 
+HINTED = "cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;"
+PLAIN = "cp.async.cg.shared.global [%0], [%1], 16, %2;"
+
+
+def hint_part():
+    import pathlib
+    import tempfile
+
+    from cupydecode import _kernels
+
+    src = (_kernels.kernel_dir() / "decode_split.cu").read_text()
+    assert HINTED in src
+    folder = pathlib.Path(tempfile.mkdtemp())
+    (folder / "decode_split.cu").write_text(src.replace(HINTED, PLAIN).replace(
+        ', "l"(policy) : "memory");', ' : "memory");'))
+    points = [(1, 16384), (4, 8192), (1, 65536), (16, 4096), (16, 16384), (64, 8192),
+              (16, 65536)]
+    for (b, L) in points:
+        w, n, sets = workload(b, L)
+        step = B.StepTraffic(w, L2)
+        check = B._subset_checker(w, *sets[0][:3])
+
+        def time_arm(arm):
+            variant, proto = arm
+            if variant == "nohint":
+                with _kernels.kernel_sources(folder):
+                    plan = cd.DecodePlan(b, 32, 8, 128, L, "float16")
+            else:
+                plan = cd.DecodePlan(b, 32, 8, 128, L, "float16")
+            assert check(plan.run(*sets[0][:3])[0]) < 2e-3
+            us = B.graph_time_cupy(lambda i: plan.run(*sets[i % n][:3]), max(10, n),
+                                   before=step if proto == "step" else None, span=n)[0]
+            return us, plan
+        arms = [(v, p) for p in ("step", "b2b") for v in ("hint", "nohint")]
+        times, _ = alternating(arms, time_arm, reps=2)
+        txt = "  ".join(f"{v}/{p} {min(times[(v, p)]):7.2f}" for v, p in arms)
+        print(f"hint b{b} L{L}: {txt}", flush=True)
+        del sets, step
+        cp.get_default_memory_pool().free_all_blocks()
+
+
+def issue_part():
+    """The compositions of the issue's table: 8 × [4 MB CuPy fill, attention] minus the fills,
+    and back-to-back graphs of 2 calls with and without the held stream."""
+    for (b, L, H, Hkv) in [(64, 8192, 32, 8), (16, 32768, 32, 8), (32, 4096, 32, 32)]:
+        w, n, sets = workload(b, L, H, Hkv)
+        plan = cd.DecodePlan(b, H, Hkv, 128, L, "float16")
+        fill = cp.empty(1 << 20, cp.float32)
+        run = lambda i: plan.run(*sets[i % n][:3])  # noqa: E731
+        cells = []
+        for label, kw in (("fill4MB x8", dict(n_calls=8, before=lambda i: fill.fill(i))),
+                          ("b2b x2 held", dict(n_calls=2)), ("b2b x2 idle", dict(n_calls=2, hold=False)),
+                          ("b2b x10", dict(n_calls=10))):
+            us = B.graph_time_cupy(run, span=n, **kw)[0]
+            cells.append(f"{label} {us:7.1f}")
+        print(f"issue b{b} L{L} {H}/{Hkv}: " + "  ".join(cells), flush=True)
+        del sets, plan
+        cp.get_default_memory_pool().free_all_blocks()
+
+
 def main():
-    parts = sys.argv[1:] or ["heat", "pdl", "host"]
+    parts = sys.argv[1:] or ["heat", "pdl", "host", "hint", "issue"]
+    if "issue" in parts:
+        issue_part()
+    if "hint" in parts:
+        hint_part()
     if "host" in parts:
         host_part()
     if "pdl" in parts:

@@ -124,3 +124,16 @@ def test_kernel_dir_holds_the_sources():
     for name in ("decode_split.cu", "merge_states.cu", "common.cuh", "read_ceiling.cu", "hold.cu",
                  "step_traffic.cu"):
         assert (d / name).is_file(), d
+
+
+def test_kernel_sources_override_is_scoped(tmp_path):
+    """A/B of kernel variants without touching the shipped files: inside kernel_sources(folder)
+    the folder's files are used, outside the shipped ones again."""
+    defines = _policy.split_kernel_config("float16", 128).defines()
+    shipped = _kernels.program_source("decode_split.cu", defines)
+    split = (_kernels.kernel_dir() / "decode_split.cu").read_text()
+    (tmp_path / "decode_split.cu").write_text("// variant\n" + split)
+    with _kernels.kernel_sources(tmp_path):
+        assert "// variant\n" in _kernels.program_source("decode_split.cu", defines)
+        assert _kernels.program_source("hold.cu", {}) == _kernels.program_source("hold.cu", {}, None)
+    assert _kernels.program_source("decode_split.cu", defines) == shipped
