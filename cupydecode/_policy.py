@@ -8,7 +8,7 @@ CUDA graph. Splits that start past a sequence's live length exit early and write
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 # Element type codes shared with kernels/common.cuh.
 DTYPE_IDS = {"float16": 0, "bfloat16": 1, "float32": 2}
@@ -73,6 +73,7 @@ class SplitKernelConfig:
     m_tiles: int = 1  # M-tiles of 16 query rows per block; the warps are slots × m_tiles
     heads_as_n: bool = False  # the ≤ 8 query heads as the mma's N dimension (heads_as_n())
     kv_per_block: int = 1  # adjacent KV heads per block, one per warp of a slot (kv_per_block())
+    l2_evict_first: bool = True  # K/V copies hint L2 evict-first (l2_evict_first())
 
     @property
     def threads(self) -> int:
@@ -114,6 +115,7 @@ class SplitKernelConfig:
             "MTILES": self.m_tiles,
             "HEADS_AS_N": int(self.heads_as_n),
             "KV_PER_BLOCK": self.kv_per_block,
+            "L2_EVICT_FIRST": int(self.l2_evict_first),
         }
 
 
@@ -250,13 +252,38 @@ def warps_in_step(config: SplitKernelConfig, chunk_tokens: int) -> bool:
 
 
 def split_kernel_configs(dtype: str, head_dim: int) -> list[SplitKernelConfig]:
-    """Every block shape a plan of this dtype and head_dim can use (for compile checks)."""
+    """Every block shape a plan of this dtype and head_dim can use, with and without the L2
+    evict-first hint (for compile checks)."""
     most = 1 if dtype == "float32" else MTILE_SHAPES.get(head_dim, (0, 1, 0))[1]
     configs = [split_kernel_config(dtype, head_dim, c, m, g)
                for m in range(1, most + 1) for c in (0, LONG_CHUNK) for g in (None, 1)]
     if heads_as_n(dtype, 1) and head_dim in KV_GROUP_HEAD_DIMS:
         configs.append(split_kernel_config(dtype, head_dim, group=1, kv_per_block=KV_GROUP))
+    configs += [replace(c, l2_evict_first=False) for c in configs if l2_hint_is_chosen(dtype)]
     return list(dict.fromkeys(configs))
+
+
+# The split kernel's K/V copies carry an L2 evict-first hint (kernels/decode_split.cu) only on
+# calls that read at most this many bytes of K and V (the plan's capacity: batch × max_seqlen).
+# In a decode step, L2 holds the other kernels' lines (weights, activations) when attention
+# starts; measured on the H200 in the decode-step protocol (fp16 32/8/128, hint → no hint,
+# docs/PERFORMANCE.md): b1 × 16k (67 MB) 23.19 → 24.62 µs, b4 × 8k (134 MB) 39.37 → 39.88, but
+# b1 × 64k (268 MB) 70.54 → 69.00, b16 × 4k 69.09 → 67.66, b16 × 16k 248.3 → 243.7, b64 × 8k
+# 484.0 → 478.3, b16 × 64k 950.9 → 945.6. (Back to back, with L2 holding only K/V lines, the
+# hint was 0.3–0.9 µs faster at every one of these points.)
+EVICT_FIRST_MAX_KV_BYTES = 192 * 2**20
+
+
+def l2_hint_is_chosen(dtype: str) -> bool:
+    """Whether plans of ``dtype`` choose the hint per call: the 16-bit types, where it was
+    measured; float32 plans (not a serving dtype) always take it."""
+    return dtype != "float32"
+
+
+def l2_evict_first(dtype: str, kv_bytes: int) -> bool:
+    """Whether a call of ``dtype`` that reads ``kv_bytes`` of K and V streams them with the L2
+    evict-first hint (EVICT_FIRST_MAX_KV_BYTES, l2_hint_is_chosen)."""
+    return not l2_hint_is_chosen(dtype) or kv_bytes <= EVICT_FIRST_MAX_KV_BYTES
 
 
 # Blocks of KV_GROUP adjacent KV heads (kernels/decode_split.cu, KV_PER_BLOCK): in the public

@@ -5,6 +5,7 @@ Thin by design: validate (``_validate``) → plan (``_policy``) → launch (``_k
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import struct
 import threading
@@ -160,6 +161,10 @@ class DecodePlan:
         # The block shape depends on how long each block streams.
         self.config = _policy.split_kernel_config(self.dtype, self.head_dim, self.chunk_tokens,
                                                   self.m_tiles, self.group, kpb)
+        kv_bytes = (2 * self.batch * self.max_seqlen * self.num_kv_heads * self.head_dim
+                    * _policy.ITEMSIZE[self.dtype])
+        if not _policy.l2_evict_first(self.dtype, kv_bytes):
+            self.config = dataclasses.replace(self.config, l2_evict_first=False)
         self.merge = _policy.merge_mode(self.num_splits, rows_per_block, self.head_dim,
                                         self.config.num_warps, merge, programmatic)
         rows = self.batch * self.num_heads

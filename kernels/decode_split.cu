@@ -59,7 +59,8 @@
 //
 // Compile-time constants (prepended by cupydecode/_kernels.py, chosen by cupydecode/_policy.py):
 //   DTYPE_ID (0 f16, 1 bf16, 2 f32), HEAD_DIM, NUM_WARPS, STAGES, ROWS (16), TILE_N (16), MTILES,
-//   HEADS_AS_N (0 or 1), KV_PER_BLOCK (1, or a divisor of NUM_WARPS for HEADS_AS_N: below).
+//   HEADS_AS_N (0 or 1), KV_PER_BLOCK (1, or a divisor of NUM_WARPS for HEADS_AS_N: below),
+//   L2_EVICT_FIRST (1: K/V copies hint L2 evict-first; 0: plain copies).
 //
 // KV_PER_BLOCK > 1 (heads-as-N only): a block holds KV_PER_BLOCK adjacent KV heads, warp w
 // computing KV head (unit · KV_PER_BLOCK + w % KV_PER_BLOCK) in token slot w / KV_PER_BLOCK,
@@ -132,18 +133,31 @@ __device__ __forceinline__ u32 smem_u32(const void* p) {
 
 // 16-byte global→shared copy that bypasses L1 (streamed once). src_bytes = 0 zero-fills the
 // destination without reading: rows past the chunk end become zeros, never garbage or NaN.
-// K and V are read once per call: they are streamed with an L2 evict-first policy, so that they
-// do not push out of L2 what is used again — the partials, the arrival counters, q, the code.
-// Measured on the H200 (docs/PERFORMANCE.md, v8): 0.3 µs faster at b1 × 1k, 0.9 at b1 × 64k.
+// K and V are read once per call. With L2_EVICT_FIRST (the host's choice for calls of up to
+// ~192 MB of K and V, _policy.l2_evict_first) they are streamed with an L2 evict-first policy,
+// so that they do not push out of L2 what is used again — the partials, the arrival counters, q,
+// the code: faster on short calls; on long ones, with L2 full of the other kernels' lines of a
+// decode step, the plain copy is faster (docs/PERFORMANCE.md).
+#ifndef L2_EVICT_FIRST
+#define L2_EVICT_FIRST 1
+#endif
 __device__ __forceinline__ unsigned long long l2_evict_first_policy() {
-    unsigned long long policy;
+    unsigned long long policy = 0;
+#if L2_EVICT_FIRST
     asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+#endif
     return policy;
 }
 __device__ __forceinline__ void cp_async16_stream(u32 dst, const void* src, bool valid,
                                                   unsigned long long policy) {
+#if L2_EVICT_FIRST
     asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;\n"
                  :: "r"(dst), "l"(src), "r"(valid ? 16 : 0), "l"(policy) : "memory");
+#else
+    (void)policy;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
+                 :: "r"(dst), "l"(src), "r"(valid ? 16 : 0) : "memory");
+#endif
 }
 __device__ __forceinline__ void cp_async_commit() {
     asm volatile("cp.async.commit_group;\n" ::: "memory");

@@ -30,7 +30,7 @@ import cupydecode as cd  # noqa: E402
 from cupydecode import bench as B  # noqa: E402
 from cupydecode.workloads import Workload, make_inputs  # noqa: E402
 from stability import Clocks  # noqa: E402
-from tune import alternating  # noqa: E402
+from tune import alternating, policy_value  # noqa: E402
 
 L2 = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["l2CacheSize"]
 
@@ -127,21 +127,8 @@ def host_part():
     _ = np
 
 
-HINTED = "cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;"
-PLAIN = "cp.async.cg.shared.global [%0], [%1], 16, %2;"
-
-
 def hint_part():
-    import pathlib
-    import tempfile
-
-    from cupydecode import _kernels
-
-    src = (_kernels.kernel_dir() / "decode_split.cu").read_text()
-    assert HINTED in src
-    folder = pathlib.Path(tempfile.mkdtemp())
-    (folder / "decode_split.cu").write_text(src.replace(HINTED, PLAIN).replace(
-        ', "l"(policy) : "memory");', ' : "memory");'))
+    """Both arms forced through the policy (_policy.l2_evict_first), whatever the call's size."""
     points = [(1, 16384), (4, 8192), (1, 65536), (16, 4096), (16, 16384), (64, 8192),
               (16, 65536)]
     for (b, L) in points:
@@ -151,11 +138,9 @@ def hint_part():
 
         def time_arm(arm):
             variant, proto = arm
-            if variant == "nohint":
-                with _kernels.kernel_sources(folder):
-                    plan = cd.DecodePlan(b, 32, 8, 128, L, "float16")
-            else:
+            with policy_value("l2_evict_first", lambda dtype, nbytes: variant == "hint"):
                 plan = cd.DecodePlan(b, 32, 8, 128, L, "float16")
+            assert plan.config.l2_evict_first == (variant == "hint")
             assert check(plan.run(*sets[0][:3])[0]) < 2e-3
             us = B.graph_time_cupy(lambda i: plan.run(*sets[i % n][:3]), max(10, n),
                                    before=step if proto == "step" else None, span=n)[0]

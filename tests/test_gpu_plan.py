@@ -514,3 +514,33 @@ def test_enable_pdl_waits_for_the_kernel_before_it(cupy, rng, seed, splits):
         stream.synchronize()
         assert_out_close(plan.out, ref_out, OUT_TOL["float16"], ctx, "graph out")
         assert_lse_close(plan.lse, ref_lse, LSE_TOL["float16"], ctx)
+
+
+@pytest.mark.parametrize("dtype,splits", [("float16", None), ("bfloat16", 3), ("float16", 1)])
+@pytest.mark.parametrize("evict_first", [False, True])
+def test_l2_hint_and_plain_copies_agree_with_the_reference(cupy, rng, seed, monkeypatch,
+                                                           dtype, splits, evict_first):
+    """Both K/V copy variants (the L2 evict-first hint on short calls, plain copies on long
+    ones: _policy.l2_evict_first), forced here on a small case, NaN-poisoned outputs."""
+    monkeypatch.setattr(_policy, "l2_evict_first", lambda dt, nbytes: evict_first)
+    batch, num_heads, num_kv_heads, head_dim, max_seqlen = 3, 32, 8, 128, 3000
+    lens = [3000, 1, 1777]
+    ctx = context(seed, dtype=dtype, splits=splits, evict_first=evict_first)
+    q, k, v = decode_inputs(rng, batch, num_heads, num_kv_heads, head_dim, max_seqlen, dtype)
+    plan = cupydecode.DecodePlan(batch, num_heads, num_kv_heads, head_dim, max_seqlen, dtype,
+                                 num_splits=splits)
+    assert plan.config.l2_evict_first == evict_first, ctx
+    out = cupy.full(q.shape, np.nan, np_dtype(dtype))
+    lse = cupy.full((batch, num_heads), np.nan, cupy.float32)
+    plan.run(to_device(q), to_device(k), to_device(v), cupy.asarray(np.asarray(lens, np.int32)),
+             out=out, lse=lse)
+    ref_out, ref_lse = R.decode_attention(q, k, v, lens)
+    assert_out_close(out, ref_out, OUT_TOL[dtype], ctx)
+    assert_lse_close(lse, ref_lse, LSE_TOL[dtype], ctx)
+
+
+def test_long_calls_take_plain_copies(cupy):
+    short = cupydecode.DecodePlan(1, 32, 8, 128, 16384, "float16")         # 67 MB of K and V
+    long = cupydecode.DecodePlan(16, 32, 8, 128, 65536, "float16")         # 4.3 GB
+    assert short.config.l2_evict_first and not long.config.l2_evict_first
+    assert cupydecode.DecodePlan(16, 32, 8, 128, 65536, "float32").config.l2_evict_first

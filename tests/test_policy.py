@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -278,8 +279,10 @@ def test_long_chunk_config(dtype, head_dim):
     narrow = {P.split_kernel_config(dtype, head_dim, c, 1, 4) for c in (0, P.LONG_CHUNK)}
     groups = {P.split_kernel_config(dtype, head_dim, group=1, kv_per_block=P.KV_GROUP)
               for _ in (1,) if P.heads_as_n(dtype, 1) and head_dim in P.KV_GROUP_HEAD_DIMS}
+    shapes = {short, long} | narrow | groups
+    plain = {dataclasses.replace(c, l2_evict_first=False) for c in shapes}
     assert {c for c in P.split_kernel_configs(dtype, head_dim) if c.m_tiles == 1} == (
-        {short, long} | narrow | groups)
+        shapes | (plain if P.l2_hint_is_chosen(dtype) else set()))
     if dtype != "float32" and head_dim == 128:
         assert (long.num_warps, long.stages) == (8, 2)
 
@@ -441,3 +444,18 @@ def test_warps_in_step_only_for_long_heads_as_n_chunks():
             assert not P.warps_in_step(P.split_kernel_config(dtype, 128, short, 1, group), short)
         assert not P.warps_in_step(P.split_kernel_config(dtype, 128, long, 1, 16), long)
     assert not P.warps_in_step(P.split_kernel_config("float32", 128, long, 1, 4), long)
+
+
+
+def test_l2_evict_first_only_on_short_16_bit_calls():
+    """Calls of up to EVICT_FIRST_MAX_KV_BYTES of K and V stream with the evict-first hint,
+    longer ones without (measured in the decode-step protocol); float32 always with it."""
+    limit = P.EVICT_FIRST_MAX_KV_BYTES
+    for dtype in ("float16", "bfloat16"):
+        assert P.l2_evict_first(dtype, 67 << 20) and P.l2_evict_first(dtype, limit)
+        assert not P.l2_evict_first(dtype, limit + 1) and not P.l2_evict_first(dtype, 2 << 30)
+    assert P.l2_evict_first("float32", 2 << 30)
+    assert P.split_kernel_config("float16", 128).defines()["L2_EVICT_FIRST"] == 1
+    plain = dataclasses.replace(P.split_kernel_config("float16", 128), l2_evict_first=False)
+    assert plain.defines()["L2_EVICT_FIRST"] == 0 and plain.smem_bytes == P.split_kernel_config(
+        "float16", 128).smem_bytes
