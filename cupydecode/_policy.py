@@ -29,17 +29,17 @@ LOG2E = 1.4426950408889634  # the kernels take softmax_scale · log2(e) (scores 
 MERGE_OVERHEAD_BYTES = 8 * 2**20
 # On top, a merge is a chain of dependent L2 round trips (~1–1.3 µs each on the H200 as these
 # costs were calibrated, ~5 MB of streaming at full speed; ~0.6 µs since the merge issues its
-# loads back to back, docs/PERFORMANCE.md v10): a warp takes 16 partials of a row's pass per trip.
+# loads back to back, the performance log, v10): a warp takes 16 partials of a row's pass per trip.
 # The fused merge (the last block of a KV head, or of a block's KV heads) has only that block's
 # warps, so it is used only where it takes one trip per warp (merge_mode); otherwise
 # merge_states.cu runs as a second kernel, which spreads rows, passes and groups of 16 partials
 # over many warps (one trip each up to 16 · MERGE_WARPS splits) at the cost of a second launch
 # (~1 µs in a graph). Where the merge kernel is launched as a programmatic dependent of the split
-# kernel (Hopper on; 0.7–0.9 µs faster, docs/PERFORMANCE.md v13), it is charged 3 MB instead of 4:
+# kernel (Hopper on; 0.7–0.9 µs faster, the performance log, v13), it is charged 3 MB instead of 4:
 # lower, the split count moves to many-wave plans measured no faster at several points (llama-3-8b
 # b4 × 256k 33 splits 934.3 µs vs 4 fused 929.3; qwen2.5-7b b2 × 256k 236.5 vs 235.2) and, for
 # G = 7 and 8 at batch 1 × 1k, to 8 fused splits (0.3–0.4 µs slower than 16 with the kernel); at 3
-# MB the plans that change are ones measured as fast or faster (docs/PERFORMANCE.md, v14).
+# MB the plans that change are ones measured as fast or faster (the performance log, v14).
 MERGE_TRIP_BYTES = 5 * 2**20
 MERGE_KERNEL_BYTES = 4 * 2**20
 MERGE_KERNEL_BYTES_PROGRAMMATIC = 3 * 2**20
@@ -58,7 +58,7 @@ MERGE_MODES = ("auto", "fused", "kernel")
 # v13, b1 × 1k 6.41 vs 6.43 (64); qwen2.5-7b b4 × 8k 21.1 vs 21.0 (56)) except 8 fused splits
 # of G = 8 or 7 at b1 × 1k (64 and 56 states: 7.2 vs 6.8, 6.5 vs 6.2), which the split count
 # does not pick (16 splits with the kernel); 64 keeps llama-3-8b's batch-1 plans on the fused
-# merge they were timed with (docs/PERFORMANCE.md, v14).
+# merge they were timed with (the performance log, v14).
 FUSED_MAX_STATES_PROGRAMMATIC = 64
 
 
@@ -128,7 +128,7 @@ LONG_CHUNK = 2048
 # A block holds up to that many M-tiles of 16 rows, each computed by its own warp in every slot on
 # the slot's shared K/V tiles, so one block reads the KV head's chunk once for all its query
 # heads; the warps' register budget (one block of slots × M-tiles warps per SM) sets the most.
-# Measured on the H200 (docs/PERFORMANCE.md, v12; automatic splits): falcon-7b (71/1/64)
+# Measured on the H200 (the performance log, v12; automatic splits): falcon-7b (71/1/64)
 # b16 × 64k 201.9 µs with one M-tile per block → 133.3 µs with 3 slots × 6 stages (166.5 with
 # 2 × 8); 48/1/128 b16 × 16k 58.3 → 44.2 µs with 2 × 4 (51.6 with 3 × 4).
 MTILE_SHAPES = {64: (3, 5, 6), 128: (2, 4, 4), 256: (1, 4, 4)}
@@ -177,7 +177,7 @@ def split_kernel_config(dtype: str, head_dim: int, chunk_tokens: int = 0,
     Measured on the H200 (docs/PERFORMANCE.md), one such block per SM beat two blocks of half the
     depth: fewer, longer streams per SM and fewer blocks to start and merge.
 
-    16-bit types spread that ring over 8 warps where the measurements say so (docs/PERFORMANCE.md,
+    16-bit types spread that ring over 8 warps where the measurements say so (performance log,
     v7): fewer bytes in flight per warp, but twice the warps doing the tile math.
       head_dim 64: always (8 warps × 4 stages): 5–10% faster than 4 × 8 from 4k tokens up
         (same process; 1% slower at b1 × 1k), measured before a register spill of this shape was
@@ -236,8 +236,8 @@ HEADS_AS_N_LONG_CHUNK = 8 * TILE_N
 # Heads-as-N blocks that stream at least this many tokens keep their warps in step: a block-wide
 # barrier per tile instead of each warp waiting only for its own ring (kernels/decode_split.cu,
 # warps_in_step). A heads-as-N warp's pace is set by its own ring, so (likely) its warps drift
-# apart over a long stream. Measured on the H200, flag on vs off with the same plans (docs/
-# PERFORMANCE.md v15): llama-3-8b b64 × 8k −1.41%, b4 × 64k −0.47%, b16 × 64k −0.27%,
+# apart over a long stream. Measured on the H200, flag on vs off with the same plans (the
+# performance log, v15): llama-3-8b b64 × 8k −1.41%, b4 × 64k −0.47%, b16 × 64k −0.27%,
 # b1 × 256k −0.20%, qwen2.5-7b b16 × 64k ±0, gemma-2b b16 × 64k +0.17%; as a timing experiment
 # on 1024-token chunks (b1 × 16k) +1.7%, hence the threshold.
 WARPS_IN_STEP_MIN_CHUNK = 8192
@@ -293,7 +293,7 @@ def l2_evict_first(dtype: str, kv_bytes: int) -> bool:
 # 947 vs 939 µs; cuDNN 942 either way). Blocks of 4 KV heads (1 KB of each token's row), their
 # warps in step, stream up to 1.2% faster, but take 4 times fewer blocks per split, so more
 # splits and a merge, or fewer, longer blocks (H200, grouped against one head per block;
-# docs/PERFORMANCE.md, v17):
+# the performance log, v17):
 #   grouped plan, one wave          b64 × 8k, b64 × 16k, 70b b64 × 8k, qwen b128 × 8k,
 #     of 1 split                    llama-2 b16 × 16k–32k: −0.41 to −0.97%
 #     of 2–4 splits of 16k tokens   b32 × 32k, b16 × 64k (fp16, bf16, 70b): −0.39 to −1.24%
@@ -362,7 +362,7 @@ def merge_mode(num_splits: int, rows_per_block: int, head_dim: int, num_warps: i
     ``"fused"`` where the fused merge takes one trip per warp and ``"kernel"`` where it would take
     more (measured on the H200: 7 rows × 16 splits on 4 warps, 18.6 µs with the kernel vs 20.0
     fused at qwen2.5-7b b1 × 16k; 8 rows of head_dim 256 × 64 splits, 26.6 vs 39.3 µs at
-    gemma-2b b1 × 16k, even with the kernel's former one warp per row; docs/PERFORMANCE.md v9).
+    gemma-2b b1 × 16k, even with the kernel's former one warp per row; the performance log, v9).
     With ``programmatic`` (the merge kernel launched as a programmatic dependent), merges of more
     than FUSED_MAX_STATES_PROGRAMMATIC states per block (rows × splits) take the kernel too."""
     if num_splits <= 1:
@@ -424,7 +424,7 @@ def choose_num_splits(work_blocks: int, max_seqlen: int, num_sms: int, blocks_pe
     counting their whole cache instead moves 26 of 358 grouped plans of a grid of shapes to more
     splits (llama-3-8b b16 × 256k: 33 splits, many waves), which kv_group_pays then refuses; b16 ×
     256k took 3785.7 µs with one KV head per block (v16 sweep) and 3727.0 grouped (v17). So it
-    stays until the cost prices what a block's start costs (docs/PERFORMANCE.md, Next steps 4). In one wave, where the
+    stays until the cost prices what a block's start costs (the performance log, next steps). In one wave, where the
     longest block sets the end, KV bytes are counted as s whole chunks per sequence (s · chunk ≥ max_seqlen tokens: 31 chunks of 2176 tokens for 65536
     end 6% later than 32 of 2048, measured 1.0 µs slower at qwen2.5-7b b1 × 64k). The
     partials are written and read once: work_blocks · s · rows · (head_dim + 1) · 4 · 2 bytes,

@@ -118,7 +118,7 @@ def measure_read_ceiling(nbytes: int = 2 << 30, trials: int = 10) -> dict:
 def settle(seconds: float = SETTLE_S) -> None:
     """Wait for the GPU to finish, then let it idle for ``seconds``.
 
-    Measured on the H200 (docs/PERFORMANCE.md, v8): for up to about a second after heavy work
+    Measured on the H200 (the performance log, v8): for up to about a second after heavy work
     (generating GBs of random data, or a multi-GB point), a memory-bound kernel runs up to 19%
     slower (batch 16 × 1k: 23.4 µs, then 20.3 µs, then 19.7 µs 0.5 s later). Whatever is timed
     first at a point would pay for it, so every point starts from an idle GPU.
@@ -141,7 +141,7 @@ def hold_stream(stream) -> None:
 
     Every graph timing here records its start event behind this kernel. On an idle stream the
     event would fire as soon as the host submits it, and the host's latency to submit the graph
-    launch would count as GPU time (measured on the H200, docs/PERFORMANCE.md v11: 0.2 µs per
+    launch would count as GPU time (measured on the H200, the performance log, v11: 0.2 µs per
     call at batch 1 × 16k in graphs of 10 calls; 1.6–2.5% of the read-ceiling probe timed one
     launch per event pair, which made every % of floor read that much high).
     """

@@ -162,7 +162,7 @@ __device__ __forceinline__ void cd_ldcg_vec(const typename EI::storage* p, float
 // state, so the loads past it re-read that state (every address stays in bounds) and are masked
 // afterwards; lanes past the end of the row read its start. Each lane's NV elements of a state are
 // one vector load. (Measured on the H200: the multiply form took ~1000 instructions per warp to
-// issue one group's 80 loads; docs/PERFORMANCE.md, v10.)
+// issue one group's 80 loads; the performance log, v10.)
 template <typename EI, int NV>
 __device__ __forceinline__ void cd_merge_fold(const typename EI::storage* __restrict__ o,
                                               long long o_stride,

@@ -50,7 +50,7 @@
 //     on its (batch, unit, head_tile) counter (unit: the block's KV head, or its KV_PER_BLOCK
 //     KV heads); the last block of the group to arrive merges
 //     the live splits with cd_merge_row_pass and writes the final output — one launch in all, which
-//     saves the ~0.9 µs a second dependent kernel costs in a graph (docs/PERFORMANCE.md, v9). The
+//     saves the ~0.9 µs a second dependent kernel costs in a graph (the performance log, v9). The
 //     host's merge="auto" picks it only where each warp of that block has one L2 trip to make
 //     (_policy.merge_mode); merge="fused" forces it.
 //     The counter wraps back to 0 on the last arrival (atomicInc), so the next launch (or graph
@@ -68,7 +68,7 @@
 // Where KV heads are adjacent in a token's row (the public (batch, seqlen, kv_heads, head_dim)
 // cache), the block then reads KV_PER_BLOCK heads' pieces of each row together instead of one
 // head's 2·HEAD_DIM-byte piece a row apart: with 4 KV heads, measured 0.4–1.2% faster on long
-// batch-16–64 streams at head_dim 128 where the plan stays one wave (docs/PERFORMANCE.md, v17).
+// batch-16–64 streams at head_dim 128 where the plan stays one wave (the performance log, v17).
 // The block's rows are the KV_PER_BLOCK · G query heads of its KV heads (contiguous query
 // heads); each warp's state is its own head's, so the warps' merge at the end folds only the
 // warps of one KV head.
@@ -370,7 +370,7 @@ cd_decode_split(const cd_decode_params p) {
         // own tiles. With warps_in_step (the host's choice for long heads-as-N chunks,
         // _policy.warps_in_step) the block's warps meet at a barrier per tile instead, so they
         // stay in step: measured 0.2–1.4% faster on long streams, slower on short chunks
-        // (docs/PERFORMANCE.md, v15); the host sets it for every plan of several KV heads per
+        // (the performance log, v15); the host sets it for every plan of several KV heads per
         // block. Only where every slot has as many tiles, so that every warp meets the barrier
         // equally often (a uniform condition over the block).
         const bool in_step = MTILES == 1 && p.warps_in_step && n_tiles % SLOTS == 0;
@@ -379,14 +379,14 @@ cd_decode_split(const cd_decode_params p) {
         // more after its loop (an idle turn), so that every slot meets its barrier equally often.
         // Each slot only ever waits for its own warps, so the synchronisation does not need it;
         // compute-sanitizer's racecheck does: with unequal counts it reported hazards between
-        // accesses that a __syncthreads() separates (docs/PERFORMANCE.md, v12).
+        // accesses that a __syncthreads() separates (the performance log, v12).
         const int loop_tiles = MTILES == 1 ? my_tiles : (n_tiles + SLOTS - 1) / SLOTS;
 
         auto tile_start = [&](int i) { return chunk_start + (slot + i * SLOTS) * TILE_N; };
         const unsigned long long policy = l2_evict_first_policy();
         // Each lane copies the same slots of every tile: rows r0, r0 + RSTEP, … of 16-byte column
         // c0. A whole tile is then one 64-bit pointer step per copy, with no per-row index math or
-        // masks (that math was half of the loop's instructions; docs/PERFORMANCE.md, v10); only a
+        // masks (that math was half of the loop's instructions; the performance log, v10); only a
         // chunk's partial last tile takes the masked path below. (Rows of more than 32 chunks,
         // float32 head_dim 256, always take the masked path.)
         constexpr bool WALK = CPR <= 32;

@@ -3,7 +3,7 @@
 //
 // A CUDA event recorded on an idle stream fires as soon as the host submits it, so the host's
 // time to submit the graph launch that follows would land inside the timed interval (measured on
-// the H200: the read-ceiling probe read 1.6–2.5% slow that way; docs/PERFORMANCE.md, v11). The
+// the H200: the read-ceiling probe read 1.6–2.5% slow that way; the performance log, v11). The
 // benchmark starts this kernel first: by the time it ends, the start event and the timed work are
 // queued behind it and run back to back. One thread spins on the global nanosecond timer.
 

@@ -38,7 +38,7 @@ MERGE_CASES = list(itertools.product(range(3), range(3), (1, 4)))
 
 
 # Register spills ptxas is known to make (bytes of spill stores), by (arch, dtype, head_dim) of the
-# split kernel: the float32 head_dim-256 shape on sm_90 (docs/PERFORMANCE.md, v9). Any other spill
+# split kernel: the float32 head_dim-256 shape on sm_90 (the performance log, v9). Any other spill
 # is a regression: the decode kernels run at the memory's pace only while they keep up.
 KNOWN_SPILLS = {("sm_90", "float32", 256): 8}
 

@@ -107,7 +107,7 @@ def test_merge_reads_partials_only_after_the_split_kernel(cupy, rng, seed, merge
     kernel runs long (4 blocks of 8192 tokens each), eagerly and in graph replay; the workspace
     is poisoned with NaN before each run and each run has fresh inputs, so an early read shows as
     NaN. (Reads moved before the wait fail this test on the
-    H200; docs/PERFORMANCE.md, v13.) merge="fused" runs the same steps as a control: one
+    H200; the performance log, v13.) merge="fused" runs the same steps as a control: one
     launch, the last split block merging."""
     from cupydecode import _kernels
 

@@ -421,7 +421,7 @@ def test_one_wave_counts_whole_chunks():
 
 def test_programmatic_split_choices():
     """Split counts with the merge kernel launched as a programmatic dependent (H200 figures:
-    docs/PERFORMANCE.md, v14): G = 8 at batch 1 × 1k keeps 16 splits merged by the kernel rather
+    the performance log, v14): G = 8 at batch 1 × 1k keeps 16 splits merged by the kernel rather
     than 8 fused ones; llama-2-7b (32 KV heads, G = 1) at batch 1 × 256k takes 33 splits merged by the
     kernel (951.7 µs, against 960.9 with 4 fused), and keeps 4 fused ones where the kernel's
     launch is plain."""
