@@ -7,20 +7,11 @@
 // read ceiling a decode kernel (which only reads K and V) can hope for. Launched with 512 threads
 // per block and 2, 4 or 8 blocks per SM (cupydecode/bench.py takes the fastest).
 
+#include "stream_read.cuh"
+
 extern "C" __global__ void __launch_bounds__(512)
 cd_read_ceiling(const uint4* __restrict__ src, unsigned long long n, unsigned int* __restrict__ out) {
-    const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
-    unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
-    unsigned int acc = 0;
-    for (; i + 3 * stride < n; i += 4 * stride) {
-        const uint4 a = src[i], b = src[i + stride], c = src[i + 2 * stride], d = src[i + 3 * stride];
-        acc ^= a.x ^ a.y ^ a.z ^ a.w ^ b.x ^ b.y ^ b.z ^ b.w;
-        acc ^= c.x ^ c.y ^ c.z ^ c.w ^ d.x ^ d.y ^ d.z ^ d.w;
-    }
-    for (; i < n; i += stride) {
-        const uint4 a = src[i];
-        acc ^= a.x ^ a.y ^ a.z ^ a.w;
-    }
+    unsigned int acc = cd_stream_read(src, n);
     for (int o = 16; o > 0; o >>= 1) acc ^= __shfl_xor_sync(0xffffffffu, acc, o);
     __shared__ unsigned int warp_acc[32];
     if ((threadIdx.x & 31) == 0) warp_acc[threadIdx.x >> 5] = acc;

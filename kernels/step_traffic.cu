@@ -15,6 +15,8 @@
 #define EARLY_TRIGGER 0
 #endif
 
+#include "stream_read.cuh"
+
 extern "C" __global__ void __launch_bounds__(512)
 cd_step_traffic(const uint4* __restrict__ src, unsigned long long n_read,
                 uint4* __restrict__ dst, unsigned long long n_write) {
@@ -22,19 +24,9 @@ cd_step_traffic(const uint4* __restrict__ src, unsigned long long n_read,
     // (a previous kernel that lets a programmatic dependent start before it ends)
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
+    const unsigned int acc = cd_stream_read(src, n_read);
     const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
-    const unsigned long long first = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
-    unsigned int acc = 0;
-    unsigned long long i = first;
-    for (; i + 3 * stride < n_read; i += 4 * stride) {
-        const uint4 a = src[i], b = src[i + stride], c = src[i + 2 * stride], d = src[i + 3 * stride];
-        acc ^= a.x ^ a.y ^ a.z ^ a.w ^ b.x ^ b.y ^ b.z ^ b.w;
-        acc ^= c.x ^ c.y ^ c.z ^ c.w ^ d.x ^ d.y ^ d.z ^ d.w;
-    }
-    for (; i < n_read; i += stride) {
-        const uint4 a = src[i];
-        acc ^= a.x ^ a.y ^ a.z ^ a.w;
-    }
-    for (unsigned long long j = first; j < n_write; j += stride)
+    for (unsigned long long j = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
+         j < n_write; j += stride)
         dst[j] = make_uint4(acc ^ (unsigned int)j, (unsigned int)(j >> 32), acc, ~acc);
 }
