@@ -31,6 +31,57 @@ _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.MULTILINE)
 COMPILE_OPTIONS = ("-std=c++17",)
 
 
+# What a user without CuPy or without a GPU is told (the CLI's checks and DecodePlan use these).
+INSTALL_HINT = ('install cupydecode with the CUDA extra that matches the driver: '
+                'pip install "cupydecode[cuda12]" (CUDA 12 driver) or "cupydecode[cuda13]" '
+                '(from a checkout: pip install ".[cuda12]")')
+
+
+def import_cupy():
+    """``import cupy`` for the public entry points, with the install command if it fails."""
+    try:
+        import cupy
+    except ImportError as exc:
+        raise ImportError(f"cupydecode needs CuPy to run on the GPU: {INSTALL_HINT}") from exc
+    return cupy
+
+
+def _driver_loadable() -> bool:
+    import sys
+
+    try:
+        ctypes.CDLL("nvcuda.dll" if sys.platform == "win32" else "libcuda.so.1")
+        return True
+    except OSError:
+        return False
+
+
+def gpu_problem() -> str | None:
+    """None where CuPy can run kernels on a GPU, else what is missing, in plain words, with the
+    fix: CuPy not installed, no NVIDIA driver, a driver older than CuPy's CUDA, no device."""
+    try:
+        import cupy
+    except Exception as exc:
+        return f"CuPy is not importable ({type(exc).__name__}: {exc}); {INSTALL_HINT}"
+    try:
+        n = cupy.cuda.runtime.getDeviceCount()
+    except Exception as exc:
+        if not _driver_loadable():
+            return ("no NVIDIA driver found (the CUDA driver library libcuda cannot be loaded): "
+                    "cupydecode needs an NVIDIA GPU and its driver")
+        text = f"{type(exc).__name__}: {exc}"
+        if "InsufficientDriver" in text or "insufficient" in text.lower():
+            return (f"the NVIDIA driver is older than the CUDA runtime CuPy was built for ({text});"
+                    f" update the driver, or {INSTALL_HINT.replace('install', 'reinstall', 1)}"
+                    " for the driver's CUDA version")
+        if "NoDevice" in text:
+            return "the NVIDIA driver reports no CUDA GPU"
+        return f"CUDA found no usable GPU ({text})"
+    if n < 1:
+        return "the NVIDIA driver reports no CUDA GPU"
+    return None
+
+
 def kernel_dir() -> Path:
     """Where the .cu files are: inside the installed package, or ``kernels/`` of a checkout."""
     here = Path(__file__).resolve().parent

@@ -14,6 +14,7 @@ import csv
 import json
 import math
 import os
+import re
 import sys
 import time
 
@@ -32,18 +33,16 @@ DTYPE_ALIASES = {"fp16": "float16", "half": "float16", "bf16": "bfloat16", "fp32
 # ---------------------------------------------------------------------------- GPU detection
 
 def detect_gpu() -> tuple[bool, str]:
-    """(usable, description). Never raises: a missing CuPy or driver is a 'no'."""
-    try:
-        import cupy
-    except Exception as exc:
-        return False, f"CuPy cannot be imported ({type(exc).__name__}: {exc})"
-    try:
-        n = cupy.cuda.runtime.getDeviceCount()
-    except Exception as exc:
-        return False, f"CUDA found no usable device ({type(exc).__name__}: {exc})"
-    if n < 1:
-        return False, "CUDA reports 0 devices"
-    return True, f"{n} CUDA device(s)"
+    """(usable, description). Never raises: a missing CuPy or driver is a 'no', said plainly
+    with its fix (_kernels.gpu_problem)."""
+    from ._kernels import gpu_problem
+
+    why = gpu_problem()
+    if why:
+        return False, why
+    import cupy
+
+    return True, f"{cupy.cuda.runtime.getDeviceCount()} CUDA device(s)"
 
 
 def require_gpu(ctx: click.Context) -> None:
@@ -100,6 +99,18 @@ class IntListType(click.ParamType):
         if not out:
             self.fail("expected at least one integer", param, ctx)
         return out
+
+
+def _output_path(ctx, param, value):
+    """An output file the run can write: checked before any GPU work, not after the run."""
+    if value is None:
+        return None
+    folder = os.path.dirname(os.path.abspath(value))
+    if not os.path.isdir(folder):
+        raise click.BadParameter(f"folder {folder!r} does not exist", ctx, param)
+    if not os.access(folder, os.W_OK) or (os.path.exists(value) and not os.access(value, os.W_OK)):
+        raise click.BadParameter(f"{value!r} is not writable", ctx, param)
+    return value
 
 
 def _dtype_callback(ctx, param, value):
@@ -255,7 +266,7 @@ def _check_header(width: int) -> str:
 @click.option("--q-scale", type=float, default=1.0, show_default=True,
               help="Multiply q (and so every logit), e.g. 2400 for logits of about ±1e4.")
 @click.option("--model", type=MODEL_CHOICE, help="Take heads/kv-heads/head-dim from a preset.")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True),
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), callback=_output_path,
               help="Write the result rows to this JSON file.")
 @click.pass_context
 def check(ctx, batch, seqlen, heads, kv_heads, head_dim, dtype, splits, seed, varlen, lengths,
@@ -448,11 +459,11 @@ def _forwarded_bench_args(model, dtype, seqlens, batches, splits, protocols, bas
               help="Run the sweep in this many fresh processes and report the spread per point.")
 @click.option("--baseline", "baselines", type=click.Choice(["torch", "flashinfer"]),
               multiple=True, help="Also time a peer (repeatable); needs torch / flashinfer.")
-@click.option("--csv", "csv_path", type=click.Path(dir_okay=False, writable=True),
+@click.option("--csv", "csv_path", type=click.Path(dir_okay=False), callback=_output_path,
               help="Write the rows to this CSV file.")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True),
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), callback=_output_path,
               help="Write the rows (and device facts) to this JSON file.")
-@click.option("--plot", "plot_path", type=click.Path(dir_okay=False, writable=True),
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), callback=_output_path,
               help="Plot µs and % of floor vs seqlen to this PNG (needs matplotlib).")
 @click.pass_context
 def bench(ctx, model, dtype, seqlens, batches, splits, protocols, processes, baselines, csv_path,
@@ -648,6 +659,8 @@ def info(ctx, compile_all):
     ok, why = detect_gpu()
     if not ok:
         click.echo(f"no GPU found: {why}")
+        if compile_all:
+            _compile_all_nvrtc()
         return
     _, header = _device_header()
     click.echo(header[0])
@@ -679,6 +692,34 @@ def _compile_all() -> None:
                 _split_function(cfg)
             _merge_function("float32", dt, d)
             click.echo(f"  built {dt} head_dim {d} in {time.perf_counter() - t0:.2f} s")
+
+
+def _compile_all_nvrtc(arch: str = "sm_90") -> None:
+    """Without a GPU: build every specialisation with NVRTC for ``arch`` (what `--compile` would
+    load), or say why not."""
+    from . import _kernels, _policy
+
+    try:
+        from cupy_backends.cuda.libs import nvrtc
+
+        nvrtc.getVersion()
+    except Exception as exc:
+        click.echo(f"--compile: not compiled: NVRTC is not available ({type(exc).__name__}: {exc})")
+        return
+    t0, count, worst = time.perf_counter(), 0, 0
+    for dt in DTYPES:
+        for d in SUPPORTED_HEAD_DIMS:
+            builds = [("decode_split.cu", c.defines()) for c in _policy.split_kernel_configs(dt, d)]
+            builds.append(("merge_states.cu", {"IN_DTYPE": _policy.DTYPE_IDS["float32"],
+                                               "OUT_DTYPE": _policy.DTYPE_IDS[dt],
+                                               "VEC": _policy.merge_vec(d)}))
+            for filename, defines in builds:
+                _, log = _kernels.compile_for_arch(filename, defines, arch, ptxas_info=True)
+                spills = [int(x) for x in re.findall(r"(\d+) bytes spill stores", log)]
+                worst = max([worst, *spills])
+                count += 1
+    click.echo(f"--compile: no GPU, so compiled with NVRTC for {arch} only: {count} kernels in "
+               f"{time.perf_counter() - t0:.1f} s, at most {worst} spill bytes (nothing loaded)")
 
 
 # ---------------------------------------------------------------------------- models

@@ -10,11 +10,19 @@ import functools
 import struct
 import threading
 from collections import OrderedDict
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from . import _kernels, _policy
 from . import _validate as V
+
+if TYPE_CHECKING:
+    import cupy
+
+# GPU arrays: cupy.ndarray, or anything DLPack / __cuda_array_interface__ brings in (torch, JAX)
+ArrayLike = Any
 
 _SPLIT_FILE, _SPLIT_KERNEL = "decode_split.cu", "cd_decode_split"
 _MERGE_FILE, _MERGE_KERNEL = "merge_states.cu", "cd_merge_states"
@@ -105,7 +113,7 @@ class DecodePlan:
     def __init__(self, batch: int, num_heads: int, num_kv_heads: int, head_dim: int,
                  max_seqlen: int, dtype, num_splits: int | None = None,
                  split_size: int | None = None, merge: str = "auto", enable_pdl: bool = False):
-        import cupy
+        cupy = _kernels.import_cupy()
 
         self.batch = V.check_int(batch, "batch", 0, _policy.MAX_BATCH)
         self.num_heads = V.check_int(num_heads, "num_heads", 1)
@@ -130,7 +138,10 @@ class DecodePlan:
             V.fail(TypeError, "enable_pdl", "True or False", repr(enable_pdl))
         self.enable_pdl = enable_pdl
         self.group = self.num_heads // self.num_kv_heads
-        self.device_id = cupy.cuda.Device().id
+        try:
+            self.device_id = cupy.cuda.Device().id
+        except cupy.cuda.runtime.CUDARuntimeError as exc:  # no driver, no GPU: say so plainly
+            raise RuntimeError(f"DecodePlan: {_kernels.gpu_problem() or exc}") from exc
         _kernels.bind_context()  # the driver calls below (occupancy, attributes) need it
         smem_optin = _smem_per_block(self.device_id)
         smem_need = max(c.smem_bytes for c in _policy.split_kernel_configs(self.dtype, self.head_dim))
@@ -230,9 +241,18 @@ class DecodePlan:
         parts = (self.o_part, self.lse_part, self._counters)
         return sum(p.nbytes for p in parts if p is not None)
 
-    def run(self, q, k_cache, v_cache, cache_seqlens=None, out=None, lse=None, *,
-            softmax_scale=None):
-        """Decode attention for this plan's shape; returns ``(out, lse)``."""
+    def run(self, q: ArrayLike, k_cache: ArrayLike, v_cache: ArrayLike,
+            cache_seqlens: int | ArrayLike | None = None, out: ArrayLike | None = None,
+            lse: ArrayLike | None = None, *, softmax_scale: float | None = None
+            ) -> tuple[cupy.ndarray, cupy.ndarray]:
+        """Decode attention for this plan's shape; returns ``(out, lse)`` (the plan's own
+        buffers unless ``out``/``lse`` are given). ``cache_seqlens``: None, an int or an int32
+        device array (a plan never copies from the host).
+
+        Raises:
+            TypeError, ValueError: inputs that do not match the plan (shape, dtype, device) or
+                are invalid, named in the message, before any launch.
+        """
         layout = V.layout_key(q, k_cache, v_cache)
         strides = self._layouts.get(layout) if layout is not None else None
         if strides is None:  # a layout this plan has not seen: the full checks, once
@@ -369,8 +389,11 @@ _EAGER: dict = {}
 _EAGER_SIZE = 16
 
 
-def flash_decode(q, k_cache, v_cache, cache_seqlens=None, *, softmax_scale=None,
-                 num_splits=None, return_lse=False, out=None, split_size=None):
+def flash_decode(q: ArrayLike, k_cache: ArrayLike, v_cache: ArrayLike,
+                 cache_seqlens: int | Sequence[int] | ArrayLike | None = None, *,
+                 softmax_scale: float | None = None, num_splits: int | None = None,
+                 return_lse: bool = False, out: ArrayLike | None = None,
+                 split_size: int | None = None) -> cupy.ndarray | tuple[cupy.ndarray, cupy.ndarray]:
     """Decode attention of one query token per sequence against its KV cache.
 
     Args:
@@ -388,8 +411,15 @@ def flash_decode(q, k_cache, v_cache, cache_seqlens=None, *, softmax_scale=None,
     Returns:
         out, or (out, lse) with ``return_lse=True``. A sequence of length 0 gives out = 0 and
         lse = −inf.
+
+    Raises:
+        TypeError: an argument of the wrong type or dtype (host arrays included: inputs must be
+            on the GPU), named in the message with what was expected.
+        ValueError: shapes, strides, lengths or options out of range, named likewise. Every
+            check runs before any launch.
+        ImportError: CuPy is not installed (the message gives the install command).
     """
-    import cupy
+    cupy = _kernels.import_cupy()
 
     layout = V.layout_key(q, k_cache, v_cache)  # (no CUDA call before a host array is refused)
     stream = key = hit = None
@@ -430,7 +460,7 @@ def flash_decode(q, k_cache, v_cache, cache_seqlens=None, *, softmax_scale=None,
     return (out, lse) if return_lse else out
 
 
-def merge_states(o_parts, lse_parts):
+def merge_states(o_parts: ArrayLike, lse_parts: ArrayLike) -> tuple[cupy.ndarray, cupy.ndarray]:
     """Merge partial attention states through their log-sum-exp.
 
     Args:
@@ -440,8 +470,13 @@ def merge_states(o_parts, lse_parts):
     Returns:
         (o, lse): o of shape (*rows, head_dim) in o_parts' dtype, lse (*rows) float32.
         Rows whose states are all empty give o = 0, lse = −inf (never NaN).
+
+    Raises:
+        TypeError, ValueError: inputs of the wrong type, dtype or shape, named in the message,
+            before any launch.
+        ImportError: CuPy is not installed (the message gives the install command).
     """
-    import cupy
+    cupy = _kernels.import_cupy()
 
     o, lse_in, dt = V.check_merge_inputs(o_parts, lse_parts)
     o = cupy.ascontiguousarray(o)

@@ -229,3 +229,60 @@ def test_stability_table_over_protocols_and_processes():
     assert point["spread_pct"] == pytest.approx(20.0)
     assert point["worst_in"] == "back-to-back×2 (process 2)"
     assert point["min_speedup_vs_best_peer"] == 1.05
+
+
+@pytest.mark.parametrize("command", [["bench"], ["check"]])
+def test_unwritable_output_fails_before_any_gpu_work(runner, tmp_path, command):
+    missing = tmp_path / "no" / "such" / "dir" / "rows.json"
+    result = runner.invoke(cli.main, [*command, "--json", str(missing)])
+    assert result.exit_code == 2 and "--json" in result.output and "does not exist" in result.output
+
+
+def test_info_compile_without_gpu_compiles_with_nvrtc_or_says_not(runner, monkeypatch):
+    from cupydecode import _kernels
+
+    monkeypatch.setattr(cli, "detect_gpu", lambda: (False, "no NVIDIA driver found (test)"))
+    calls = []
+
+    def fake_compile(filename, defines, arch, ptxas_info=False):
+        calls.append((filename, arch))
+        return b"\x7fELF", "ptxas . 0 bytes stack frame, 0 bytes spill stores"
+    monkeypatch.setattr(_kernels, "compile_for_arch", fake_compile)
+    result = runner.invoke(cli.main, ["info", "--compile"])
+    assert result.exit_code == 0, result.output
+    if "NVRTC is not available" in result.output:
+        assert not calls
+    else:
+        assert "compiled with NVRTC for sm_90" in result.output and calls
+        assert {f for f, _ in calls} == {"decode_split.cu", "merge_states.cu"}
+
+
+def test_gpu_problem_names_the_fix(monkeypatch):
+    import builtins
+    import sys
+
+    from cupydecode import _kernels
+
+    real_import = builtins.__import__
+
+    def no_cupy(name, *args, **kwargs):
+        if name == "cupy" or name.startswith("cupy."):
+            raise ImportError("No module named 'cupy'")
+        return real_import(name, *args, **kwargs)
+    with monkeypatch.context() as m:
+        m.delitem(sys.modules, "cupy", raising=False)
+        m.setattr(builtins, "__import__", no_cupy)
+        why = _kernels.gpu_problem()
+        assert 'pip install "cupydecode[cuda12]"' in why and '"cupydecode[cuda13]"' in why
+        with pytest.raises(ImportError, match=r"cupydecode\[cuda12\]"):
+            _kernels.import_cupy()
+    cupy = pytest.importorskip("cupy")
+
+    def refuse():
+        raise cupy.cuda.runtime.CUDARuntimeError(35)  # cudaErrorInsufficientDriver
+    monkeypatch.setattr(cupy.cuda.runtime, "getDeviceCount", refuse)
+    monkeypatch.setattr(_kernels, "_driver_loadable", lambda: False)
+    assert _kernels.gpu_problem().startswith("no NVIDIA driver found")
+    monkeypatch.setattr(_kernels, "_driver_loadable", lambda: True)
+    why = _kernels.gpu_problem()
+    assert "older than the CUDA runtime" in why and "reinstall" in why, why

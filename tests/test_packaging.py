@@ -81,3 +81,21 @@ def test_wheel_metadata(wheel_path):
         assert f"Provides-Extra: {extra}" in text, text
     entry = next(n for n in zf.namelist() if n.endswith(".dist-info/entry_points.txt"))
     assert "cupydecode = cupydecode.cli:main" in zf.read(entry).decode()
+
+
+def test_wheel_carries_licence_types_and_module_entry(wheel_path):
+    zf = zipfile.ZipFile(wheel_path)
+    names = set(zf.namelist())
+    assert "cupydecode/py.typed" in names and "cupydecode/__main__.py" in names, sorted(names)
+    meta = zf.read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
+    assert "License :: OSI Approved :: MIT License" in meta, meta
+    assert any(n.endswith(".dist-info/LICENSE") or "/licenses/LICENSE" in n for n in names), names
+    for bound in ("numpy>=1.24", "click>=8.0", "ml_dtypes>=0.3"):
+        assert bound in meta.replace(" ", ""), meta
+
+
+def test_python_dash_m_runs_the_cli():
+    proc = subprocess.run([sys.executable, "-m", "cupydecode", "--version"], cwd=ROOT,
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("cupydecode, version "), proc.stdout

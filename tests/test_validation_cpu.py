@@ -153,3 +153,15 @@ def test_is_capturing_treats_a_refused_query_as_capturing():
     assert decode._is_capturing(S(False)) is False
     assert decode._is_capturing(S(True)) is True
     assert decode._is_capturing(S(RuntimeError("cudaErrorStreamCaptureImplicit"))) is True
+
+
+def test_plan_without_a_gpu_says_so_plainly(cupy_importable):
+    """No driver or no GPU: DecodePlan says what is missing (not a raw CUDA error code)."""
+    from cupydecode import _kernels
+
+    why = _kernels.gpu_problem()
+    if why is None:
+        pytest.skip("a GPU is present")
+    with pytest.raises(RuntimeError, match=r"^DecodePlan: ") as info:
+        cupydecode.DecodePlan(1, 8, 2, 128, 1024, "float16")
+    assert str(info.value) == f"DecodePlan: {why}"
