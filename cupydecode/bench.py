@@ -206,7 +206,7 @@ def graph_time_cupy(call, n_calls: int, trials: int = GRAPH_TRIALS,
     ``call`` launches work on the current CuPy stream. It is run once per i first (compiles,
     allocates, initialises cuBLAS) on the capture stream, then captured and replayed, each
     replay queued behind :func:`hold_stream` with its events (``hold=False``: recorded on an
-    idle stream, the protocol before v11, kept for scripts/timing_bias.py).
+    idle stream, as a caller without the spin kernel sees it: scripts/step_extras.py).
     With ``before`` (the decode-step protocol, :class:`StepTraffic`), ``before(i)`` is captured
     ahead of every ``call(i)``, and the time of the graph of the ``before`` calls alone is
     subtracted (:func:`_event_times`).
@@ -739,15 +739,15 @@ def bench_point(w: Workload, ceiling_gbps: float, l2_bytes: int, model: str = ""
         def run_plan(i, _plan=plan):
             q, k, v, _ = sets[i % nsets]
             _plan.run(q, k, v)
-        for row, (name, calls) in zip(rows, protocols):
-            n_calls = calls or max(MIN_GRAPH_CALLS, nsets)
-            before = step if name == "step" else None
+        timing = [(calls or max(MIN_GRAPH_CALLS, nsets), step if name == "step" else None)
+                  for name, calls in protocols]  # (calls per graph, other kernels) per protocol
+        for row, (n_calls, before) in zip(rows, timing):
             med, p20, p80 = graph_time_cupy(run_plan, n_calls, before=before, span=nsets)
             row.update(graph_calls=n_calls, gpu_us=med, gpu_us_p20=p20, gpu_us_p80=p80,
                        gbps=w.kv_bytes() / (med * 1e3), pct_of_floor=100.0 * base["floor_us"] / med)
-            if row is rows[0]:
-                first_calls, first_before = n_calls, before
+        # the point's own baselines are timed in the first protocol
         med = rows[0]["gpu_us"]
+        first_calls, first_before = timing[0]
 
         def eager(i):
             q, k, v, _ = sets[i % nsets]
@@ -778,13 +778,11 @@ def bench_point(w: Workload, ceiling_gbps: float, l2_bytes: int, model: str = ""
             settle()  # the peers start from an idle GPU too, not right after the naive baseline
         for name in peers:
             _, fn, _ = PEERS[name]
-            for row, (proto, calls) in zip(rows, protocols):
+            for row, (n_calls, before) in zip(rows, timing):
                 if cupy.cuda.runtime.memGetInfo()[0] < MARGIN_BYTES:
                     notes.append(f"{name}: skipped, GPU memory is full")
                     break
-                before = step if proto == "step" else None
-                for col, (us, note) in fn(sets, w, scale, row["graph_calls"], check,
-                                          before, nsets).items():
+                for col, (us, note) in fn(sets, w, scale, n_calls, check, before, nsets).items():
                     row[col] = us
                     if note and note not in notes:
                         notes.append(note)

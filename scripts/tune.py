@@ -80,13 +80,6 @@ def forced_shape(num_warps, stages):
     return policy_value("split_kernel_config", force_shape(num_warps, stages))
 
 
-def time_model_plans(m, dtype, b, L, sets, **plan_kw):
-    """:func:`time_plans` of the policy's plans for model ``m`` (a workloads.MODELS entry),
-    batch ``b`` and ``L`` tokens, with DecodePlan keywords ``plan_kw``."""
-    return time_plans(lambda: cd.DecodePlan(b, m.num_heads, m.num_kv_heads, m.head_dim, L, dtype,
-                                            **plan_kw), sets)
-
-
 def alternating(arms, time_arm, reps=2):
     """Each of ``arms`` timed ``reps`` times by ``time_arm(arm)`` -> (µs, plan), every second
     pass in reverse order: ({arm: [µs per pass]}, {arm: its last plan}), in the order of ``arms``."""
@@ -97,35 +90,6 @@ def alternating(arms, time_arm, reps=2):
             us, plans[arm] = time_arm(arm)
             times[arm].append(us)
     return times, plans
-
-
-def on_off_points(specs, timed, labels=("on", "off"), describe=lambda plan: ""):
-    """For each ``MODEL:DTYPE:BxL`` spec, ``timed(model, dtype, b, L, sets, on)`` -> (µs, plan)
-    for ``on`` True and False, :func:`alternating`, on fresh :func:`make_sets`; prints one line
-    per spec: each arm's times and % of this run's floor, and the difference of the bests
-    (``labels`` name the arms; ``describe(plan)`` adds to the on-arm plan's description)."""
-    from cupydecode.workloads import MODELS
-
-    ceiling = measure_read_ceiling()["gbps"]
-    print(f"read ceiling {ceiling:.0f} GB/s", flush=True)
-    for spec in specs:
-        model, dtype, bl = spec.split(":")
-        b, L = (int(x) for x in bl.split("x"))
-        m = MODELS[model]
-        nbytes, sets = make_sets(b, L, m.num_heads, m.num_kv_heads, m.head_dim, dtype)
-        cells, plans = alternating((True, False),
-                                   lambda on, sets=sets: timed(m, dtype, b, L, sets, on))
-        floor = nbytes / ceiling / 1e3
-        best = {on: min(us) for on, us in cells.items()}
-        p = plans[True]
-        arms = "  ".join(f"{label} {'/'.join(f'{u:.2f}' for u in cells[on])} "
-                         f"({100 * floor / best[on]:.1f}%)"
-                         for label, on in zip(labels, (True, False)))
-        print(f"{model} {dtype} b{b}x{L // 1024}k (S{p.num_splits}, {p.merge}, "
-              f"{p.config.num_warps}x{p.config.stages}{describe(p)}): {arms}  "
-              f"delta {best[True] - best[False]:+.2f} us "
-              f"({100 * (best[True] / best[False] - 1):+.2f}%)", flush=True)
-        del sets
 
 
 def main():

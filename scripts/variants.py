@@ -14,18 +14,17 @@ Usage: python scripts/variants.py [BxL,BxL,...] [--shapes WxS,...] [--head-dim D
   --cross            also time every --sub variant with every --shapes shape
 """
 
+import contextlib
 import sys
+import tempfile
 from pathlib import Path
 
 sys.path.insert(0, ".")
 sys.path.insert(0, "scripts")
 import cupydecode as cd  # noqa: E402
-from cupydecode import _kernels, _policy  # noqa: E402
+from cupydecode import _kernels  # noqa: E402
 from cupydecode import decode as _decode  # noqa: E402
-from tune import force_shape, make_sets, time_plans  # noqa: E402
-
-_orig_source = _kernels.program_source
-_orig_config = _policy.split_kernel_config
+from tune import forced_shape, make_sets, time_plans  # noqa: E402
 
 VARIANTS = {"base": ({}, None)}
 # Previous versions of the kernels put in .prev*/ (e.g. from git), for A/B in the same process.
@@ -34,24 +33,25 @@ for PREV in sorted(Path(".").glob(".prev*")):
         VARIANTS[f"kernels in {PREV}/"] = ({"@dir": str(PREV.resolve())}, None)
 
 
+@contextlib.contextmanager
 def use(subs, shape):
-    def source(filename, defines):
-        if "@dir" in subs:  # the program's files from another directory, where it has them
-            return _orig_source(filename, defines, subs["@dir"])
-        src = _orig_source(filename, defines)
-        if filename != "decode_split.cu":  # substitutions edit the split kernel's program only
-            return src
-        for old, new in subs.items():
-            assert old in src, old
-            src = src.replace(old, new)
-        return src
-
-    _kernels.program_source = source
-    _policy.split_kernel_config = _orig_config  # (force_shape wraps what is there)
-    if shape is not None:
-        _policy.split_kernel_config = force_shape(*shape)
-    _kernels._compiled.clear()
-    _decode._blocks_per_sm.cache_clear()
+    """Plans built inside use the variant: a folder of kernel files (``@dir``), text
+    substitutions on the shipped decode_split.cu, and/or a forced block shape."""
+    with contextlib.ExitStack() as stack:
+        if "@dir" in subs:
+            stack.enter_context(_kernels.kernel_sources(subs["@dir"]))
+        elif subs:
+            src = (_kernels.kernel_dir() / "decode_split.cu").read_text()
+            for old, new in subs.items():
+                assert old in src, old
+                src = src.replace(old, new)
+            folder = Path(stack.enter_context(tempfile.TemporaryDirectory()))
+            (folder / "decode_split.cu").write_text(src)
+            stack.enter_context(_kernels.kernel_sources(folder))
+        if shape is not None:
+            stack.enter_context(forced_shape(*shape))
+        _decode._blocks_per_sm.cache_clear()
+        yield
 
 
 POINTS = [(1, 1024), (1, 4096), (1, 16384), (1, 65536), (4, 8192), (16, 8192)]
@@ -100,9 +100,8 @@ def main():
 
     print(f"{'variant':24s}" + "".join(f"  b{b}x{L // 1024}k" for b, L in POINTS), flush=True)
     for name, (subs, shape) in VARIANTS.items():
-        use(subs, shape)
-        row(name, lambda b, L: cd.DecodePlan(b, H, Hkv, D, L, "float16"))
-    use({}, None)
+        with use(subs, shape):
+            row(name, lambda b, L: cd.DecodePlan(b, H, Hkv, D, L, "float16"))
     if "--kernels-only" in sys.argv:
         return
     row("partials only", partials_only)
