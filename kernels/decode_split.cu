@@ -74,8 +74,13 @@
 // warps of one KV head.
 #include "common.cuh"
 
-typedef cd_elem<DTYPE_ID> E;
-typedef E::storage elem_t;
+// Element types of q, of the K/V cache and of out: all DTYPE_ID's today. A KV type of its own
+// (fp8) changes kv_t, the KV view's copies and the fragment loads that read K/V tiles.
+typedef cd_elem<DTYPE_ID> E;  // conversions of q and out
+typedef E::storage q_t;
+typedef E::storage kv_t;
+typedef E::storage out_t;
+static_assert(sizeof(q_t) == sizeof(kv_t), "the tile math multiplies q and K/V of one width");
 
 #define NUM_THREADS (NUM_WARPS * 32)
 #ifndef KV_PER_BLOCK
@@ -86,7 +91,7 @@ typedef E::storage elem_t;
 #define BLOCK_ROWS (ROWS * MTILES)          // query rows of one M-tile block
 // Query rows held in shared memory: BLOCK_ROWS, or 8 (the mma's N) per KV head of the block
 #define Q_ROWS (KV_PER_BLOCK > 1 ? KV_PER_BLOCK * 8 : BLOCK_ROWS)
-#define ES ((int)sizeof(elem_t))
+#define ES ((int)sizeof(kv_t))
 #define CPR (HEAD_DIM * ES / 16)            // 16-byte chunks per K/V/Q row
 #define EPC (16 / ES)                       // elements per 16-byte chunk
 #define TILE_BYTES (TILE_N * HEAD_DIM * ES) // one K (or V) tile of one slot
@@ -216,6 +221,20 @@ __device__ __forceinline__ void row_sums(float (&l)[2]) {
         for (int x = FIRST; x <= LAST; x *= 2) l[h] += __shfl_xor_sync(0xffffffffu, l[h], x);
 }
 
+// The score hook: every score of every math path passes through here once, as the raw dot
+// product q·k of query head `head` and key position `key`, before the online softmax. It returns
+// the score in log2 units, or −inf for a key that does not count (past the chunk's end). Every
+// change to the scores (a soft-cap, ALiBi, a window, sinks) goes here, and only here.
+struct cd_score_params {
+    float scale_log2;  // softmax scale · log2(e)
+    int chunk_end;     // keys at or past this position do not count
+};
+__device__ __forceinline__ float score_mod(float qk, int key, int head,
+                                           const cd_score_params& sp) {
+    (void)head;
+    return key < sp.chunk_end ? qk * sp.scale_log2 : CD_NEG_INF;
+}
+
 #if DTYPE_ID != 2
 // ---------------------------------------------------------------- tensor-core helpers (f16/bf16)
 // The online-softmax rescale of a tensor-core thread's state for its two rows, after a tile: the
@@ -279,10 +298,10 @@ __device__ __forceinline__ u32 pack2(float lo, float hi) {
 // Layout mirrored byte for byte by cupydecode/decode.py (_PARAMS): 9 pointers, 10 int64 strides
 // (in elements), 6 int32, 1 float32, 1 int32 = 184 bytes.
 struct cd_decode_params {
-    const elem_t* q; const elem_t* k; const elem_t* v;
+    const q_t* q; const kv_t* k; const kv_t* v;
     const int* seqlens;                       // (batch,) device lengths, or null: use seqlen_all
     float* o_part; float* lse_part;           // null for a single split (direct output)
-    elem_t* out; float* lse_out;              // lse_out may be null
+    out_t* out; float* lse_out;               // lse_out may be null
     int* counters;                            // non-null: fused merge
     long long q_sb, q_sh, k_sb, k_ss, k_sh, v_sb, v_ss, v_sh, out_sb, out_sh;
     int seqlen_all, max_seqlen, num_heads, group, head_tiles, chunk_tokens;
@@ -303,13 +322,13 @@ cd_decode_split(const cd_decode_params p) {
     // the grid may be resident before that kernel ends: nothing it wrote (q, lengths, the cache's
     // new rows) is read before this wait. A no-op for a plain launch (common.cuh).
     cd_wait_prerequisites();
-    const elem_t* __restrict__ q = p.q;
-    const elem_t* __restrict__ k = p.k;
-    const elem_t* __restrict__ v = p.v;
+    const q_t* __restrict__ q = p.q;
+    const kv_t* __restrict__ k = p.k;
+    const kv_t* __restrict__ v = p.v;
     const int* __restrict__ seqlens = p.seqlens;
     float* __restrict__ o_part = p.o_part;
     float* __restrict__ lse_part = p.lse_part;
-    elem_t* __restrict__ out = p.out;
+    out_t* __restrict__ out = p.out;
     float* __restrict__ lse_out = p.lse_out;
     int* __restrict__ counters = p.counters;
     const long long q_sb = p.q_sb, q_sh = p.q_sh, k_sb = p.k_sb, k_ss = p.k_ss, k_sh = p.k_sh;
@@ -352,18 +371,19 @@ cd_decode_split(const cd_decode_params p) {
     seqlen = max(0, min(seqlen, max_seqlen));
     const int chunk_start = split * chunk_tokens;
     const int chunk_end = min(chunk_start + chunk_tokens, seqlen);
+    const cd_score_params score_params{scale_log2, chunk_end};
 
     float* sm_acc = reinterpret_cast<float*>(smem + Q_BYTES);                // aliases the ring
     float* sm_m = reinterpret_cast<float*>(smem + Q_BYTES + BODY_BYTES);
     float* sm_l = sm_m + NUM_WARPS * ROWS;
 
     if (chunk_start < chunk_end) {
-        elem_t* sq = reinterpret_cast<elem_t*>(smem);
+        q_t* sq = reinterpret_cast<q_t*>(smem);
         // ------------------------------------------------- this warp's K/V ring (its slot's)
         unsigned char* ring = smem + Q_BYTES + ring_id * (STAGES * 2 * TILE_BYTES);
         const u32 ring_u32 = smem_u32(ring);
-        const elem_t* kbase = k + b * k_sb + (long long)kv_head * k_sh;
-        const elem_t* vbase = v + b * v_sb + (long long)kv_head * v_sh;
+        const kv_t* kbase = k + b * k_sb + (long long)kv_head * k_sh;
+        const kv_t* vbase = v + b * v_sb + (long long)kv_head * v_sh;
         const int n_tiles = (chunk_end - chunk_start + TILE_N - 1) / TILE_N;
         const int my_tiles = slot < n_tiles ? (n_tiles - slot + SLOTS - 1) / SLOTS : 0;
         // One M-tile: each warp streams through its own ring, and by default waits only for its
@@ -397,15 +417,15 @@ cd_decode_split(const cd_decode_params p) {
         const long long k_rows = (long long)RSTEP * k_ss, v_rows = (long long)RSTEP * v_ss;
         const long long k_tiles = (long long)SLOTS * TILE_N * k_ss;  // from a slot's tile to its next
         const long long v_tiles = (long long)SLOTS * TILE_N * v_ss;
-        const elem_t* k_lane = kbase + (long long)(tile_start(0) + r0) * k_ss + c0 * EPC;  // tile 0
-        const elem_t* v_lane = vbase + (long long)(tile_start(0) + r0) * v_ss + c0 * EPC;
+        const kv_t* k_lane = kbase + (long long)(tile_start(0) + r0) * k_ss + c0 * EPC;  // tile 0
+        const kv_t* v_lane = vbase + (long long)(tile_start(0) + r0) * v_ss + c0 * EPC;
         auto load_tile = [&](int i, int stage) {
             const int t0 = tile_start(i);
             const u32 kdst = ring_u32 + stage * 2 * TILE_BYTES;
             const u32 vdst = kdst + TILE_BYTES;
             if (WALK && t0 + TILE_N <= chunk_end) {
-                const elem_t* kp = k_lane + i * k_tiles;
-                const elem_t* vp = v_lane + i * v_tiles;
+                const kv_t* kp = k_lane + i * k_tiles;
+                const kv_t* vp = v_lane + i * v_tiles;
 #pragma unroll
                 for (int j = 0; j < TILE_N / RSTEP; ++j) {
                     const int so = swz(r0 + j * RSTEP, c0) * 16;
@@ -525,8 +545,8 @@ cd_decode_split(const cd_decode_params p) {
             float mx[2] = {CD_NEG_INF, CD_NEG_INF};
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                const bool ok = t0 + g + 8 * (e >> 1) < chunk_end;
-                s[e] = ok ? (s[e] + s_odd[e]) * scale_log2 : CD_NEG_INF;
+                s[e] = score_mod(s[e] + s_odd[e], t0 + g + 8 * (e >> 1),
+                                 h0 + kh * group + 2 * t + (e & 1), score_params);
                 mx[e & 1] = fmaxf(mx[e & 1], s[e]);
             }
             float alpha[2], ref[2];
@@ -609,8 +629,8 @@ cd_decode_split(const cd_decode_params p) {
             for (int j = 0; j < 2; ++j)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
-                    const bool ok = t0 + 8 * j + 2 * t + (e & 1) < chunk_end;
-                    s[j][e] = ok ? s[j][e] * scale_log2 : CD_NEG_INF;
+                    s[j][e] = score_mod(s[j][e], t0 + 8 * j + 2 * t + (e & 1),
+                                        h0 + mt * ROWS + g + 8 * (e >> 1), score_params);
                     mx[e >> 1] = fmaxf(mx[e >> 1], s[j][e]);
                 }
             float alpha[2], ref[2];
@@ -687,12 +707,12 @@ cd_decode_split(const cd_decode_params p) {
                     }
                 }
             }
-            const bool ok = tile_start(i) + tn < chunk_end;
+            const int key = tile_start(i) + tn;
 #pragma unroll
             for (int r = 0; r < ROWS; ++r) {
                 if (r < rows) {
                     s[r] += __shfl_xor_sync(0xffffffffu, s[r], 16);
-                    const float x = ok ? s[r] * scale_log2 : CD_NEG_INF;
+                    const float x = score_mod(s[r], key, h0 + r, score_params);
                     const cd_rescale sc = cd_merge_scales(m2[r], warp_max16(x));
                     const float ref = (sc.m == CD_NEG_INF) ? 0.f : sc.m;
                     const float p = cd_exp2(x - ref);

@@ -1,0 +1,94 @@
+"""Compare the machine code of every split-kernel specialisation with another version of the
+kernels, without a GPU (development tool): the instruction count per opcode of each sm_90
+specialisation here against the same specialisation built from FOLDER's files (e.g. filled with
+`git show REV:kernels/decode_split.cu > FOLDER/decode_split.cu`). A refactor that leaves every
+count unchanged changed register names and predicate senses at most.
+
+Needs NVRTC and nvdisasm (pip install nvidia-cuda-nvrtc nvidia-cuda-nvdisasm); found in the
+site-packages' nvidia/*/ folders unless --nvrtc / --nvdisasm say where.
+
+Usage: python scripts/sass_compare.py FOLDER [--arch sm_90] [--nvrtc LIB] [--nvdisasm BIN]
+"""
+
+import argparse
+import collections
+import ctypes
+import glob
+import pathlib
+import re
+import site
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ProcessPoolExecutor
+
+sys.path.insert(0, ".")
+from cupydecode import _kernels, _policy  # noqa: E402
+
+
+def _find(pattern: str) -> str | None:
+    hits = sorted(h for d in site.getsitepackages() for h in glob.glob(f"{d}/nvidia/*/{pattern}"))
+    return hits[-1] if hits else None
+
+
+def cubin(lib: str, src: str, arch: str) -> bytes:
+    nvrtc = ctypes.CDLL(lib)
+    prog = ctypes.c_void_p()
+    assert nvrtc.nvrtcCreateProgram(ctypes.byref(prog), src.encode(), b"k.cu", 0, None, None) == 0
+    opts = [f"-arch={arch}".encode(), *(o.encode() for o in _kernels.COMPILE_OPTIONS)]
+    if nvrtc.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts)) != 0:
+        raise RuntimeError("NVRTC failed")
+    size = ctypes.c_size_t()
+    nvrtc.nvrtcGetCUBINSize(prog, ctypes.byref(size))
+    buf = ctypes.create_string_buffer(size.value)
+    nvrtc.nvrtcGetCUBIN(prog, buf)
+    nvrtc.nvrtcDestroyProgram(ctypes.byref(prog))
+    return buf.raw
+
+
+def opcodes(nvdisasm: str, data: bytes) -> collections.Counter:
+    path = pathlib.Path(tempfile.mkdtemp()) / "k.cubin"
+    path.write_bytes(data)
+    text = subprocess.run([nvdisasm, "-c", str(path)], capture_output=True, text=True,
+                          check=True).stdout
+    counts = collections.Counter()
+    for line in text.splitlines():
+        line = re.sub(r"/\*[0-9a-f]+\*/", "", line).strip()
+        m = re.match(r"(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", line)
+        if m and line.endswith(";"):
+            counts[m.group(1).split(".")[0]] += 1
+    return counts
+
+
+def compare(job):
+    defines, folder, lib, nvdisasm, arch = job
+    with _kernels.kernel_sources(folder):
+        old = opcodes(nvdisasm, cubin(lib, _kernels.program_source("decode_split.cu", defines), arch))
+    new = opcodes(nvdisasm, cubin(lib, _kernels.program_source("decode_split.cu", defines), arch))
+    delta = {k: new[k] - old[k] for k in set(old) | set(new) if new[k] != old[k]}
+    label = " ".join(f"{k}={v}" for k, v in sorted(defines.items()))
+    return label, sum(old.values()), sum(new.values()), delta
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("folder")
+    ap.add_argument("--arch", default="sm_90")
+    ap.add_argument("--nvrtc", default=_find("lib/libnvrtc.so.*[0-9]"))
+    ap.add_argument("--nvdisasm", default=_find("bin/nvdisasm"))
+    a = ap.parse_args()
+    if not a.nvrtc or not a.nvdisasm:
+        sys.exit("NVRTC or nvdisasm not found: pip install nvidia-cuda-nvrtc nvidia-cuda-nvdisasm")
+    jobs = [(c.defines(), a.folder, a.nvrtc, a.nvdisasm, a.arch) for dt in _policy.DTYPE_IDS
+            for d in _policy.SUPPORTED_HEAD_DIMS for c in _policy.split_kernel_configs(dt, d)]
+    with ProcessPoolExecutor() as ex:
+        rows = list(ex.map(compare, jobs))
+    changed = [r for r in rows if r[3]]
+    print(f"{len(rows)} specialisations ({a.arch}): {len(rows) - len(changed)} with the same "
+          f"instruction count per opcode")
+    for label, before, after, delta in changed:
+        print(f"  {label}: {before} -> {after} instructions, {delta}")
+
+
+if __name__ == "__main__":
+    main()
