@@ -42,43 +42,12 @@ def lse_tolerance(ref_lse, head_dim: int) -> float:
 
 
 def reference_gpu(q, k, v, lengths=None, softmax_scale=None, batch_ids=None, kv_heads=None):
-    """Float64 decode attention on the GPU for some sequences and KV heads.
-
-    Same math as ``reference.decode_attention``: s_j = c·q·k_j, O = Σ softmax(s)_j v_j,
-    LSE = log Σ exp(s_j). ``lengths`` is a host sequence (None: all max_seqlen);
-    ``batch_ids`` / ``kv_heads`` select what to compute (None: all).
-
-    Returns CuPy float64 ``(out, lse)`` of shapes (nb, nk, G, D) and (nb, nk, G), with
-    G = num_heads // num_kv_heads (the query heads of each selected KV head, in order).
-    Empty sequences give out = 0, lse = −inf. Memory: float64 copies of one sequence's K and V
-    for the selected heads at a time.
-    """
+    """Float64 decode attention on the GPU for some sequences and KV heads: the reference's own
+    computation (``reference.attention_rows``) with CuPy. Returns CuPy float64 ``(out, lse)`` of
+    shapes (nb, nk, G, D) and (nb, nk, G); ``lengths`` a host sequence (None: all max_seqlen)."""
     import cupy
 
-    batch, num_heads, head_dim = q.shape
-    max_seqlen, num_kv_heads = k.shape[1], k.shape[2]
-    group = num_heads // num_kv_heads
-    scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
-    batch_ids = list(range(batch)) if batch_ids is None else list(batch_ids)
-    kv_heads = list(range(num_kv_heads)) if kv_heads is None else list(kv_heads)
-    out = cupy.zeros((len(batch_ids), len(kv_heads), group, head_dim), cupy.float64)
-    lse = cupy.full((len(batch_ids), len(kv_heads), group), -math.inf, cupy.float64)
-    for i, b in enumerate(batch_ids):
-        n = max_seqlen if lengths is None else int(lengths[b])
-        if n == 0:
-            continue
-        qb = q[b].reshape(num_kv_heads, group, head_dim)[kv_heads].astype(cupy.float64)
-        kb = k[b, :n][:, kv_heads].astype(cupy.float64)          # (n, nk, D)
-        s = cupy.einsum("kgd,nkd->kgn", qb, kb) * scale          # s_j = c · q·k_j
-        del kb
-        m = s.max(axis=-1, keepdims=True)
-        p = cupy.exp(s - m)
-        del s
-        l = p.sum(axis=-1, keepdims=True)
-        vb = v[b, :n][:, kv_heads].astype(cupy.float64)
-        out[i] = cupy.einsum("kgn,nkd->kgd", p, vb) / l
-        lse[i] = (m + cupy.log(l))[..., 0]
-    return out, lse
+    return R.attention_rows(q, k, v, lengths, softmax_scale, batch_ids, kv_heads, xp=cupy)
 
 
 def select_rows(x, num_kv_heads: int, batch_ids=None, kv_heads=None):

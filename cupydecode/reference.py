@@ -1,7 +1,8 @@
 """Float64 NumPy reference for decode attention and for the split/merge algorithm.
 
 No CuPy import: this runs anywhere, and is what the tests and ``cupydecode check`` trust.
-CuPy arrays passed in are copied to the host (through their ``.get()``).
+CuPy arrays passed in are copied to the host (through their ``.get()``); the same computation
+runs on the GPU with ``xp=cupy`` (:func:`attention_rows`) where the host would be too slow.
 
 Memory traffic of ``decode_attention``: the float64 copies of K and V are 4× (fp16) the cache,
 so keep reference problems to a few hundred MB of cache.
@@ -30,34 +31,65 @@ def seqlens_array(cache_seqlens, batch: int, max_seqlen: int) -> np.ndarray:
     return np.clip(np.asarray(cache_seqlens, np.int64).reshape(batch), 0, max_seqlen)
 
 
-def decode_attention(q, k_cache, v_cache, cache_seqlens=None, softmax_scale=None):
-    """Direct softmax attention in float64: returns ``(out, lse)``.
+def attention_rows(q, k_cache, v_cache, cache_seqlens=None, softmax_scale=None,
+                   batch_ids=None, kv_heads=None, xp=np):
+    """Direct softmax attention in float64 for some sequences and KV heads: the one reference
+    computation, with NumPy (``xp=numpy``: GPU inputs are copied to the host) or with CuPy
+    (``xp=cupy``: on the GPU, for caches too large for the host reference).
 
-    q (batch, num_heads, head_dim); k_cache, v_cache (batch, max_seqlen, num_kv_heads, head_dim).
-    out (batch, num_heads, head_dim) float64; lse (batch, num_heads) float64, natural log.
-    An empty sequence gives out = 0, lse = −inf.
+    s_j = c · q·k_j (c = 1/sqrt(head_dim) unless ``softmax_scale``), O = Σ_j softmax(s)_j v_j,
+    LSE = ln Σ_j e^{s_j}. ``batch_ids`` / ``kv_heads`` select what to compute (None: all).
+    Returns ``(out, lse)`` of xp float64 arrays of shapes (nb, nk, G, D) and (nb, nk, G), with
+    G = num_heads // num_kv_heads (the query heads of each selected KV head, in order). An empty
+    sequence gives out = 0, lse = −inf. Memory: float64 copies of one sequence's K and V for the
+    selected heads at a time.
     """
-    q, k, v = to_float64(q), to_float64(k_cache), to_float64(v_cache)
+    if xp is np:
+        q, k_cache, v_cache = (_host(x) for x in (q, k_cache, v_cache))
     batch, num_heads, head_dim = q.shape
-    _, max_seqlen, num_kv_heads, _ = k.shape
+    max_seqlen, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
     scale = 1.0 / np.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
     lens = seqlens_array(cache_seqlens, batch, max_seqlen)
-    out = np.zeros((batch, num_heads, head_dim))
-    lse = np.full((batch, num_heads), -np.inf)
-    for b in range(batch):
+    batch_ids = list(range(batch)) if batch_ids is None else list(batch_ids)
+    kv_heads = list(range(num_kv_heads)) if kv_heads is None else list(kv_heads)
+    out = xp.zeros((len(batch_ids), len(kv_heads), group, head_dim), xp.float64)
+    lse = xp.full((len(batch_ids), len(kv_heads), group), -np.inf, xp.float64)
+    for i, b in enumerate(batch_ids):
         n = int(lens[b])
         if n == 0:
             continue
-        qb = q[b].reshape(num_kv_heads, group, head_dim)
-        s = np.einsum("kgd,nkd->kgn", qb, k[b, :n]) * scale      # s_j = c · q·k_j
+        qb = q[b].reshape(num_kv_heads, group, head_dim)[kv_heads].astype(xp.float64)
+        kb = k_cache[b, :n][:, kv_heads].astype(xp.float64)       # (n, nk, D)
+        s = xp.einsum("kgd,nkd->kgn", qb, kb) * scale              # s_j = c · q·k_j
+        del kb
         m = s.max(axis=-1, keepdims=True)
-        p = np.exp(s - m)
+        p = xp.exp(s - m)
+        del s
         l = p.sum(axis=-1, keepdims=True)
-        o = np.einsum("kgn,nkd->kgd", p, v[b, :n]) / l
-        out[b] = o.reshape(num_heads, head_dim)
-        lse[b] = (m + np.log(l)).reshape(num_heads)
+        vb = v_cache[b, :n][:, kv_heads].astype(xp.float64)
+        out[i] = xp.einsum("kgn,nkd->kgd", p, vb) / l
+        lse[i] = (m + xp.log(l))[..., 0]
     return out, lse
+
+
+def _host(x) -> np.ndarray:
+    """A host array of ``x`` in its own dtype (CuPy arrays through ``.get()``)."""
+    if not isinstance(x, np.ndarray) and hasattr(x, "get"):
+        x = x.get()
+    return np.asarray(x)
+
+
+def decode_attention(q, k_cache, v_cache, cache_seqlens=None, softmax_scale=None):
+    """Direct softmax attention in float64 (NumPy): returns ``(out, lse)``.
+
+    q (batch, num_heads, head_dim); k_cache, v_cache (batch, max_seqlen, num_kv_heads, head_dim).
+    out (batch, num_heads, head_dim) float64; lse (batch, num_heads) float64, natural log.
+    An empty sequence gives out = 0, lse = −inf. (:func:`attention_rows` for every row.)
+    """
+    out, lse = attention_rows(q, k_cache, v_cache, cache_seqlens, softmax_scale)
+    batch, num_heads, head_dim = out.shape[0], out.shape[1] * out.shape[2], out.shape[3]
+    return out.reshape(batch, num_heads, head_dim), lse.reshape(batch, num_heads)
 
 
 def split_states(scores: np.ndarray, values: np.ndarray, boundaries) -> tuple[np.ndarray, np.ndarray]:

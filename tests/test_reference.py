@@ -222,3 +222,20 @@ def test_lse_error():
     assert R.lse_error(np.array([np.nan, -np.inf, 3.0]), ref) == math.inf
     # All rows empty and matching.
     assert R.lse_error(np.full(2, -np.inf), np.full(2, -np.inf)) == 0.0
+
+
+def test_attention_rows_selects_sequences_and_kv_heads(rng, seed):
+    """The one reference computation (NumPy here, CuPy in `check` and bench) on a subset of
+    sequences and KV heads equals those rows of the full result."""
+    from cupydecode.check import select_rows
+
+    q = rng.standard_normal((3, 12, 16))
+    k = rng.standard_normal((3, 40, 4, 16))
+    v = rng.standard_normal((3, 40, 4, 16))
+    lens = [40, 0, 17]
+    out, lse = R.decode_attention(q, k, v, lens)
+    sub, sub_lse = R.attention_rows(q, k, v, lens, None, [2, 1], [3, 0])
+    assert sub.shape == (2, 2, 3, 16) and sub_lse.shape == (2, 2, 3)
+    assert np.array_equal(sub, select_rows(out, 4, [2, 1], [3, 0])), seed
+    assert np.array_equal(sub_lse, select_rows(lse, 4, [2, 1], [3, 0])), seed
+    assert np.all(np.isneginf(sub_lse[1])) and not np.any(sub[1])  # the empty sequence
