@@ -142,6 +142,25 @@ def program_source(filename: str, defines: dict[str, int], folder: Path | str | 
     return head + _inline(path, {path.resolve()}, directories)
 
 
+_PARAM_ENTRY = re.compile(r"\bX\(\s*(PTR|I64|I32|F32)\s*,\s*[^,()]+?\s*,\s*(\w+)\s*\)")
+
+
+def param_list(filename: str, macro: str) -> tuple[tuple[str, str], ...]:
+    """The (kind, name) entries of the parameter list ``macro`` in kernels/``filename`` (an
+    X-macro of ``X(kind, C type, name)`` entries; kernels/decode_params.cuh), in order."""
+    text = (kernel_dir() / filename).read_text()
+    start = text.index(f"#define {macro}(X)")
+    lines = []
+    for line in text[start:].splitlines():
+        lines.append(re.sub(r"/\*.*?\*/", "", line))
+        if not line.rstrip().endswith("\\"):
+            break
+    entries = tuple(_PARAM_ENTRY.findall(" ".join(lines)))
+    if not entries:
+        raise ValueError(f"no parameters found in {macro} of kernels/{filename}")
+    return entries
+
+
 def source_digest(filename: str, defines: dict[str, int]) -> str:
     return hashlib.sha256(program_source(filename, defines).encode()).hexdigest()[:16]
 

@@ -329,11 +329,19 @@ class DecodePlan:
                              0 if lse is None else lse.data.ptr, *self._merge_static)
 
 
-# Byte layout of struct cd_decode_params in kernels/decode_split.cu: 9 pointers, 10 int64 strides,
-# seqlen_all, max_seqlen, num_heads, group, head_tiles, chunk_tokens (int32), scale_log2 (float32),
-# warps_in_step (int32).
-_PARAMS = struct.Struct("<9Q10q6ifi")
-assert _PARAMS.size == 184
+# struct cd_decode_params of the split kernel, packed from its declaration in
+# kernels/decode_params.cuh (one list for both sides), and the order in which DecodePlan._launch
+# passes the values, checked against that list here.
+_PARAM_CODES = {"PTR": "Q", "I64": "q", "I32": "i", "F32": "f"}
+_PARAM_LIST = _kernels.param_list("decode_params.cuh", "CD_DECODE_PARAMS")
+_PARAMS = struct.Struct("<" + "".join(_PARAM_CODES[kind] for kind, _ in _PARAM_LIST))
+_LAUNCH_ORDER = ("q", "k", "v", "seqlens", "o_part", "lse_part", "out", "lse_out", "counters",
+                 "q_sb", "q_sh", "k_sb", "k_ss", "k_sh", "v_sb", "v_ss", "v_sh", "out_sb",
+                 "out_sh", "seqlen_all", "max_seqlen", "num_heads", "group", "head_tiles",
+                 "chunk_tokens", "scale_log2", "warps_in_step")
+if tuple(name for _, name in _PARAM_LIST) != _LAUNCH_ORDER:
+    raise ImportError("kernels/decode_params.cuh and DecodePlan._launch disagree on the split "
+                      f"kernel's parameters: {[n for _, n in _PARAM_LIST]} vs {list(_LAUNCH_ORDER)}")
 
 # Parameters of cd_merge_states in kernels/merge_states.cu, packed for a plan's prepared launch:
 # o_parts, lse_parts, out, lse_out (pointers), num_states (int32), rows (int64), head_dim and

@@ -293,24 +293,16 @@ __device__ __forceinline__ u32 pack2(float lo, float hi) {
 }
 #endif
 
-// All kernel parameters in one struct passed by value: one launch argument instead of 26 keeps
+// All kernel parameters in one struct passed by value: one launch argument instead of 27 keeps
 // the host cost of a launch from Python low (each argument costs ~0.5 µs to marshal in CuPy).
-// Layout mirrored byte for byte by cupydecode/decode.py (_PARAMS): 9 pointers, 10 int64 strides
-// (in elements), 6 int32, 1 float32, 1 int32 = 184 bytes.
+// The fields are declared once, in decode_params.cuh; the host packs the same list.
+#include "decode_params.cuh"
 struct cd_decode_params {
-    const q_t* q; const kv_t* k; const kv_t* v;
-    const int* seqlens;                       // (batch,) device lengths, or null: use seqlen_all
-    float* o_part; float* lse_part;           // null for a single split (direct output)
-    out_t* out; float* lse_out;               // lse_out may be null
-    int* counters;                            // non-null: fused merge
-    long long q_sb, q_sh, k_sb, k_ss, k_sh, v_sb, v_ss, v_sh, out_sb, out_sh;
-    int seqlen_all, max_seqlen, num_heads, group, head_tiles, chunk_tokens;
-    float scale_log2;
-    int warps_in_step;                        // 1: the block's warps take their tiles in step
+    CD_DECODE_PARAMS(CD_PARAM_FIELD)
 };
-// The host packs this struct by hand (decode.py, _PARAMS): a drifted size must not compile.
-// (Fields are in falling alignment order, so there is no interior padding to drift.)
-static_assert(sizeof(cd_decode_params) == 184, "cd_decode_params: 184 bytes expected");
+// The host packs the fields back to back: interior padding would shift every field after it.
+static_assert(sizeof(cd_decode_params) == 0 CD_DECODE_PARAMS(CD_PARAM_SIZE),
+              "cd_decode_params: the list must keep falling alignment (no padding)");
 
 // One block per SM by design for G ≤ 16 (its shared memory alone fills most of an SM), so the
 // register budget is the whole SM's: stated as minBlocks = 1, ptxas no longer caps 256-thread

@@ -4,6 +4,7 @@ read from the kernel sources themselves (no GPU needed)."""
 from __future__ import annotations
 
 import re
+
 from cupydecode import _policy as P
 from cupydecode._kernels import kernel_dir
 
@@ -52,23 +53,16 @@ def test_merge_kernel_parameters_match_prepared_launch():
     assert _MERGE_PARAMS.format.lstrip("<") == "4Qi4xqii" and _MERGE_PARAMS.size == at
 
 
-def test_split_kernel_parameter_struct_matches_packing():
-    """A plan packs struct cd_decode_params (kernels/decode_split.cu) by hand (decode._PARAMS):
-    its fields, read from the source in order, must have the types the packing assumes."""
-    from cupydecode.decode import _PARAMS  # imports no CuPy
+def test_split_kernel_parameters_are_declared_once():
+    """struct cd_decode_params is built from the list in kernels/decode_params.cuh, and the host
+    packs that same list (decode._PARAMS, in the order _launch passes the values): the packing
+    of the fields as the GPU tests ran them, 9 pointers, 10 int64 strides, 6 int32, a float32
+    and an int32."""
+    from cupydecode.decode import _LAUNCH_ORDER, _PARAM_LIST, _PARAMS  # imports no CuPy
 
-    text = (KERNELS / "decode_split.cu").read_text()
-    body = re.search(r"struct cd_decode_params \{(.*?)\};", text, re.S).group(1)
-    body = re.sub(r"//[^\n]*", "", body)
-    codes = []
-    for decl in filter(None, (d.strip() for d in body.split(";"))):
-        names = decl.split(",")
-        first = names[0]
-        code = ("Q" if "*" in first else "q" if first.startswith("long long") else
-                "f" if first.startswith("float") else "i" if first.startswith("int") else "?")
-        codes += [code] * len(names)
-    expected = re.sub(r"(\d+)([a-zA-Z])", lambda m: m.group(2) * int(m.group(1)),
-                      _PARAMS.format.lstrip("<"))
-    assert "".join(codes) == expected, (codes, _PARAMS.format)
-    assert _PARAMS.size == _define("decode_split.cu", "cd_decode_params",
-                                   r"sizeof\({name}\) == (\d+)")
+    assert _PARAMS.format == "<" + "Q" * 9 + "q" * 10 + "i" * 6 + "fi" and _PARAMS.size == 184
+    assert tuple(name for _, name in _PARAM_LIST) == _LAUNCH_ORDER
+    split = (KERNELS / "decode_split.cu").read_text()
+    assert '#include "decode_params.cuh"' in split
+    body = re.search(r"struct cd_decode_params \{(.*?)\};", split, re.S).group(1)
+    assert body.strip() == "CD_DECODE_PARAMS(CD_PARAM_FIELD)", body

@@ -1,0 +1,41 @@
+// decode_params.cuh — the split kernel's parameters, declared once.
+//
+// One entry per parameter: its kind (PTR: an address, I64, I32, F32), its C type and its name.
+// decode_split.cu builds its parameter struct from this list, and cupydecode/decode.py reads the
+// list from this file to pack the same fields in the same order (little-endian, no padding: the
+// list keeps falling alignment). A new parameter is one entry here, and its value in
+// DecodePlan._launch, whose order decode.py checks against this list when it is imported.
+// (q_t, kv_t, out_t: the element types, defined by the file that includes this one.)
+#pragma once
+
+#define CD_DECODE_PARAMS(X)                                                                   \
+    X(PTR, const q_t*, q)            /* (batch, num_heads, head_dim) */                       \
+    X(PTR, const kv_t*, k)           /* (batch, max_seqlen, num_kv_heads, head_dim) */        \
+    X(PTR, const kv_t*, v)                                                                    \
+    X(PTR, const int*, seqlens)      /* (batch,) device lengths, or null: use seqlen_all */   \
+    X(PTR, float*, o_part)           /* partials; null for a single split (direct output) */  \
+    X(PTR, float*, lse_part)                                                                  \
+    X(PTR, out_t*, out)                                                                       \
+    X(PTR, float*, lse_out)          /* may be null */                                        \
+    X(PTR, int*, counters)           /* non-null: fused merge */                              \
+    X(I64, long long, q_sb)          /* strides, in elements */                               \
+    X(I64, long long, q_sh)                                                                   \
+    X(I64, long long, k_sb)                                                                   \
+    X(I64, long long, k_ss)                                                                   \
+    X(I64, long long, k_sh)                                                                   \
+    X(I64, long long, v_sb)                                                                   \
+    X(I64, long long, v_ss)                                                                   \
+    X(I64, long long, v_sh)                                                                   \
+    X(I64, long long, out_sb)                                                                 \
+    X(I64, long long, out_sh)                                                                 \
+    X(I32, int, seqlen_all)                                                                   \
+    X(I32, int, max_seqlen)                                                                   \
+    X(I32, int, num_heads)                                                                    \
+    X(I32, int, group)                                                                        \
+    X(I32, int, head_tiles)                                                                   \
+    X(I32, int, chunk_tokens)                                                                 \
+    X(F32, float, scale_log2)        /* softmax scale · log2(e) */                            \
+    X(I32, int, warps_in_step)       /* 1: the block's warps take their tiles in step */
+
+#define CD_PARAM_FIELD(kind, type, name) type name;
+#define CD_PARAM_SIZE(kind, type, name) +sizeof(type)
