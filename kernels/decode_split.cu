@@ -192,35 +192,6 @@ __device__ __forceinline__ float warp_sum16(float x) {
     return x;
 }
 
-// One online-softmax step of a tensor-core tile for the thread's two rows (query rows g, g + 8,
-// or query heads 2t, 2t + 1): the tile's maxima mx, reduced over the lanes that share a row (lane
-// masks FIRST, 2·FIRST, … LAST), become the running maxima m2; alpha rescales the old state and
-// ref is what the exponentials subtract (0 while a row has seen only −inf, so no NaN forms).
-template <int FIRST, int LAST>
-__device__ __forceinline__ void tile_max_step(float (&mx)[2], float (&m2)[2], float (&alpha)[2],
-                                              float (&ref)[2]) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-#pragma unroll
-        for (int x = FIRST; x <= LAST; x *= 2)
-            mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], x));
-        const cd_rescale sc = cd_merge_scales(m2[h], mx[h]);
-        alpha[h] = sc.a;
-        m2[h] = sc.m;
-        ref[h] = (sc.m == CD_NEG_INF) ? 0.f : sc.m;
-    }
-}
-
-// The thread's shares of its two rows' denominators, summed over the lanes that share each row
-// (lane masks FIRST, 2·FIRST, … LAST, as in tile_max_step).
-template <int FIRST, int LAST>
-__device__ __forceinline__ void row_sums(float (&l)[2]) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h)
-#pragma unroll
-        for (int x = FIRST; x <= LAST; x *= 2) l[h] += __shfl_xor_sync(0xffffffffu, l[h], x);
-}
-
 // The score hook: every score of every math path passes through here once, as the raw dot
 // product q·k of query head `head` and key position `key`, before the online softmax. It returns
 // the score in log2 units, or −inf for a key that does not count (past the chunk's end). Every
@@ -237,21 +208,61 @@ __device__ __forceinline__ float score_mod(float qk, int key, int head,
 
 #if DTYPE_ID != 2
 // ---------------------------------------------------------------- tensor-core helpers (f16/bf16)
-// The online-softmax rescale of a tensor-core thread's state for its two rows, after a tile: the
-// denominators take the tile's sums rs, and where a row's maximum moved in any lane (alpha ≠ 1)
-// the accumulator fragments are scaled too. Fragment element e belongs to row (e >> SHIFT) & 1.
-template <int SHIFT, int N>
-__device__ __forceinline__ void rescale_state(float (&acc)[N][4], float (&l2)[2],
-                                              const float (&alpha)[2], const float (&rs)[2]) {
-    l2[0] = l2[0] * alpha[0] + rs[0];
-    l2[1] = l2[1] * alpha[1] + rs[1];
-    if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
+// The online-softmax state of one tensor-core thread for its two rows — query rows g, g + 8 on
+// the 16-row path, query heads 2t, 2t + 1 with the heads as N — in log2 units:
+//   m2[h]      the row's running maximum score (−inf while it has seen none)
+//   l2[h]      this thread's share of Σ 2^(s − m2) (the lanes of a row are summed at the end)
+//   acc[n][e]  this thread's mma fragments of Σ 2^(s − m2) · v; element e is row (e >> SHIFT) & 1
+// The lanes that share a row are lane masks FIRST, 2·FIRST, … LAST apart. Its merge with the other
+// warps' states, and across splits, is cd_merge_scales / cd_merge_* (common.cuh).
+template <int N, int SHIFT, int FIRST, int LAST>
+struct cd_tc_state {
+    float m2[2], l2[2], acc[N][4];
+
+    __device__ __forceinline__ void init() {
+        m2[0] = m2[1] = CD_NEG_INF;
+        l2[0] = l2[1] = 0.f;
 #pragma unroll
-        for (int n = 0; n < N; ++n)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) acc[n][e] *= alpha[(e >> SHIFT) & 1];
+        for (int n = 0; n < N; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
     }
-}
+
+    // A tile's maxima mx (this thread's), reduced over the lanes of each row, become the running
+    // maxima; alpha is what rescales the old state, ref what the tile's exponentials subtract
+    // (0 while a row has seen only −inf, so no NaN forms).
+    __device__ __forceinline__ void max_step(float (&mx)[2], float (&alpha)[2], float (&ref)[2]) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+#pragma unroll
+            for (int x = FIRST; x <= LAST; x *= 2)
+                mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], x));
+            const cd_rescale sc = cd_merge_scales(m2[h], mx[h]);
+            alpha[h] = sc.a;
+            m2[h] = sc.m;
+            ref[h] = (sc.m == CD_NEG_INF) ? 0.f : sc.m;
+        }
+    }
+
+    // After the tile's exponentials: the denominators take the tile's sums rs, and where a row's
+    // maximum moved in any lane (alpha ≠ 1) the accumulator fragments are scaled too.
+    __device__ __forceinline__ void rescale(const float (&alpha)[2], const float (&rs)[2]) {
+        l2[0] = l2[0] * alpha[0] + rs[0];
+        l2[1] = l2[1] * alpha[1] + rs[1];
+        if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
+#pragma unroll
+            for (int n = 0; n < N; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) acc[n][e] *= alpha[(e >> SHIFT) & 1];
+        }
+    }
+
+    // At the end of the stream: each row's denominator, summed over the lanes that share it.
+    __device__ __forceinline__ void sum_rows() {
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+            for (int x = FIRST; x <= LAST; x *= 2) l2[h] += __shfl_xor_sync(0xffffffffu, l2[h], x);
+    }
+};
 
 __device__ __forceinline__ void ldsm_x4(u32& r0, u32& r1, u32& r2, u32& r3, u32 addr) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
@@ -510,12 +521,10 @@ cd_decode_split(const cd_decode_params p) {
             ldsm_x4(qb[2 * kk2][0], qb[2 * kk2][1], qb[2 * kk2 + 1][0], qb[2 * kk2 + 1][1],
                     sq_u32 + swz(8 * kh + (lane & 7), 4 * kk2 + (lane >> 3)) * 16);
 
-        float m2[2] = {CD_NEG_INF, CD_NEG_INF};  // running max (log2 units) of heads 2t, 2t+1
-        float l2[2] = {0.f, 0.f};                // this thread's share of their denominators
-        // Oᵀ accumulators: acc[d][e] is head dim 16d + g + 8·(e >> 1) of query head 2t + (e & 1).
-        float acc[HEAD_DIM / 16][4];
-#pragma unroll
-        for (int d = 0; d < HEAD_DIM / 16; ++d) acc[d][0] = acc[d][1] = acc[d][2] = acc[d][3] = 0.f;
+        // The state of query heads 2t, 2t + 1; Oᵀ accumulators: st.acc[d][e] is head dim
+        // 16d + g + 8·(e >> 1) of query head 2t + (e & 1).
+        cd_tc_state<HEAD_DIM / 16, 0, 4, 16> st;
+        st.init();
 
         for (int i = 0; i < my_tiles; ++i) {
             next_tile(i);
@@ -542,14 +551,14 @@ cd_decode_split(const cd_decode_params p) {
                 mx[e & 1] = fmaxf(mx[e & 1], s[e]);
             }
             float alpha[2], ref[2];
-            tile_max_step<4, 16>(mx, m2, alpha, ref);
+            st.max_step(mx, alpha, ref);
             float rs[2] = {0.f, 0.f};
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 s[e] = cd_exp2(s[e] - ref[e & 1]);
                 rs[e & 1] += s[e];
             }
-            rescale_state<0>(acc, l2, alpha, rs);  // acc[d][e]: query head 2t + (e & 1)
+            st.rescale(alpha, rs);
             // Pᵀ as the B operand (k = tokens, n = heads) is the transpose of the Sᵀ accumulator
             // (tokens × heads) in fragment layout: one movmatrix per 8 tokens.
             const u32 pb0 = movmatrix_t(pack2(s[0], s[1]));
@@ -558,7 +567,7 @@ cd_decode_split(const cd_decode_params p) {
             for (int d = 0; d < HEAD_DIM / 16; ++d) {
                 u32 a[4];
                 ldsm_x4_t(a[0], a[1], a[2], a[3], vs + swz(rowB, 2 * d + offB) * 16);
-                mma16816(acc[d], a, pb0, pb1);
+                mma16816(st.acc[d], a, pb0, pb1);
             }
             __syncwarp();
         }
@@ -566,24 +575,21 @@ cd_decode_split(const cd_decode_params p) {
         __syncthreads();  // every warp is done with the ring before it becomes sm_acc
 
         // Warp state → shared: the eight lanes of a head sum their shares of l.
-        row_sums<4, 16>(l2);
+        st.sum_rows();
         if (g == 0) {  // rows 8..15 (no query head here) are never read: rows ≤ 8
-            sm_m[warp * ROWS + 2 * t] = m2[0];     sm_l[warp * ROWS + 2 * t] = l2[0];
-            sm_m[warp * ROWS + 2 * t + 1] = m2[1]; sm_l[warp * ROWS + 2 * t + 1] = l2[1];
+            sm_m[warp * ROWS + 2 * t] = st.m2[0];     sm_l[warp * ROWS + 2 * t] = st.l2[0];
+            sm_m[warp * ROWS + 2 * t + 1] = st.m2[1]; sm_l[warp * ROWS + 2 * t + 1] = st.l2[1];
         }
         float* wacc = sm_acc + warp * ROWS * ACC_STRIDE;
 #pragma unroll
         for (int d = 0; d < HEAD_DIM / 16; ++d)
 #pragma unroll
             for (int e = 0; e < 4; ++e)
-                wacc[(2 * t + (e & 1)) * ACC_STRIDE + 16 * d + g + 8 * (e >> 1)] = acc[d][e];
+                wacc[(2 * t + (e & 1)) * ACC_STRIDE + 16 * d + g + 8 * (e >> 1)] = st.acc[d][e];
         (void)loop_tiles;  // one M-tile per block here: no slot ever idles
 #else
-        float m2[2] = {CD_NEG_INF, CD_NEG_INF};  // running max (log2 units) of rows g, g+8
-        float l2[2] = {0.f, 0.f};                // this thread's share of the denominators
-        float acc[HEAD_DIM / 8][4];
-#pragma unroll
-        for (int n = 0; n < HEAD_DIM / 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
+        cd_tc_state<HEAD_DIM / 8, 1, 1, 2> st;  // rows g, g + 8; st.acc[n][e]: row g + 8 · (e >> 1)
+        st.init();
 
 #if HEAD_DIM <= 128
         u32 qf[HEAD_DIM / 16][4];  // Q fragments stay in registers for the whole chunk
@@ -626,7 +632,7 @@ cd_decode_split(const cd_decode_params p) {
                     mx[e >> 1] = fmaxf(mx[e >> 1], s[j][e]);
                 }
             float alpha[2], ref[2];
-            tile_max_step<1, 2>(mx, m2, alpha, ref);
+            st.max_step(mx, alpha, ref);
             float rs[2] = {0.f, 0.f};
 #pragma unroll
             for (int j = 0; j < 2; ++j)
@@ -635,7 +641,7 @@ cd_decode_split(const cd_decode_params p) {
                     s[j][e] = cd_exp2(s[j][e] - ref[e >> 1]);
                     rs[e >> 1] += s[j][e];
                 }
-            rescale_state<1>(acc, l2, alpha, rs);  // acc[n][e]: row g + 8 · (e >> 1)
+            st.rescale(alpha, rs);
             // The S accumulator layout of two n-tiles is exactly the A layout of one k16 step.
             const u32 pa[4] = {pack2(s[0][0], s[0][1]), pack2(s[0][2], s[0][3]),
                                pack2(s[1][0], s[1][1]), pack2(s[1][2], s[1][3])};
@@ -643,8 +649,8 @@ cd_decode_split(const cd_decode_params p) {
             for (int jj = 0; jj < HEAD_DIM / 16; ++jj) {
                 u32 b0, b1, b2, b3;
                 ldsm_x4_t(b0, b1, b2, b3, vs + swz(rowA, 2 * jj + offA) * 16);
-                mma16816(acc[2 * jj], pa, b0, b1);
-                mma16816(acc[2 * jj + 1], pa, b2, b3);
+                mma16816(st.acc[2 * jj], pa, b0, b1);
+                mma16816(st.acc[2 * jj + 1], pa, b2, b3);
             }
             if (MTILES == 1) __syncwarp();
         }
@@ -653,16 +659,18 @@ cd_decode_split(const cd_decode_params p) {
         __syncthreads();  // every warp is done with the ring before it becomes sm_acc
 
         // Warp state → shared: the four lanes of a row group sum their shares of l.
-        row_sums<1, 2>(l2);
+        st.sum_rows();
         if (t == 0) {
-            sm_m[warp * ROWS + g] = m2[0];     sm_l[warp * ROWS + g] = l2[0];
-            sm_m[warp * ROWS + g + 8] = m2[1]; sm_l[warp * ROWS + g + 8] = l2[1];
+            sm_m[warp * ROWS + g] = st.m2[0];     sm_l[warp * ROWS + g] = st.l2[0];
+            sm_m[warp * ROWS + g + 8] = st.m2[1]; sm_l[warp * ROWS + g + 8] = st.l2[1];
         }
         float* wacc = sm_acc + warp * ROWS * ACC_STRIDE;
 #pragma unroll
         for (int n = 0; n < HEAD_DIM / 8; ++n) {
-            *reinterpret_cast<float2*>(wacc + g * ACC_STRIDE + 8 * n + 2 * t) = make_float2(acc[n][0], acc[n][1]);
-            *reinterpret_cast<float2*>(wacc + (g + 8) * ACC_STRIDE + 8 * n + 2 * t) = make_float2(acc[n][2], acc[n][3]);
+            *reinterpret_cast<float2*>(wacc + g * ACC_STRIDE + 8 * n + 2 * t) =
+                make_float2(st.acc[n][0], st.acc[n][1]);
+            *reinterpret_cast<float2*>(wacc + (g + 8) * ACC_STRIDE + 8 * n + 2 * t) =
+                make_float2(st.acc[n][2], st.acc[n][3]);
         }
 #endif  // HEADS_AS_N
 #else
