@@ -172,6 +172,7 @@ def test_kv_per_block_rule():
     assert P.kv_per_block("float16", 128, 4, 8, 1, long, forced=True) == 1
 
 
+@pytest.mark.h200_pin
 def test_plan_shape_takes_kv_groups_for_long_one_split_streams():
     one = lambda cfg: 1  # noqa: E731
     # llama-3-8b (32/8/128) batch 16: one split of one KV head per block, so KV_GROUP KV heads
@@ -390,6 +391,7 @@ def test_programmatic_merge_kernel_takes_larger_merges():
     assert P.merge_mode(32, 7, 128, 8, programmatic=True) == "kernel"  # two trips: kernel anyway
 
 
+@pytest.mark.h200_pin
 def test_llama_batch1_choice_is_sixteen_fused_splits():
     # llama-3-8b at batch 1 (8 KV heads, 4 rows): 16 splits fill 128 of 132 SMs and merge fused.
     for max_seqlen in (1024, 4096, 16384, 65536):
@@ -397,6 +399,7 @@ def test_llama_batch1_choice_is_sixteen_fused_splits():
         assert s == 16 and P.merge_mode(s, 4, 128, 4) == "fused"
 
 
+@pytest.mark.h200_pin
 def test_one_kv_head_fills_the_machine():
     # gemma-2b at batch 1 (one KV head, 8 rows of head_dim 256): the merge kernel's cost does
     # not grow with the split count up to 128, so the splits fill every SM.
@@ -404,6 +407,7 @@ def test_one_kv_head_fills_the_machine():
     assert s == 128 and s * chunk >= 65536
 
 
+@pytest.mark.h200_pin
 def test_short_caches_split_to_64_token_chunks():
     # batch 1 × 1024 tokens, 8 KV heads: 16 splits of 64 tokens (measured fastest on the H200).
     assert P.choose_num_splits(8, 1024, 132, 1, rows_per_block=4) == (16, 64)
@@ -419,6 +423,7 @@ def test_one_wave_counts_whole_chunks():
                                    dtype="bfloat16") == want, max_seqlen
 
 
+@pytest.mark.h200_pin
 def test_programmatic_split_choices():
     """Split counts with the merge kernel launched as a programmatic dependent (H200 figures:
     the performance log, v14): G = 8 at batch 1 × 1k keeps 16 splits merged by the kernel rather
@@ -434,6 +439,7 @@ def test_programmatic_split_choices():
     assert P.plan_shape("float16", 128, 1, 1, 32, 262144, 132, one)[1] == 4
 
 
+@pytest.mark.h200_pin
 def test_warps_in_step_only_for_long_heads_as_n_chunks():
     """The block-wide barrier per tile is asked for where it was measured to pay: heads-as-N
     blocks from WARPS_IN_STEP_MIN_CHUNK tokens; never for the 16-row path or float32."""
@@ -447,6 +453,7 @@ def test_warps_in_step_only_for_long_heads_as_n_chunks():
 
 
 
+@pytest.mark.h200_pin
 def test_l2_evict_first_only_on_short_16_bit_calls():
     """Calls of up to EVICT_FIRST_MAX_KV_BYTES of K and V stream with the evict-first hint,
     longer ones without (measured in the decode-step protocol); float32 always with it."""
