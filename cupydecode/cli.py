@@ -584,7 +584,7 @@ def bench(ctx, model, dtype, seqlens, batches, splits, protocols, processes, bas
 @click.option("--gpu", is_flag=True, help="Also read the same numbers from the real kernels.")
 @click.pass_context
 def explain(ctx, tokens, splits, head_dim, seed, center, gpu):
-    """Walk the split/merge algorithm of DESIGN.md on a tiny example, number by number.
+    """Walk the split/merge algorithm of docs/DESIGN.md on a tiny example, number by number.
 
     Prints the scores s_j, each split's m_i, l_i, V_i, Õ_i and LSE_i, the merge weights w_i
     and the merged O next to a direct float64 softmax; then shows the direct exp-sum

@@ -1,4 +1,4 @@
-"""``cupydecode explain``: DESIGN.md's algorithm, number by number, on a tiny example.
+"""``cupydecode explain``: docs/DESIGN.md's algorithm, number by number, on a tiny example.
 
 One query row q against ``tokens`` keys and values, split into ``splits`` chunks exactly as the
 kernels split a cache (chunks of ceil(tokens / splits) tokens; trailing chunks may be empty).
@@ -113,7 +113,7 @@ def split_merge(s: np.ndarray, v: np.ndarray, edges, dtype=np.float64):
 
 def walk(tokens: int = 12, splits: int = 3, head_dim: int = 4, seed: int = 0,
          center: float = 120.0) -> Walk:
-    """The full float64 walk of DESIGN.md on one generated example."""
+    """The full float64 walk of docs/DESIGN.md on one generated example."""
     if tokens < 1 or splits < 1 or head_dim < 1:
         raise ValueError(f"tokens, splits, head_dim: expected ≥ 1, got {tokens}, {splits}, {head_dim}")
     q, k, v = make_example(tokens, head_dim, seed, center)

@@ -93,7 +93,7 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens=None, softmax_scale=None
 
 
 def split_states(scores: np.ndarray, values: np.ndarray, boundaries) -> tuple[np.ndarray, np.ndarray]:
-    """Kernel 1 of DESIGN.md for one query row, in float64.
+    """Kernel 1 of docs/DESIGN.md for one query row, in float64.
 
     scores (n,) are the s_j (already scaled), values (n, head_dim) the v_j; ``boundaries`` the
     chunk edges [0, b1, ..., n]. Returns (Õ, LSE) of shapes (S, head_dim) and (S,); an empty
@@ -116,7 +116,7 @@ def split_states(scores: np.ndarray, values: np.ndarray, boundaries) -> tuple[np
 
 
 def merge_states(o_parts, lse_parts) -> tuple[np.ndarray, np.ndarray]:
-    """Kernel 2 of DESIGN.md in float64: o_parts (S, *rows, D), lse_parts (S, *rows).
+    """Kernel 2 of docs/DESIGN.md in float64: o_parts (S, *rows, D), lse_parts (S, *rows).
 
     Empty states (LSE_i = −inf) are skipped; all empty gives (0, −inf) without NaN.
     """

@@ -61,7 +61,7 @@ template <> struct cd_elem<2> {
     static __device__ __forceinline__ float from_float(float x) { return x; }
 };
 
-// Merge of two softmax states written in the log2 domain (see DESIGN.md; m in log2 units).
+// Merge of two softmax states written in the log2 domain (see docs/DESIGN.md; m in log2 units).
 // A state is (m, l, acc) with l = Σ 2^(s2_j − m) and acc = Σ 2^(s2_j − m) v_j. The empty state
 // is (−inf, 0, 0). Returns the scale each side must be multiplied by after moving to the new
 // maximum; never forms −inf − (−inf).
@@ -113,7 +113,7 @@ __device__ __forceinline__ void cd_wait_prerequisites() {
 #endif
 }
 
-// Kernel 2's math (DESIGN.md, natural-log LSE in and out):
+// Kernel 2's math (docs/DESIGN.md, natural-log LSE in and out):
 //   LSE = max_i LSE_i + log Σ_i exp(LSE_i − max_i LSE_i),  w_i = exp(LSE_i − LSE),  O = Σ_i w_i Õ_i
 // done by warps, each on one PASS of a row: the 32·NV elements [pass·32·NV, +32·NV) of head_dim,
 // NV per lane. State i of the row is at o[i·o_stride .. + head_dim) and lse[i·lse_stride]. Empty

@@ -1,6 +1,6 @@
 // decode_split.cu — FlashDecoding, kernel 1 of 2: one chunk of the KV cache per block.
 //
-// Math (notation of DESIGN.md). For one query row q, keys k_j, values v_j, scale c:
+// Math (notation of docs/DESIGN.md). For one query row q, keys k_j, values v_j, scale c:
 //   s_j   = c · q·k_j
 //   m_i   = max_{j∈i} s_j,  l_i = Σ_{j∈i} exp(s_j − m_i),  V_i = Σ_{j∈i} exp(s_j − m_i) v_j
 //   Õ_i   = V_i / l_i,      LSE_i = m_i + log(l_i)

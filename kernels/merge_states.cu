@@ -1,6 +1,6 @@
 // merge_states.cu — FlashDecoding, kernel 2 of 2: merge S partial states through their LSE.
 //
-// Math (notation of DESIGN.md). For one row with states (Õ_i, LSE_i), i = 0..S-1:
+// Math (notation of docs/DESIGN.md). For one row with states (Õ_i, LSE_i), i = 0..S-1:
 //   LSE = max_i LSE_i + log Σ_i exp(LSE_i − max_i LSE_i)
 //   w_i = exp(LSE_i − LSE)            every exponent ≤ 0: nothing can overflow
 //   O   = Σ_i w_i Õ_i
