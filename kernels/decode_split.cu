@@ -321,6 +321,10 @@ static_assert(sizeof(cd_decode_params) == 0 CD_DECODE_PARAMS(CD_PARAM_SIZE),
 // M-tile shapes leave room for a second block; the host asks the driver's occupancy calculator.)
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
 cd_decode_split(const cd_decode_params p) {
+    // Phases (docs/DESIGN.md): 1 entry — 2 KV view (load_tile) — 3 tile compute (one of three
+    // math paths, every score through score_mod, the state in cd_tc_state) — 4 epilogue (merge
+    // the warps, write the output or the partials, the fused merge's last block).
+    // ================================================================ 1. entry
     // Launched as a programmatic dependent of the kernel before it (DecodePlan(enable_pdl=True)),
     // the grid may be resident before that kernel ends: nothing it wrote (q, lengths, the cache's
     // new rows) is read before this wait. A no-op for a plain launch (common.cuh).
@@ -382,6 +386,7 @@ cd_decode_split(const cd_decode_params p) {
 
     if (chunk_start < chunk_end) {
         q_t* sq = reinterpret_cast<q_t*>(smem);
+        // ================================================================ 2. KV view
         // ------------------------------------------------- this warp's K/V ring (its slot's)
         unsigned char* ring = smem + Q_BYTES + ring_id * (STAGES * 2 * TILE_BYTES);
         const u32 ring_u32 = smem_u32(ring);
@@ -460,6 +465,7 @@ cd_decode_split(const cd_decode_params p) {
                 cp_async_commit();
             }
         }
+        // ================================================================ 3. tile compute
         // ---------------------------------------------------------------- Q tile → shared
         for (int i = tid; i < Q_ROWS * CPR; i += NUM_THREADS) {
             const int r = i / CPR, c = i % CPR;
@@ -497,7 +503,7 @@ cd_decode_split(const cd_decode_params p) {
         };
 
 #if DTYPE_ID != 2
-        // ================================================================ tensor-core path
+        // ---------------------------------------------------------------- tensor-core paths
         const int g = lane >> 2, t = lane & 3;
         // ldmatrix row addresses: pattern A (Q as the A operand, V transposed),
         // pattern B (K as the col-major B operand). See the fragment layouts of mma.m16n8k16.
@@ -674,7 +680,7 @@ cd_decode_split(const cd_decode_params p) {
         }
 #endif  // HEADS_AS_N
 #else
-        // ================================================================ float32 path
+        // ---------------------------------------------------------------- float32 path
         (void)loop_tiles;  // one M-tile per block here: no slot ever idles
         // Scores: lane owns token (lane & 15) and half (lane >> 4) of the head dimension.
         // P·V: lane owns dims 2·lane + 64·i (float2), i < HEAD_DIM / 64.
@@ -767,6 +773,7 @@ cd_decode_split(const cd_decode_params p) {
     }
     __syncthreads();
 
+    // ================================================================ 4. epilogue
     // ---------------------------------------------------------------- merge the warps, write
     // Block row R is row R % 16 of M-tile R / 16, held by that M-tile's warp in every slot:
     // warps R / 16 + MTILES·t, t < SLOTS (the index of (warp, row) in sm_m, sm_l, sm_acc is below).
