@@ -304,6 +304,38 @@ __device__ __forceinline__ u32 pack2(float lo, float hi) {
 }
 #endif
 
+#if DTYPE_ID == 2
+// The online-softmax state of one float32 warp (CUDA cores): for each of its ROWS query rows the
+// running maximum m2 (log2 units; −inf while none), the denominator l2 (every lane holds the
+// row's whole sum) and this lane's share of Σ 2^(s − m2) · v, head dims 2·lane + 64·d (+1).
+struct cd_f32_state {
+    float m2[ROWS], l2[ROWS], acc[ROWS][HEAD_DIM / 64][2];
+
+    __device__ __forceinline__ void init() {
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) {
+            m2[r] = CD_NEG_INF;
+            l2[r] = 0.f;
+#pragma unroll
+            for (int i = 0; i < HEAD_DIM / 64; ++i) acc[r][i][0] = acc[r][i][1] = 0.f;
+        }
+    }
+
+    // Row r takes the scores x of a tile (lane n: token n, lanes 16..31 repeat them): the new
+    // maximum rescales the old state; returns this lane's token's weight 2^(x − m2).
+    __device__ __forceinline__ float step(int r, float x) {
+        const cd_rescale sc = cd_merge_scales(m2[r], warp_max16(x));
+        const float ref = (sc.m == CD_NEG_INF) ? 0.f : sc.m;
+        const float p = cd_exp2(x - ref);
+        l2[r] = l2[r] * sc.a + warp_sum16(p);
+        m2[r] = sc.m;
+#pragma unroll
+        for (int d = 0; d < HEAD_DIM / 64; ++d) { acc[r][d][0] *= sc.a; acc[r][d][1] *= sc.a; }
+        return p;
+    }
+};
+#endif
+
 // All kernel parameters in one struct passed by value: one launch argument instead of 27 keeps
 // the host cost of a launch from Python low (each argument costs ~0.5 µs to marshal in CuPy).
 // The fields are declared once, in decode_params.cuh; the host packs the same list.
@@ -686,14 +718,8 @@ cd_decode_split(const cd_decode_params p) {
         // P·V: lane owns dims 2·lane + 64·i (float2), i < HEAD_DIM / 64.
         const int tn = lane & 15, hf = lane >> 4;
         const float* sqf = reinterpret_cast<const float*>(sq);
-        float m2[ROWS], l2[ROWS], acc[ROWS][HEAD_DIM / 64][2];
-#pragma unroll
-        for (int r = 0; r < ROWS; ++r) {
-            m2[r] = CD_NEG_INF;
-            l2[r] = 0.f;
-#pragma unroll
-            for (int i = 0; i < HEAD_DIM / 64; ++i) acc[r][i][0] = acc[r][i][1] = 0.f;
-        }
+        cd_f32_state st;
+        st.init();
         for (int i = 0; i < my_tiles; ++i) {
             next_tile(i);
             const float4* ks = reinterpret_cast<const float4*>(ring + (i % STAGES) * 2 * TILE_BYTES);
@@ -718,15 +744,7 @@ cd_decode_split(const cd_decode_params p) {
             for (int r = 0; r < ROWS; ++r) {
                 if (r < rows) {
                     s[r] += __shfl_xor_sync(0xffffffffu, s[r], 16);
-                    const float x = score_mod(s[r], key, h0 + r, score_params);
-                    const cd_rescale sc = cd_merge_scales(m2[r], warp_max16(x));
-                    const float ref = (sc.m == CD_NEG_INF) ? 0.f : sc.m;
-                    const float p = cd_exp2(x - ref);
-                    l2[r] = l2[r] * sc.a + warp_sum16(p);
-                    m2[r] = sc.m;
-                    s[r] = p;
-#pragma unroll
-                    for (int d = 0; d < HEAD_DIM / 64; ++d) { acc[r][d][0] *= sc.a; acc[r][d][1] *= sc.a; }
+                    s[r] = st.step(r, score_mod(s[r], key, h0 + r, score_params));
                 }
             }
 #pragma unroll 2
@@ -743,8 +761,8 @@ cd_decode_split(const cd_decode_params p) {
                         const float p = __shfl_sync(0xffffffffu, s[r], n);
 #pragma unroll
                         for (int d = 0; d < HEAD_DIM / 64; ++d) {
-                            acc[r][d][0] = fmaf(p, vv[d].x, acc[r][d][0]);
-                            acc[r][d][1] = fmaf(p, vv[d].y, acc[r][d][1]);
+                            st.acc[r][d][0] = fmaf(p, vv[d].x, st.acc[r][d][0]);
+                            st.acc[r][d][1] = fmaf(p, vv[d].y, st.acc[r][d][1]);
                         }
                     }
                 }
@@ -755,7 +773,10 @@ cd_decode_split(const cd_decode_params p) {
         __syncthreads();
         if (lane == 0) {
 #pragma unroll
-            for (int r = 0; r < ROWS; ++r) { sm_m[warp * ROWS + r] = m2[r]; sm_l[warp * ROWS + r] = l2[r]; }
+            for (int r = 0; r < ROWS; ++r) {
+                sm_m[warp * ROWS + r] = st.m2[r];
+                sm_l[warp * ROWS + r] = st.l2[r];
+            }
         }
         float* wacc = sm_acc + warp * ROWS * ACC_STRIDE;
 #pragma unroll
@@ -764,7 +785,7 @@ cd_decode_split(const cd_decode_params p) {
 #pragma unroll
                 for (int d = 0; d < HEAD_DIM / 64; ++d)
                     *reinterpret_cast<float2*>(wacc + r * ACC_STRIDE + 2 * lane + 64 * d) =
-                        make_float2(acc[r][d][0], acc[r][d][1]);
+                        make_float2(st.acc[r][d][0], st.acc[r][d][1]);
 #endif
     } else {
         // Empty chunk (or empty sequence): every warp holds the empty state (−inf, 0, 0).
