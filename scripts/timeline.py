@@ -30,7 +30,8 @@ def stamp(k: int, indent: str = "    ", guard: str = "tid == 0", sync: bool = Fa
     return f"{pre}{indent}if ({guard}) " + STAMP.replace("{K}", str(k)) + "\n"
 
 
-MERGE_WARPS = "    __syncthreads();\n\n    // " + "-" * 64 + " merge the warps, write\n"
+MERGE_WARPS = ("    __syncthreads();\n\n    // " + "=" * 64 + " 4. epilogue\n    // " + "-" * 64
+               + " merge the warps, write\n")
 # (anchor in decode_split.cu, text to insert, before/after the anchor)
 INJECT = [
     ("#define CD_MERGE_GROUP 16\n", "__device__ unsigned long long cd_dbg[1 << 18];\n", "before"),
