@@ -32,12 +32,13 @@ def seqlens_array(cache_seqlens, batch: int, max_seqlen: int) -> np.ndarray:
 
 
 def attention_rows(q, k_cache, v_cache, cache_seqlens=None, softmax_scale=None,
-                   batch_ids=None, kv_heads=None, xp=np):
+                   batch_ids=None, kv_heads=None, xp=np, logits_soft_cap=None):
     """Direct softmax attention in float64 for some sequences and KV heads: the one reference
     computation, with NumPy (``xp=numpy``: GPU inputs are copied to the host) or with CuPy
     (``xp=cupy``: on the GPU, for caches too large for the host reference).
 
-    s_j = c · q·k_j (c = 1/sqrt(head_dim) unless ``softmax_scale``), O = Σ_j softmax(s)_j v_j,
+    s_j = c · q·k_j (c = 1/sqrt(head_dim) unless ``softmax_scale``), then with
+    ``logits_soft_cap`` t > 0 s_j ← t · tanh(s_j / t) (Gemma-2); O = Σ_j softmax(s)_j v_j,
     LSE = ln Σ_j e^{s_j}. ``batch_ids`` / ``kv_heads`` select what to compute (None: all).
     Returns ``(out, lse)`` of xp float64 arrays of shapes (nb, nk, G, D) and (nb, nk, G), with
     G = num_heads // num_kv_heads (the query heads of each selected KV head, in order). An empty
@@ -50,6 +51,9 @@ def attention_rows(q, k_cache, v_cache, cache_seqlens=None, softmax_scale=None,
     max_seqlen, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
     scale = 1.0 / np.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
+    cap = None if logits_soft_cap is None else float(logits_soft_cap)
+    if cap is not None and not (cap > 0 and np.isfinite(cap)):
+        raise ValueError(f"logits_soft_cap: expected a finite number > 0 or None, got {cap}")
     lens = seqlens_array(cache_seqlens, batch, max_seqlen)
     batch_ids = list(range(batch)) if batch_ids is None else list(batch_ids)
     kv_heads = list(range(num_kv_heads)) if kv_heads is None else list(kv_heads)
@@ -62,6 +66,8 @@ def attention_rows(q, k_cache, v_cache, cache_seqlens=None, softmax_scale=None,
         qb = q[b].reshape(num_kv_heads, group, head_dim)[kv_heads].astype(xp.float64)
         kb = k_cache[b, :n][:, kv_heads].astype(xp.float64)       # (n, nk, D)
         s = xp.einsum("kgd,nkd->kgn", qb, kb) * scale              # s_j = c · q·k_j
+        if cap is not None:
+            s = cap * xp.tanh(s / cap)                              # s_j ← t · tanh(s_j / t)
         del kb
         m = s.max(axis=-1, keepdims=True)
         p = xp.exp(s - m)
@@ -80,14 +86,16 @@ def _host(x) -> np.ndarray:
     return np.asarray(x)
 
 
-def decode_attention(q, k_cache, v_cache, cache_seqlens=None, softmax_scale=None):
+def decode_attention(q, k_cache, v_cache, cache_seqlens=None, softmax_scale=None,
+                     logits_soft_cap=None):
     """Direct softmax attention in float64 (NumPy): returns ``(out, lse)``.
 
     q (batch, num_heads, head_dim); k_cache, v_cache (batch, max_seqlen, num_kv_heads, head_dim).
     out (batch, num_heads, head_dim) float64; lse (batch, num_heads) float64, natural log.
     An empty sequence gives out = 0, lse = −inf. (:func:`attention_rows` for every row.)
     """
-    out, lse = attention_rows(q, k_cache, v_cache, cache_seqlens, softmax_scale)
+    out, lse = attention_rows(q, k_cache, v_cache, cache_seqlens, softmax_scale,
+                              logits_soft_cap=logits_soft_cap)
     batch, num_heads, head_dim = out.shape[0], out.shape[1] * out.shape[2], out.shape[3]
     return out.reshape(batch, num_heads, head_dim), lse.reshape(batch, num_heads)
 

@@ -14,8 +14,9 @@ from cupydecode import reference as R
 from helpers import context, np_dtype, randn
 
 
-def direct_attention(q, k, v, lens, scale):
-    """Softmax attention with plain loops and math.exp: (out, lse) in float64."""
+def direct_attention(q, k, v, lens, scale, soft_cap=None):
+    """Softmax attention with plain loops and math.exp: (out, lse) in float64 (``soft_cap`` t:
+    each score s becomes t · tanh(s / t))."""
     q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[2]
@@ -26,6 +27,8 @@ def direct_attention(q, k, v, lens, scale):
         for h in range(num_heads):
             kvh = h // group
             scores = [scale * float(np.dot(q[b, h], k[b, j, kvh])) for j in range(lens[b])]
+            if soft_cap is not None:
+                scores = [soft_cap * math.tanh(x / soft_cap) for x in scores]
             if not scores:
                 continue
             m = max(scores)
@@ -239,3 +242,29 @@ def test_attention_rows_selects_sequences_and_kv_heads(rng, seed):
     assert np.array_equal(sub, select_rows(out, 4, [2, 1], [3, 0])), seed
     assert np.array_equal(sub_lse, select_rows(lse, 4, [2, 1], [3, 0])), seed
     assert np.all(np.isneginf(sub_lse[1])) and not np.any(sub[1])  # the empty sequence
+
+
+
+@pytest.mark.parametrize("cap", [50.0, 2.5])
+def test_soft_cap_matches_direct_softmax(rng, seed, cap):
+    """logits_soft_cap (Gemma-2's 50, and a cap below the logits' spread) against the direct
+    loop, on logits large enough that the cap changes the result."""
+    q = randn(rng, (3, 8, 16), "float32", 40.0)  # logits of about ±160 before the cap
+    k = randn(rng, (3, 30, 2, 16), "float32")
+    v = randn(rng, (3, 30, 2, 16), "float32")
+    lens = [30, 0, 11]
+    ctx = context(seed, cap=cap)
+    out, lse = R.decode_attention(q, k, v, lens, logits_soft_cap=cap)
+    want_out, want_lse = direct_attention(q, k, v, lens, 0.25, soft_cap=cap)
+    np.testing.assert_allclose(out, want_out, rtol=1e-12, atol=1e-12, err_msg=ctx)
+    np.testing.assert_allclose(lse, want_lse, rtol=1e-12, atol=1e-12, err_msg=ctx)
+    plain, _ = R.decode_attention(q, k, v, lens)
+    assert R.relative_error(out, plain) > 1e-2, ctx  # the cap matters on these logits
+    assert np.all(lse[0] <= cap + math.log(30) + 1e-9), ctx  # LSE bounded by cap + ln(n)
+
+
+@pytest.mark.parametrize("cap", [0.0, -1.0, float("inf"), float("nan")])
+def test_soft_cap_must_be_positive_and_finite(cap):
+    x = np.ones((1, 2, 8))
+    with pytest.raises(ValueError, match="logits_soft_cap"):
+        R.decode_attention(x, np.ones((1, 4, 1, 8)), np.ones((1, 4, 1, 8)), logits_soft_cap=cap)
