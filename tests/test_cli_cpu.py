@@ -286,3 +286,31 @@ def test_gpu_problem_names_the_fix(monkeypatch):
     monkeypatch.setattr(_kernels, "_driver_loadable", lambda: True)
     why = _kernels.gpu_problem()
     assert "older than the CUDA runtime" in why and "reinstall" in why, why
+
+
+def test_step_traffic_sizes_follow_the_layer():
+    """The decode-step protocol's other kernels move an L2's worth of writes, the QKV
+    projection's weights (hidden × (H + 2·Hkv)·D, hidden = H·D) and its output."""
+    from cupydecode.bench import StepTraffic
+
+    w = Workload(batch=16, seqlen=1024, num_heads=32, num_kv_heads=8, head_dim=128,
+                 dtype="float16")
+    fill, weights, out = StepTraffic.sizes(w, 60 * 2**20)
+    assert fill == 60 * 2**20
+    assert weights == 4096 * (32 + 16) * 128 * 2          # llama-3-8b: 50.3 MB
+    assert out == 16 * (32 + 16) * 128 * 2
+    odd = Workload(batch=3, seqlen=1024, num_heads=7, num_kv_heads=7, head_dim=64,
+                   dtype="float32")
+    assert all(n % 16 == 0 for n in StepTraffic.sizes(odd, 1000))
+    assert "50.3 MB read" in StepTraffic.describe(w, 60 * 2**20)
+
+
+def test_processes_forward_the_sweep_options():
+    """--processes re-runs the same sweep: the forwarded options parse back to the same values."""
+    argv = cli._forwarded_bench_args("qwen2.5-7b", "bfloat16", [1024, 65536], [1, 16], "auto",
+                                     ["step", "back-to-back:2"], ["torch"])
+    ctx = cli.bench.make_context("bench", argv + ["--processes", "1"])
+    p = ctx.params
+    assert (p["model"], p["dtype"], p["seqlens"], p["batches"], p["splits"]) == (
+        "qwen2.5-7b", "bfloat16", [1024, 65536], [1, 16], "auto")
+    assert p["protocols"] == ["step", "back-to-back:2"] and p["baselines"] == ("torch",)
