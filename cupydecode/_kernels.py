@@ -147,8 +147,9 @@ _PARAM_ENTRY = re.compile(r"\bX\(\s*(PTR|I64|I32|F32)\s*,\s*[^,()]+?\s*,\s*(\w+)
 
 def param_list(filename: str, macro: str) -> tuple[tuple[str, str], ...]:
     """The (kind, name) entries of the parameter list ``macro`` in kernels/``filename`` (an
-    X-macro of ``X(kind, C type, name)`` entries; kernels/decode_params.cuh), in order."""
-    text = (kernel_dir() / filename).read_text()
+    X-macro of ``X(kind, C type, name)`` entries; kernels/decode_params.cuh), in order; from a
+    :func:`kernel_sources` folder where one holds the file."""
+    text = _find(filename, (*_SOURCE_DIRS, kernel_dir())).read_text()
     start = text.index(f"#define {macro}(X)")
     lines = []
     for line in text[start:].splitlines():
@@ -176,11 +177,10 @@ _compiled: dict[tuple, object] = {}
 
 
 def get_function(filename: str, name: str, defines: dict[str, int]):
-    """The compiled kernel ``name`` of one specialisation (compiled lazily, cached).
-
-    The cache key holds the source text itself (through ``_module``'s argument), so a file
-    edited while the process runs is recompiled rather than served stale.
-    """
+    """The compiled kernel ``name`` of one specialisation (compiled lazily, once per process for
+    each file, kernel, defines and :func:`kernel_sources` folders: a file edited while the
+    process runs is not rebuilt; CuPy's on-disk cache is keyed by the whole source text, so a
+    new process never loads a stale cubin)."""
     key = (filename, name, tuple(sorted(defines.items())), _SOURCE_DIRS)
     fn = _compiled.get(key)
     if fn is None:

@@ -44,6 +44,9 @@ def _smem_per_block(device_id: int) -> int:
 
 
 def _split_function(cfg: _policy.SplitKernelConfig):
+    if _kernels._SOURCE_DIRS and _kernels.param_list(_PARAM_FILE, _PARAM_MACRO) != _PARAM_LIST:
+        raise RuntimeError("a kernel variant (kernel_sources) with another parameter list than "
+                           "the shipped kernels/decode_params.cuh: the host packs the shipped one")
     return _kernels.get_function(_SPLIT_FILE, _SPLIT_KERNEL, cfg.defines())
 
 
@@ -333,13 +336,17 @@ class DecodePlan:
 # kernels/decode_params.cuh (one list for both sides), and the order in which DecodePlan._launch
 # passes the values, checked against that list here.
 _PARAM_CODES = {"PTR": "Q", "I64": "q", "I32": "i", "F32": "f"}
-_PARAM_LIST = _kernels.param_list("decode_params.cuh", "CD_DECODE_PARAMS")
+_PARAM_FILE, _PARAM_MACRO = "decode_params.cuh", "CD_DECODE_PARAMS"
+try:
+    _PARAM_LIST = _kernels.param_list(_PARAM_FILE, _PARAM_MACRO)
+except FileNotFoundError:  # kernel sources missing (a broken install): building a plan says so
+    _PARAM_LIST = ()
 _PARAMS = struct.Struct("<" + "".join(_PARAM_CODES[kind] for kind, _ in _PARAM_LIST))
 _LAUNCH_ORDER = ("q", "k", "v", "seqlens", "o_part", "lse_part", "out", "lse_out", "counters",
                  "q_sb", "q_sh", "k_sb", "k_ss", "k_sh", "v_sb", "v_ss", "v_sh", "out_sb",
                  "out_sh", "seqlen_all", "max_seqlen", "num_heads", "group", "head_tiles",
                  "chunk_tokens", "scale_log2", "warps_in_step")
-if tuple(name for _, name in _PARAM_LIST) != _LAUNCH_ORDER:
+if _PARAM_LIST and tuple(name for _, name in _PARAM_LIST) != _LAUNCH_ORDER:
     raise ImportError("kernels/decode_params.cuh and DecodePlan._launch disagree on the split "
                       f"kernel's parameters: {[n for _, n in _PARAM_LIST]} vs {list(_LAUNCH_ORDER)}")
 

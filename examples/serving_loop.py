@@ -62,6 +62,7 @@ def run(batch=4, num_heads=32, num_kv_heads=8, head_dim=128, max_seqlen=4096, st
         _APPEND((batch,), (128,), append_args)
         plan.run(q, k_cache, v_cache, lengths)   # writes plan.out and plan.lse
 
+    cp.cuda.Device().synchronize()  # the data above was made on the default stream
     stream = cp.cuda.Stream(non_blocking=True)
     with stream:
         graph_lengths = lengths.copy()

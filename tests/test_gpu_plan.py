@@ -457,7 +457,11 @@ def test_plan_built_during_capture_runs_eagerly_before_replay(cupy, rng, seed):
 
 
 _LATE_WRITER = r"""
-extern "C" __global__ void late_copy(const unsigned short* src, unsigned short* dst, int n,
+// Lets its dependents start at once, spins, and only then copies four 16-bit buffers.
+extern "C" __global__ void late_copy(const unsigned short* s0, unsigned short* d0, long long n0,
+                                     const unsigned short* s1, unsigned short* d1, long long n1,
+                                     const unsigned short* s2, unsigned short* d2, long long n2,
+                                     const unsigned short* s3, unsigned short* d3, long long n3,
                                      unsigned long long spin_ns) {
 #if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");  // dependents may start now
@@ -465,8 +469,12 @@ extern "C" __global__ void late_copy(const unsigned short* src, unsigned short* 
     unsigned long long t0, t;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
     do { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); } while (t - t0 < spin_ns);
-    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x)
-        dst[i] = src[i];
+    const long long first = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    for (long long i = first; i < n0; i += stride) d0[i] = s0[i];
+    for (long long i = first; i < n1; i += stride) d1[i] = s1[i];
+    for (long long i = first; i < n2; i += stride) d2[i] = s2[i];
+    for (long long i = first; i < n3; i += stride) d3[i] = s3[i];
 }
 """
 
@@ -474,34 +482,36 @@ extern "C" __global__ void late_copy(const unsigned short* src, unsigned short* 
 @pytest.mark.parametrize("splits", [1, 4])
 def test_enable_pdl_waits_for_the_kernel_before_it(cupy, rng, seed, splits):
     """With enable_pdl, the split kernel may be resident before the kernel ahead of it ends: it
-    must still see what that kernel writes. Here that kernel lets its dependents start at once,
-    then spins 50 µs and only then writes q and the lengths over NaN / zero; eager and graph."""
+    must still see everything that kernel writes. Here one kernel lets its dependents start at
+    once, spins 50 µs, and only then writes q, the lengths, K and V over NaN / zero, right
+    before plan.run: reading any of them early shows in the output. Eager and graph."""
     batch, num_heads, num_kv_heads, head_dim, max_seqlen = 3, 32, 8, 128, 1500
     lens = [1500, 7, 1024]
     ctx = context(seed, splits=splits)
     q, k, v = decode_inputs(rng, batch, num_heads, num_kv_heads, head_dim, max_seqlen, "float16")
-    dq_src, dk, dv = to_device(q), to_device(k), to_device(v)
-    lens_src = cupy.asarray(np.asarray(lens, np.int32))
+    srcs = [to_device(q), cupy.asarray(np.asarray(lens, np.int32)), to_device(k), to_device(v)]
+    dsts = [cupy.empty_like(x) for x in srcs]
+    dq, seqlens, dk, dv = dsts
     copy = cupy.RawKernel(_LATE_WRITER, "late_copy")
+    args = []
+    for src, dst in zip(srcs, dsts):
+        args += [src.view(cupy.uint16), dst.view(cupy.uint16), np.int64(dst.nbytes // 2)]
+    args.append(np.uint64(50_000))
     plan = cupydecode.DecodePlan(batch, num_heads, num_kv_heads, head_dim, max_seqlen,
                                  "float16", num_splits=splits, enable_pdl=True)
     programmatic = _kernels.programmatic_launch_supported(cupy.cuda.Device().id)
     assert plan._split_launch.programmatic == programmatic, ctx
     ref_out, ref_lse = R.decode_attention(q, k, v, lens)
-    dq = cupy.full(dq_src.shape, np.nan, dq_src.dtype)
-    seqlens = cupy.zeros(batch, cupy.int32)
 
     def step():
-        dq.fill(np.nan)
+        for x in (dq, dk, dv, plan.out):
+            x.fill(np.nan)
         seqlens.fill(0)
-        plan.out.fill(np.nan)
-        copy((4,), (128,), (dq_src.view(cupy.uint16), dq.view(cupy.uint16), np.int32(dq.size),
-                            np.uint64(50_000)))
-        copy((1,), (32,), (lens_src.view(cupy.uint16), seqlens.view(cupy.uint16),
-                           np.int32(2 * batch), np.uint64(50_000)))
+        copy((64,), (256,), tuple(args))
         return plan.run(dq, dk, dv, seqlens)
 
     stream = cupy.cuda.Stream(non_blocking=True)
+    cupy.cuda.Device().synchronize()
     with stream:
         out, lse = step()
         assert_out_close(out, ref_out, OUT_TOL["float16"], ctx, "eager out")

@@ -66,3 +66,19 @@ def test_split_kernel_parameters_are_declared_once():
     assert '#include "decode_params.cuh"' in split
     body = re.search(r"struct cd_decode_params \{(.*?)\};", split, re.S).group(1)
     assert body.strip() == "CD_DECODE_PARAMS(CD_PARAM_FIELD)", body
+
+
+def test_a_variant_with_another_parameter_list_is_refused(tmp_path):
+    """kernel_sources() may swap kernel files, but not the parameter list the host packs."""
+    import pytest
+
+    from cupydecode import _kernels
+    from cupydecode.decode import _split_function
+
+    text = (KERNELS / "decode_params.cuh").read_text()
+    (tmp_path / "decode_params.cuh").write_text(
+        text.replace("X(I32, int, warps_in_step)", "X(I32, int, warps_in_step) X(I32, int, extra)"))
+    with _kernels.kernel_sources(tmp_path):
+        assert _kernels.param_list("decode_params.cuh", "CD_DECODE_PARAMS")[-1] == ("I32", "extra")
+        with pytest.raises(RuntimeError, match="parameter list"):
+            _split_function(P.split_kernel_config("float16", 128))
