@@ -32,7 +32,8 @@ def seqlens_array(cache_seqlens, batch: int, max_seqlen: int) -> np.ndarray:
 
 
 def attention_rows(q, k_cache, v_cache, cache_seqlens=None, softmax_scale=None,
-                   batch_ids=None, kv_heads=None, xp=np, logits_soft_cap=None):
+                   batch_ids=None, kv_heads=None, xp=np, logits_soft_cap=None,
+                   block_table=None):
     """Direct softmax attention in float64 for some sequences and KV heads: the one reference
     computation, with NumPy (``xp=numpy``: GPU inputs are copied to the host) or with CuPy
     (``xp=cupy``: on the GPU, for caches too large for the host reference).
@@ -40,6 +41,10 @@ def attention_rows(q, k_cache, v_cache, cache_seqlens=None, softmax_scale=None,
     s_j = c · q·k_j (c = 1/sqrt(head_dim) unless ``softmax_scale``), then with
     ``logits_soft_cap`` t > 0 s_j ← t · tanh(s_j / t) (Gemma-2); O = Σ_j softmax(s)_j v_j,
     LSE = ln Σ_j e^{s_j}. ``batch_ids`` / ``kv_heads`` select what to compute (None: all).
+    With ``block_table`` (batch, max_pages_per_seq) the cache is paged, (num_pages, page_size,
+    num_kv_heads, head_dim): token t of sequence b is row t % page_size of page
+    block_table[b, t // page_size]; a token whose page index is outside [0, num_pages)
+    contributes nothing.
     Returns ``(out, lse)`` of xp float64 arrays of shapes (nb, nk, G, D) and (nb, nk, G), with
     G = num_heads // num_kv_heads (the query heads of each selected KV head, in order). An empty
     sequence gives out = 0, lse = −inf. Memory: float64 copies of one sequence's K and V for the
@@ -47,8 +52,10 @@ def attention_rows(q, k_cache, v_cache, cache_seqlens=None, softmax_scale=None,
     """
     if xp is np:
         q, k_cache, v_cache = (_host(x) for x in (q, k_cache, v_cache))
+    table = None if block_table is None else _host(block_table).astype(np.int64)
     batch, num_heads, head_dim = q.shape
-    max_seqlen, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    num_kv_heads = k_cache.shape[2]
+    max_seqlen = k_cache.shape[1] * (1 if table is None else table.shape[1])  # capacity
     group = num_heads // num_kv_heads
     scale = 1.0 / np.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
     cap = None if logits_soft_cap is None else float(logits_soft_cap)
@@ -63,8 +70,11 @@ def attention_rows(q, k_cache, v_cache, cache_seqlens=None, softmax_scale=None,
         n = int(lens[b])
         if n == 0:
             continue
+        rows = _token_rows(k_cache, b, n, table, xp)
+        if rows is not None and len(rows[0]) == 0:
+            continue  # every page of the sequence out of range: nothing to attend
         qb = q[b].reshape(num_kv_heads, group, head_dim)[kv_heads].astype(xp.float64)
-        kb = k_cache[b, :n][:, kv_heads].astype(xp.float64)       # (n, nk, D)
+        kb = _rows(k_cache, b, n, rows)[:, kv_heads].astype(xp.float64)   # (n, nk, D)
         s = xp.einsum("kgd,nkd->kgn", qb, kb) * scale              # s_j = c · q·k_j
         if cap is not None:
             s = cap * xp.tanh(s / cap)                              # s_j ← t · tanh(s_j / t)
@@ -73,10 +83,54 @@ def attention_rows(q, k_cache, v_cache, cache_seqlens=None, softmax_scale=None,
         p = xp.exp(s - m)
         del s
         l = p.sum(axis=-1, keepdims=True)
-        vb = v_cache[b, :n][:, kv_heads].astype(xp.float64)
+        vb = _rows(v_cache, b, n, rows)[:, kv_heads].astype(xp.float64)
         out[i] = xp.einsum("kgn,nkd->kgd", p, vb) / l
         lse[i] = (m + xp.log(l))[..., 0]
     return out, lse
+
+
+def _token_rows(cache, b: int, n: int, table, xp):
+    """Where the first ``n`` tokens of sequence ``b`` live in a paged cache: (pages, rows) index
+    arrays of xp, tokens on out-of-range pages left out; None for a contiguous cache."""
+    if table is None:
+        return None
+    num_pages, page_size = cache.shape[0], cache.shape[1]
+    t = np.arange(n)
+    pages = table[b, t // page_size]
+    keep = (pages >= 0) & (pages < num_pages)
+    return xp.asarray(pages[keep]), xp.asarray((t % page_size)[keep])
+
+
+def _rows(cache, b: int, n: int, rows):
+    """The K or V rows (tokens, num_kv_heads, head_dim) of sequence ``b`` (``_token_rows``)."""
+    return cache[b, :n] if rows is None else cache[rows[0], rows[1]]
+
+
+def append_kv(k_cache, v_cache, cache_seqlens, k_new, v_new, block_table=None):
+    """The caches after appending ``k_new``/``v_new`` (batch, q_len, num_kv_heads, head_dim) at
+    positions cache_seqlens[b] … cache_seqlens[b] + q_len − 1 of each sequence, through
+    ``block_table`` for a paged cache: ``(k, v, lengths)`` as new host arrays (the inputs are not
+    changed), lengths = cache_seqlens + q_len clamped to the capacity. Positions past the
+    capacity, and rows of pages whose index is outside [0, num_pages), are not written."""
+    k, v = _host(k_cache).copy(), _host(v_cache).copy()
+    k_new, v_new = _host(k_new), _host(v_new)
+    table = None if block_table is None else _host(block_table).astype(np.int64)
+    batch, q_len = k_new.shape[0], k_new.shape[1]
+    capacity = k.shape[1] * (1 if table is None else table.shape[1])
+    lens = seqlens_array(cache_seqlens, batch, capacity)
+    for b in range(batch):
+        for i in range(q_len):
+            t = int(lens[b]) + i
+            if t >= capacity:
+                break
+            if table is None:
+                k[b, t], v[b, t] = k_new[b, i], v_new[b, i]
+                continue
+            page = table[b, t // k.shape[1]]
+            if 0 <= page < k.shape[0]:
+                k[page, t % k.shape[1]] = k_new[b, i]
+                v[page, t % k.shape[1]] = v_new[b, i]
+    return k, v, np.minimum(lens + q_len, capacity)
 
 
 def _host(x) -> np.ndarray:
@@ -87,15 +141,23 @@ def _host(x) -> np.ndarray:
 
 
 def decode_attention(q, k_cache, v_cache, cache_seqlens=None, softmax_scale=None,
-                     logits_soft_cap=None):
+                     logits_soft_cap=None, block_table=None, k_new=None, v_new=None):
     """Direct softmax attention in float64 (NumPy): returns ``(out, lse)``.
+
+    ``block_table``: a paged cache (:func:`attention_rows`). ``k_new``/``v_new``: the new tokens
+    are appended first (:func:`append_kv`, on copies) and attended too.
 
     q (batch, num_heads, head_dim); k_cache, v_cache (batch, max_seqlen, num_kv_heads, head_dim).
     out (batch, num_heads, head_dim) float64; lse (batch, num_heads) float64, natural log.
     An empty sequence gives out = 0, lse = −inf. (:func:`attention_rows` for every row.)
     """
+    if (k_new is None) != (v_new is None):
+        raise ValueError("k_new and v_new: expected both or neither")
+    if k_new is not None:
+        k_cache, v_cache, cache_seqlens = append_kv(k_cache, v_cache, cache_seqlens, k_new, v_new,
+                                                    block_table)
     out, lse = attention_rows(q, k_cache, v_cache, cache_seqlens, softmax_scale,
-                              logits_soft_cap=logits_soft_cap)
+                              logits_soft_cap=logits_soft_cap, block_table=block_table)
     batch, num_heads, head_dim = out.shape[0], out.shape[1] * out.shape[2], out.shape[3]
     return out.reshape(batch, num_heads, head_dim), lse.reshape(batch, num_heads)
 

@@ -268,3 +268,90 @@ def test_soft_cap_must_be_positive_and_finite(cap):
     x = np.ones((1, 2, 8))
     with pytest.raises(ValueError, match="logits_soft_cap"):
         R.decode_attention(x, np.ones((1, 4, 1, 8)), np.ones((1, 4, 1, 8)), logits_soft_cap=cap)
+
+
+def _paged(k, page_size, rng, spare=2):
+    """A contiguous (B, L, Hkv, D) cache cut into pages of ``page_size`` tokens in random order
+    (plus ``spare`` unused pages): (pages (P, page_size, Hkv, D), block_table (B, L/page_size))."""
+    batch, length = k.shape[:2]
+    per_seq = -(-length // page_size)
+    num_pages = batch * per_seq + spare
+    order = rng.permutation(num_pages)
+    pages = rng.standard_normal((num_pages, page_size, *k.shape[2:]))  # garbage where unused
+    table = np.zeros((batch, per_seq), np.int32)
+    for b in range(batch):
+        for j in range(per_seq):
+            p = order[b * per_seq + j]
+            table[b, j] = p
+            rows = k[b, j * page_size:(j + 1) * page_size]
+            pages[p, :len(rows)] = rows
+    return pages, table
+
+
+@pytest.mark.parametrize("page_size", [1, 3, 16, 100])
+def test_paged_cache_equals_the_contiguous_one(rng, seed, page_size):
+    q = rng.standard_normal((3, 8, 16))
+    k = rng.standard_normal((3, 250, 2, 16))
+    v = rng.standard_normal((3, 250, 2, 16))
+    lens = [250, 0, 101]  # full, empty, ending mid-page
+    pk, table = _paged(k, page_size, np.random.default_rng(seed))
+    pv, _ = _paged(v, page_size, np.random.default_rng(seed))  # the same page order
+    want = R.decode_attention(q, k, v, lens)
+    got = R.decode_attention(q, pk, pv, lens, block_table=table)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-13, atol=1e-14, err_msg=str(seed))
+    np.testing.assert_allclose(got[1], want[1], rtol=1e-13, atol=1e-14, err_msg=str(seed))
+    # the (num_pages, num_kv_heads, page_size, head_dim) memory order, as a transposed view
+    hnd = [np.ascontiguousarray(x.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3) for x in (pk, pv)]
+    again = R.decode_attention(q, *hnd, lens, block_table=table)
+    assert np.array_equal(again[0], got[0]) and np.array_equal(again[1], got[1])
+
+
+def test_out_of_range_pages_contribute_nothing(rng, seed):
+    q = rng.standard_normal((2, 4, 8))
+    k = rng.standard_normal((2, 12, 1, 8))
+    v = rng.standard_normal((2, 12, 1, 8))
+    pk, table = _paged(k, 4, np.random.default_rng(seed))
+    pv, _ = _paged(v, 4, np.random.default_rng(seed))
+    table[0, 1] = -1                # tokens 4..7 of sequence 0
+    table[1, :] = pk.shape[0]       # every page of sequence 1
+    out, lse = R.decode_attention(q, pk, pv, [12, 12], block_table=table)
+    keep = [0, 1, 2, 3, 8, 9, 10, 11]
+    want, want_lse = R.decode_attention(q[:1], k[:1, keep], v[:1, keep])
+    np.testing.assert_allclose(out[0], want[0], rtol=1e-13, atol=1e-14)
+    np.testing.assert_allclose(lse[0], want_lse[0], rtol=1e-13, atol=1e-14)
+    assert not np.any(out[1]) and np.all(np.isneginf(lse[1]))
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_append_writes_exactly_the_new_rows_then_attends_them(rng, seed, paged):
+    q = rng.standard_normal((3, 4, 8))
+    k = rng.standard_normal((3, 20, 2, 8))
+    v = rng.standard_normal((3, 20, 2, 8))
+    k_new, v_new = rng.standard_normal((3, 2, 2, 8)), rng.standard_normal((3, 2, 2, 8))
+    lens = np.array([5, 0, 19])  # the last one has room for one of its two new tokens
+    want_k, want_v = k.copy(), v.copy()
+    for b, n in enumerate(lens):
+        for i in range(2):
+            if n + i < 20:
+                want_k[b, n + i], want_v[b, n + i] = k_new[b, i], v_new[b, i]
+    want = R.decode_attention(q, want_k, want_v, [7, 2, 20])
+    if not paged:
+        k2, v2, lens2 = R.append_kv(k, v, lens, k_new, v_new)
+        assert np.array_equal(k2, want_k) and np.array_equal(v2, want_v)  # nothing else moved
+        got = R.decode_attention(q, k, v, lens, k_new=k_new, v_new=v_new)
+    else:
+        # pages of 4 tokens: the same capacity (20) as the contiguous cache
+        pk, table = _paged(k, 4, np.random.default_rng(seed))
+        pv, _ = _paged(v, 4, np.random.default_rng(seed))
+        k2, v2, lens2 = R.append_kv(pk, pv, lens, k_new, v_new, table)
+        ck, _ = _paged(want_k, 4, np.random.default_rng(seed))
+        used = np.unique(table)
+        assert np.array_equal(k2[used], ck[used])  # the pages in use hold exactly want_k
+        spare = np.setdiff1d(np.arange(pk.shape[0]), used)
+        assert np.array_equal(k2[spare], pk[spare]) and np.array_equal(v2[spare], pv[spare])
+        got = R.decode_attention(q, pk, pv, lens, block_table=table, k_new=k_new, v_new=v_new)
+    assert list(lens2) == [7, 2, 20]
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-13, atol=1e-14, err_msg=str(seed))
+    np.testing.assert_allclose(got[1], want[1], rtol=1e-13, atol=1e-14, err_msg=str(seed))
+    with pytest.raises(ValueError, match="k_new and v_new"):
+        R.decode_attention(q, k, v, lens, k_new=k_new)
