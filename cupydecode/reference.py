@@ -33,27 +33,36 @@ def seqlens_array(cache_seqlens, batch: int, max_seqlen: int) -> np.ndarray:
 
 def attention_rows(q, k_cache, v_cache, cache_seqlens=None, softmax_scale=None,
                    batch_ids=None, kv_heads=None, xp=np, logits_soft_cap=None,
-                   block_table=None):
+                   block_table=None, window_left=None, alibi_slopes=None, sinks=None):
     """Direct softmax attention in float64 for some sequences and KV heads: the one reference
     computation, with NumPy (``xp=numpy``: GPU inputs are copied to the host) or with CuPy
     (``xp=cupy``: on the GPU, for caches too large for the host reference).
 
-    s_j = c · q·k_j (c = 1/sqrt(head_dim) unless ``softmax_scale``), then with
-    ``logits_soft_cap`` t > 0 s_j ← t · tanh(s_j / t) (Gemma-2); O = Σ_j softmax(s)_j v_j,
-    LSE = ln Σ_j e^{s_j}. ``batch_ids`` / ``kv_heads`` select what to compute (None: all).
+    q is (batch, num_heads, head_dim), one token per sequence, or (batch, q_len, num_heads,
+    head_dim): query token t of a sequence of L cached tokens sits at position L − q_len + t and
+    attends the keys j ≤ its position (causal, aligned to the end). Scores, in this order:
+    s_j = c · q·k_j (c = 1/sqrt(head_dim) unless ``softmax_scale``); ``logits_soft_cap`` t > 0:
+    s_j ← t · tanh(s_j / t) (Gemma-2); ``alibi_slopes`` (num_heads,): s_j ← s_j − slope_h ·
+    (position − j); ``window_left`` W ≥ 0: only keys position − W ≤ j ≤ position count (None or
+    −1: no window). ``sinks`` (num_heads,), a logit σ_h per query head: the denominator gains
+    e^σ_h with no value, O = Σ_j e^{s_j} v_j / (e^σ_h + Σ_j e^{s_j}), LSE = ln(e^σ_h + Σ_j e^{s_j}).
     With ``block_table`` (batch, max_pages_per_seq) the cache is paged, (num_pages, page_size,
     num_kv_heads, head_dim): token t of sequence b is row t % page_size of page
     block_table[b, t // page_size]; a token whose page index is outside [0, num_pages)
-    contributes nothing.
-    Returns ``(out, lse)`` of xp float64 arrays of shapes (nb, nk, G, D) and (nb, nk, G), with
-    G = num_heads // num_kv_heads (the query heads of each selected KV head, in order). An empty
-    sequence gives out = 0, lse = −inf. Memory: float64 copies of one sequence's K and V for the
+    contributes nothing. ``batch_ids`` / ``kv_heads`` select what to compute (None: all).
+
+    Returns ``(out, lse)`` of xp float64 arrays of shapes (nb, nk, G, D) and (nb, nk, G) — with
+    a q_len axis after nb for 4-dimensional q — with G = num_heads // num_kv_heads (the query
+    heads of each selected KV head, in order). A row that attends nothing gives out = 0 and
+    lse = −inf (σ_h with a sink). Memory: float64 copies of one sequence's K and V for the
     selected heads at a time.
     """
     if xp is np:
         q, k_cache, v_cache = (_host(x) for x in (q, k_cache, v_cache))
     table = None if block_table is None else _host(block_table).astype(np.int64)
-    batch, num_heads, head_dim = q.shape
+    single = q.ndim == 3
+    q4 = q[:, None] if single else q                      # (batch, q_len, num_heads, head_dim)
+    batch, q_len, num_heads, head_dim = q4.shape
     num_kv_heads = k_cache.shape[2]
     max_seqlen = k_cache.shape[1] * (1 if table is None else table.shape[1])  # capacity
     group = num_heads // num_kv_heads
@@ -61,44 +70,90 @@ def attention_rows(q, k_cache, v_cache, cache_seqlens=None, softmax_scale=None,
     cap = None if logits_soft_cap is None else float(logits_soft_cap)
     if cap is not None and not (cap > 0 and np.isfinite(cap)):
         raise ValueError(f"logits_soft_cap: expected a finite number > 0 or None, got {cap}")
+    window = _window(window_left)
+    slopes = _per_head(alibi_slopes, num_heads, "alibi_slopes")
+    sink = _per_head(sinks, num_heads, "sinks")
     lens = seqlens_array(cache_seqlens, batch, max_seqlen)
     batch_ids = list(range(batch)) if batch_ids is None else list(batch_ids)
     kv_heads = list(range(num_kv_heads)) if kv_heads is None else list(kv_heads)
-    out = xp.zeros((len(batch_ids), len(kv_heads), group, head_dim), xp.float64)
-    lse = xp.full((len(batch_ids), len(kv_heads), group), -np.inf, xp.float64)
+    heads = np.asarray(kv_heads)[:, None] * group + np.arange(group)[None, :]  # (nk, G) ids
+    shape = (len(batch_ids), q_len, len(kv_heads), group)
+    out = xp.zeros((*shape, head_dim), xp.float64)
+    lse = xp.full(shape, -np.inf, xp.float64)
+    sink_h = None if sink is None else xp.asarray(sink[heads])                 # (nk, G)
     for i, b in enumerate(batch_ids):
         n = int(lens[b])
         if n == 0:
+            if sink_h is not None:
+                lse[i] = sink_h[None]
             continue
+        pos = n - q_len + np.arange(q_len)                  # the query tokens' positions
+        j = np.arange(n)
+        attend = j[None, :] <= pos[:, None]                 # (q_len, n): causal
+        if window is not None:
+            attend &= j[None, :] >= pos[:, None] - window
         rows = _token_rows(k_cache, b, n, table, xp)
-        if rows is not None and len(rows[0]) == 0:
-            continue  # every page of the sequence out of range: nothing to attend
-        qb = q[b].reshape(num_kv_heads, group, head_dim)[kv_heads].astype(xp.float64)
+        if rows is not None:
+            attend &= rows[2][None, :]                      # tokens on out-of-range pages
+        qb = q4[b].reshape(q_len, num_kv_heads, group, head_dim)[:, kv_heads].astype(xp.float64)
         kb = _rows(k_cache, b, n, rows)[:, kv_heads].astype(xp.float64)   # (n, nk, D)
-        s = xp.einsum("kgd,nkd->kgn", qb, kb) * scale              # s_j = c · q·k_j
-        if cap is not None:
-            s = cap * xp.tanh(s / cap)                              # s_j ← t · tanh(s_j / t)
+        s = xp.einsum("tkgd,nkd->tkgn", qb, kb) * scale     # s_j = c · q·k_j
         del kb
-        m = s.max(axis=-1, keepdims=True)
-        p = xp.exp(s - m)
+        if cap is not None:
+            s = cap * xp.tanh(s / cap)                      # s_j ← t · tanh(s_j / t)
+        if slopes is not None:                              # s_j ← s_j − slope_h · (pos − j)
+            dist = (pos[:, None] - j[None, :]).astype(np.float64)
+            s = s - xp.asarray(slopes[heads])[None, :, :, None] * xp.asarray(dist)[:, None, None, :]
+        s = xp.where(xp.asarray(attend)[:, None, None, :], s, -np.inf)
+        ref = s.max(axis=-1)                                # (q_len, nk, G), −inf: nothing
+        if sink_h is not None:
+            ref = xp.maximum(ref, sink_h[None])
+        ref = xp.where(xp.isfinite(ref), ref, 0.0)          # exp(−inf − (−inf)) must not form
+        p = xp.exp(s - ref[..., None])
         del s
-        l = p.sum(axis=-1, keepdims=True)
+        l = p.sum(axis=-1)
+        if sink_h is not None:
+            l = l + xp.exp(sink_h[None] - ref)
         vb = _rows(v_cache, b, n, rows)[:, kv_heads].astype(xp.float64)
-        out[i] = xp.einsum("kgn,nkd->kgd", p, vb) / l
-        lse[i] = (m + xp.log(l))[..., 0]
-    return out, lse
+        o = xp.einsum("tkgn,nkd->tkgd", p, vb)
+        live = l > 0
+        out[i] = xp.where(live[..., None], o / xp.where(live, l, 1.0)[..., None], 0.0)
+        lse[i] = xp.where(live, ref + xp.log(xp.where(live, l, 1.0)), -np.inf)
+    return (out[:, 0], lse[:, 0]) if single else (out, lse)
+
+
+def _window(window_left):
+    """None (no window) or the number of keys W ≥ 0 left of each query's position."""
+    if window_left is None or (isinstance(window_left, (int, np.integer)) and window_left == -1):
+        return None
+    if isinstance(window_left, bool) or not isinstance(window_left, (int, np.integer)) \
+            or window_left < -1:
+        raise ValueError(f"window_left: expected None or an int >= -1, got {window_left!r}")
+    return int(window_left)
+
+
+def _per_head(values, num_heads: int, name: str):
+    """A (num_heads,) host float64 array of ``values`` (host or GPU), or None."""
+    if values is None:
+        return None
+    a = _host(values).astype(np.float64)
+    if a.shape != (num_heads,):
+        raise ValueError(f"{name}: expected shape ({num_heads},) (one per query head), "
+                         f"got {a.shape}")
+    return a
 
 
 def _token_rows(cache, b: int, n: int, table, xp):
     """Where the first ``n`` tokens of sequence ``b`` live in a paged cache: (pages, rows) index
-    arrays of xp, tokens on out-of-range pages left out; None for a contiguous cache."""
+    arrays of xp and a host mask of the tokens whose page index is in range (the others point at
+    page 0 and must not count); None for a contiguous cache."""
     if table is None:
         return None
     num_pages, page_size = cache.shape[0], cache.shape[1]
     t = np.arange(n)
     pages = table[b, t // page_size]
-    keep = (pages >= 0) & (pages < num_pages)
-    return xp.asarray(pages[keep]), xp.asarray((t % page_size)[keep])
+    valid = (pages >= 0) & (pages < num_pages)
+    return xp.asarray(np.where(valid, pages, 0)), xp.asarray(t % page_size), valid
 
 
 def _rows(cache, b: int, n: int, rows):
@@ -141,25 +196,33 @@ def _host(x) -> np.ndarray:
 
 
 def decode_attention(q, k_cache, v_cache, cache_seqlens=None, softmax_scale=None,
-                     logits_soft_cap=None, block_table=None, k_new=None, v_new=None):
+                     logits_soft_cap=None, block_table=None, k_new=None, v_new=None,
+                     window_left=None, alibi_slopes=None, sinks=None):
     """Direct softmax attention in float64 (NumPy): returns ``(out, lse)``.
 
-    ``block_table``: a paged cache (:func:`attention_rows`). ``k_new``/``v_new``: the new tokens
-    are appended first (:func:`append_kv`, on copies) and attended too.
-
-    q (batch, num_heads, head_dim); k_cache, v_cache (batch, max_seqlen, num_kv_heads, head_dim).
-    out (batch, num_heads, head_dim) float64; lse (batch, num_heads) float64, natural log.
-    An empty sequence gives out = 0, lse = −inf. (:func:`attention_rows` for every row.)
+    q (batch, num_heads, head_dim), or (batch, q_len, num_heads, head_dim) for several query
+    tokens per sequence; k_cache, v_cache (batch, max_seqlen, num_kv_heads, head_dim), or paged
+    with ``block_table``. out has q's shape (float64); lse q's shape without head_dim, natural
+    log. ``k_new``/``v_new`` (batch, q_len, num_kv_heads, head_dim; 3 dims for one token): the
+    new tokens are appended first (:func:`append_kv`, on copies) and attended too. The score
+    options and their order: :func:`attention_rows`. A row that attends nothing gives out = 0,
+    lse = −inf.
     """
     if (k_new is None) != (v_new is None):
         raise ValueError("k_new and v_new: expected both or neither")
     if k_new is not None:
+        k_new, v_new = (x[:, None] if np.ndim(x) == 3 else x for x in (k_new, v_new))
+        q_len = 1 if np.ndim(q) == 3 else q.shape[1]
+        if k_new.shape[1] != q_len:
+            raise ValueError(f"k_new: expected {q_len} new token(s) per sequence (q's q_len), "
+                             f"got {k_new.shape[1]}")
         k_cache, v_cache, cache_seqlens = append_kv(k_cache, v_cache, cache_seqlens, k_new, v_new,
                                                     block_table)
     out, lse = attention_rows(q, k_cache, v_cache, cache_seqlens, softmax_scale,
-                              logits_soft_cap=logits_soft_cap, block_table=block_table)
-    batch, num_heads, head_dim = out.shape[0], out.shape[1] * out.shape[2], out.shape[3]
-    return out.reshape(batch, num_heads, head_dim), lse.reshape(batch, num_heads)
+                              logits_soft_cap=logits_soft_cap, block_table=block_table,
+                              window_left=window_left, alibi_slopes=alibi_slopes, sinks=sinks)
+    lead = out.shape[:-3]                                   # (batch,) or (batch, q_len)
+    return (out.reshape(*lead, -1, out.shape[-1]), lse.reshape(*lead, -1))
 
 
 def split_states(scores: np.ndarray, values: np.ndarray, boundaries) -> tuple[np.ndarray, np.ndarray]:
@@ -185,10 +248,12 @@ def split_states(scores: np.ndarray, values: np.ndarray, boundaries) -> tuple[np
     return o, lse
 
 
-def merge_states(o_parts, lse_parts) -> tuple[np.ndarray, np.ndarray]:
+def merge_states(o_parts, lse_parts, sinks=None) -> tuple[np.ndarray, np.ndarray]:
     """Kernel 2 of docs/DESIGN.md in float64: o_parts (S, *rows, D), lse_parts (S, *rows).
 
-    Empty states (LSE_i = −inf) are skipped; all empty gives (0, −inf) without NaN.
+    Empty states (LSE_i = −inf) are skipped; all empty gives (0, −inf) without NaN. ``sinks``
+    (broadcast against *rows, e.g. (num_heads,) for rows (batch, num_heads)): a sink logit σ
+    applied once to the merged state, LSE ← ln(e^LSE + e^σ), O ← O · e^(LSE_old − LSE_new).
     """
     o = to_float64(o_parts)
     lse = to_float64(lse_parts)
@@ -201,7 +266,12 @@ def merge_states(o_parts, lse_parts) -> tuple[np.ndarray, np.ndarray]:
     merged = np.einsum("s...,s...d->...d", w, np.where(np.isneginf(lse)[..., None], 0.0, o))
     merged = merged / safe[..., None]
     out_lse = np.where(live, ref + np.log(safe), -np.inf)
-    return np.where(live[..., None], merged, 0.0), out_lse
+    merged = np.where(live[..., None], merged, 0.0)
+    if sinks is not None:
+        with_sink = np.logaddexp(out_lse, to_float64(sinks))
+        merged = merged * np.where(live, np.exp(out_lse - with_sink), 0.0)[..., None]
+        out_lse = with_sink
+    return merged, out_lse
 
 
 def relative_error(x, ref) -> float:

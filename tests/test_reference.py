@@ -324,7 +324,7 @@ def test_out_of_range_pages_contribute_nothing(rng, seed):
 
 @pytest.mark.parametrize("paged", [False, True])
 def test_append_writes_exactly_the_new_rows_then_attends_them(rng, seed, paged):
-    q = rng.standard_normal((3, 4, 8))
+    q = rng.standard_normal((3, 2, 4, 8))  # two new tokens per sequence, two query tokens
     k = rng.standard_normal((3, 20, 2, 8))
     v = rng.standard_normal((3, 20, 2, 8))
     k_new, v_new = rng.standard_normal((3, 2, 2, 8)), rng.standard_normal((3, 2, 2, 8))
@@ -355,3 +355,105 @@ def test_append_writes_exactly_the_new_rows_then_attends_them(rng, seed, paged):
     np.testing.assert_allclose(got[1], want[1], rtol=1e-13, atol=1e-14, err_msg=str(seed))
     with pytest.raises(ValueError, match="k_new and v_new"):
         R.decode_attention(q, k, v, lens, k_new=k_new)
+
+
+def direct_general(q4, k, v, lens, scale, cap=None, window=None, slopes=None, sinks=None):
+    """Every score option of the API, with plain loops: q4 (B, T, H, D); query token t of a
+    sequence of L tokens sits at position L − T + t; returns (out (B, T, H, D), lse (B, T, H))."""
+    q4, k, v = (np.asarray(x, np.float64) for x in (q4, k, v))
+    batch, q_len, num_heads, head_dim = q4.shape
+    group = num_heads // k.shape[2]
+    out = np.zeros(q4.shape)
+    lse = np.full(q4.shape[:3], -math.inf)
+    for b in range(batch):
+        for t in range(q_len):
+            pos = lens[b] - q_len + t
+            for h in range(num_heads):
+                kvh = h // group
+                keys = [j for j in range(lens[b]) if j <= pos and (window is None or j >= pos - window)]
+                scores = []
+                for j in keys:
+                    x = scale * float(np.dot(q4[b, t, h], k[b, j, kvh]))
+                    if cap is not None:
+                        x = cap * math.tanh(x / cap)
+                    if slopes is not None:
+                        x -= slopes[h] * (pos - j)
+                    scores.append(x)
+                terms = scores + ([float(sinks[h])] if sinks is not None else [])
+                if not terms:
+                    continue
+                m = max(terms)
+                weights = [math.exp(x - m) for x in scores]
+                total = sum(weights) + (math.exp(sinks[h] - m) if sinks is not None else 0.0)
+                for j, w in zip(keys, weights):
+                    out[b, t, h] += (w / total) * v[b, j, kvh]
+                lse[b, t, h] = m + math.log(total)
+    return out, lse
+
+
+@pytest.mark.parametrize("q_len", [1, 2, 7])
+@pytest.mark.parametrize("window", [None, 0, 5])
+@pytest.mark.parametrize("alibi,sink,cap", [(False, False, None), (True, False, None),
+                                            (False, True, None), (True, True, 30.0)])
+def test_score_options_match_the_direct_loop(rng, seed, q_len, window, alibi, sink, cap):
+    """Several query tokens per sequence (causal, aligned to the end; sequences shorter than
+    q_len included), windows, ALiBi, sinks and the soft-cap, alone and together."""
+    num_heads, num_kv_heads, head_dim = 6, 2, 8
+    lens = [0, 1, 3, 40]
+    q4 = rng.standard_normal((4, q_len, num_heads, head_dim)) * 2.0
+    k = rng.standard_normal((4, 40, num_kv_heads, head_dim))
+    v = rng.standard_normal((4, 40, num_kv_heads, head_dim))
+    slopes = rng.uniform(0.01, 0.5, num_heads) if alibi else None
+    sinks = rng.normal(1.0, 2.0, num_heads) if sink else None
+    ctx = context(seed, q_len=q_len, window=window, alibi=alibi, sink=sink, cap=cap)
+    out, lse = R.decode_attention(q4, k, v, lens, logits_soft_cap=cap, window_left=window,
+                                  alibi_slopes=slopes, sinks=sinks)
+    want_out, want_lse = direct_general(q4, k, v, lens, head_dim ** -0.5, cap, window, slopes,
+                                        sinks)
+    assert out.shape == q4.shape and lse.shape == q4.shape[:3], ctx
+    np.testing.assert_allclose(out, want_out, rtol=1e-12, atol=1e-12, err_msg=ctx)
+    np.testing.assert_allclose(lse, want_lse, rtol=1e-12, atol=1e-12, err_msg=ctx)
+    if q_len == 1:  # one token: the 3-dimensional q gives the same rows
+        out3, lse3 = R.decode_attention(q4[:, 0], k, v, lens, logits_soft_cap=cap,
+                                        window_left=window, alibi_slopes=slopes, sinks=sinks)
+        assert np.array_equal(out3, out[:, 0]) and np.array_equal(lse3, lse[:, 0]), ctx
+
+
+def test_window_reads_only_the_window(rng):
+    """A window of W keys gives the result of a cache holding only those keys."""
+    q = rng.standard_normal((1, 4, 8))
+    k, v = rng.standard_normal((1, 100, 2, 8)), rng.standard_normal((1, 100, 2, 8))
+    got = R.decode_attention(q, k, v, [90], window_left=9)
+    want = R.decode_attention(q, k[:, 80:90], v[:, 80:90])
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-13, atol=1e-14)
+    np.testing.assert_allclose(got[1], want[1], rtol=1e-13, atol=1e-14)
+
+
+@pytest.mark.parametrize("bad,name", [(dict(window_left=-2), "window_left"),
+                                      (dict(window_left=1.5), "window_left"),
+                                      (dict(alibi_slopes=np.ones(3)), "alibi_slopes"),
+                                      (dict(sinks=np.ones((2, 2))), "sinks")])
+def test_score_options_are_checked(bad, name):
+    x = np.ones((1, 4, 8))
+    with pytest.raises(ValueError, match=name):
+        R.decode_attention(x, np.ones((1, 5, 2, 8)), np.ones((1, 5, 2, 8)), **bad)
+
+
+def test_merge_applies_a_sink_once(rng, seed):
+    """Attention over two halves merged with the sink equals attention with the sink over all
+    tokens (the sink given to the merge only, never to the partial calls)."""
+    q = rng.standard_normal((2, 4, 8))
+    k, v = rng.standard_normal((2, 30, 2, 8)), rng.standard_normal((2, 30, 2, 8))
+    sinks = rng.normal(0.5, 1.0, 4)
+    lens = np.array([30, 12])
+    first = R.decode_attention(q, k[:, :16], v[:, :16], np.minimum(lens, 16))
+    second = R.decode_attention(q, k[:, 16:], v[:, 16:], np.maximum(lens - 16, 0))
+    o, lse = R.merge_states(np.stack([first[0], second[0]]), np.stack([first[1], second[1]]),
+                            sinks=sinks)
+    want, want_lse = R.decode_attention(q, k, v, lens, sinks=sinks)
+    np.testing.assert_allclose(o, want, rtol=1e-12, atol=1e-13, err_msg=str(seed))
+    np.testing.assert_allclose(lse, want_lse, rtol=1e-12, atol=1e-13, err_msg=str(seed))
+    # all states empty: out 0, lse the sink itself
+    empty_o, empty_lse = R.merge_states(np.zeros((2, 1, 4, 8)), np.full((2, 1, 4), -np.inf),
+                                        sinks=sinks)
+    assert not np.any(empty_o) and np.allclose(empty_lse, sinks)
