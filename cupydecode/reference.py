@@ -104,21 +104,26 @@ def attention_rows(q, k_cache, v_cache, cache_seqlens=None, softmax_scale=None,
         if slopes is not None:                              # s_j ← s_j − slope_h · (pos − j)
             dist = (pos[:, None] - j[None, :]).astype(np.float64)
             s = s - xp.asarray(slopes[heads])[None, :, :, None] * xp.asarray(dist)[:, None, None, :]
-        s = xp.where(xp.asarray(attend)[:, None, None, :], s, -np.inf)
-        ref = s.max(axis=-1)                                # (q_len, nk, G), −inf: nothing
-        if sink_h is not None:
-            ref = xp.maximum(ref, sink_h[None])
-        ref = xp.where(xp.isfinite(ref), ref, 0.0)          # exp(−inf − (−inf)) must not form
-        p = xp.exp(s - ref[..., None])
-        del s
-        l = p.sum(axis=-1)
-        if sink_h is not None:
-            l = l + xp.exp(sink_h[None] - ref)
         vb = _rows(v_cache, b, n, rows)[:, kv_heads].astype(xp.float64)
-        o = xp.einsum("tkgn,nkd->tkgd", p, vb)
-        live = l > 0
-        out[i] = xp.where(live[..., None], o / xp.where(live, l, 1.0)[..., None], 0.0)
-        lse[i] = xp.where(live, ref + xp.log(xp.where(live, l, 1.0)), -np.inf)
+        for t in range(q_len):  # each query token over exactly the keys it attends
+            keys = np.flatnonzero(attend[t])
+            if keys.size == 0:
+                if sink_h is not None:
+                    lse[i, t] = sink_h
+                continue
+            idx = xp.asarray(keys)
+            st = s[t][..., idx]                             # (nk, G, keys)
+            ref = st.max(axis=-1)
+            if sink_h is not None:
+                ref = xp.maximum(ref, sink_h)
+            # a non-finite maximum (a NaN or inf input) must reach the row, not be subtracted
+            ref = xp.where(xp.isfinite(ref), ref, 0.0)
+            p = xp.exp(st - ref[..., None])
+            l = p.sum(axis=-1)
+            if sink_h is not None:
+                l = l + xp.exp(sink_h - ref)
+            out[i, t] = xp.einsum("kgn,nkd->kgd", p, vb[idx]) / l[..., None]
+            lse[i, t] = ref + xp.log(l)
     return (out[:, 0], lse[:, 0]) if single else (out, lse)
 
 

@@ -457,3 +457,27 @@ def test_merge_applies_a_sink_once(rng, seed):
     empty_o, empty_lse = R.merge_states(np.zeros((2, 1, 4, 8)), np.full((2, 1, 4), -np.inf),
                                         sinks=sinks)
     assert not np.any(empty_o) and np.allclose(empty_lse, sinks)
+
+
+def test_non_finite_values_reach_exactly_their_own_rows(rng):
+    """The contract the kernels are held to (docs/DESIGN.md): a NaN or inf in a token that a
+    row attends makes that row non-finite (rows of other KV heads, sequences and query
+    tokens stay finite and unchanged); one in a token no row attends — past the length, outside
+    the window, before a query token's causal limit — changes nothing."""
+    q = rng.standard_normal((3, 2, 4, 8))           # 2 query tokens, 4 heads, 2 KV heads
+    k, v = rng.standard_normal((3, 30, 2, 8)), rng.standard_normal((3, 30, 2, 8))
+    lens = [30, 20, 10]
+    clean = R.decode_attention(q, k, v, lens, window_left=12)
+    bad_k, bad_v = k.copy(), v.copy()
+    bad_k[0, 25, 1] = np.nan        # sequence 0, KV head 1, attended by both query tokens
+    bad_v[1, 19, 0] = np.inf        # sequence 1, KV head 0: only the last query token sees it
+    bad_k[2, 15:, :] = np.nan       # past sequence 2's length
+    bad_v[0, 3, :] = np.nan         # outside sequence 0's window (positions 28, 29 − 12)
+    out, lse = R.decode_attention(q, bad_k, bad_v, lens, window_left=12)
+    nan = ~np.isfinite(out).all(axis=-1) | ~np.isfinite(lse)
+    expect = np.zeros_like(nan)
+    expect[0, :, 2:] = True          # query heads 2, 3 of KV head 1, both query tokens
+    expect[1, 1, :2] = True          # query heads 0, 1 of KV head 0, the second query token
+    assert np.array_equal(nan, expect), np.argwhere(nan != expect)
+    same = ~expect
+    assert np.array_equal(out[same], clean[0][same]) and np.array_equal(lse[same], clean[1][same])
