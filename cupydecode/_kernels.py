@@ -46,14 +46,19 @@ def import_cupy():
     return cupy
 
 
-def _driver_loadable() -> bool:
+@functools.lru_cache(maxsize=None)
+def _driver_library():
+    """The CUDA driver library (ctypes), or None where it cannot be loaded (no NVIDIA driver)."""
     import sys
 
     try:
-        ctypes.CDLL("nvcuda.dll" if sys.platform == "win32" else "libcuda.so.1")
-        return True
+        return ctypes.CDLL("nvcuda.dll" if sys.platform == "win32" else "libcuda.so.1")
     except OSError:
-        return False
+        return None
+
+
+def _driver_loadable() -> bool:
+    return _driver_library() is not None
 
 
 def gpu_problem() -> str | None:
@@ -280,11 +285,8 @@ class _LaunchConfig(ctypes.Structure):
 @functools.lru_cache(maxsize=None)
 def _launch_kernel_ex():
     """The driver's cuLaunchKernelEx, or None where the driver library or the entry is missing."""
-    import sys
-
-    try:
-        fn = ctypes.CDLL("nvcuda.dll" if sys.platform == "win32" else "libcuda.so.1").cuLaunchKernelEx
-    except (OSError, AttributeError):
+    fn = getattr(_driver_library(), "cuLaunchKernelEx", None)
+    if fn is None:
         return None
     fn.restype = ctypes.c_int
     fn.argtypes = (ctypes.c_void_p,) * 4

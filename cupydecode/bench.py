@@ -198,6 +198,11 @@ def _capture_cupy(stream, calls):
     return stream.end_capture()
 
 
+def _graphs_for(n_calls: int, span: int | None) -> int:
+    """Graphs of ``n_calls`` calls that cover call indices 0..span-1 (at least one)."""
+    return -(-max(span or n_calls, n_calls) // n_calls)
+
+
 def graph_time_cupy(call, n_calls: int, trials: int = GRAPH_TRIALS,
                     hold: bool = True, before=None, span: int | None = None
                     ) -> tuple[float, float, float]:
@@ -220,7 +225,7 @@ def graph_time_cupy(call, n_calls: int, trials: int = GRAPH_TRIALS,
 
     import cupy
 
-    n_graphs = -(-max(span or n_calls, n_calls) // n_calls)
+    n_graphs = _graphs_for(n_calls, span)
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream:
         for i in range(n_calls * n_graphs):
@@ -397,7 +402,7 @@ def _torch_graph_time(torch, call, n_calls: int, trials: int = GRAPH_TRIALS, bef
             before(i, torch_stream())
         return call(i) if timed else None
 
-    n_graphs = -(-max(span or n_calls, n_calls) // n_calls)
+    n_graphs = _graphs_for(n_calls, span)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):

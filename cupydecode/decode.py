@@ -221,7 +221,6 @@ class DecodePlan:
         self._part_ptrs = ((0, 0) if self.o_part is None
                            else (self.o_part.data.ptr, self.lse_part.data.ptr))
         self._counter_ptr = 0 if self._counters is None else self._counters.data.ptr
-        self._strides: dict = {}
         self._layouts: dict = {}  # layout_key of inputs that passed run's checks -> strides
         self._scale = V.check_scale(None, self.head_dim)
         self._split_launch = (None if self.batch == 0 else _kernels.StructLaunch(
@@ -287,31 +286,21 @@ class DecodePlan:
 
     def _element_strides(self, q, k, v) -> tuple:
         """The kernel's strides in elements: q's batch and head, K's and V's batch, token and
-        head, out's batch and head; computed once per layout. ``out`` is always C-contiguous
-        (``check_out``), so its strides follow from the shape (a size-1 axis's stride, whatever
-        the array reports, only ever multiplies index 0)."""
-        layout = (q.strides, k.strides, v.strides)
-        strides = self._strides.get(layout)
-        if strides is None:
-            es = q.itemsize
-            strides = (*(x // es for x in (q.strides[0], q.strides[1], *k.strides[:3],
-                                           *v.strides[:3])),
-                       self.num_heads * self.head_dim, self.head_dim)
-            if len(self._strides) < 64:
-                self._strides[layout] = strides
-        return strides
+        head, out's batch and head (computed once per layout by the callers' caches: run's
+        ``_layouts``, flash_decode's ``_EAGER``). ``out`` is always C-contiguous (``check_out``),
+        so its strides follow from the shape (a size-1 axis's stride, whatever the array
+        reports, only ever multiplies index 0)."""
+        es = q.itemsize
+        return (*(x // es for x in (q.strides[0], q.strides[1], *k.strides[:3], *v.strides[:3])),
+                self.num_heads * self.head_dim, self.head_dim)
 
-    def _launch(self, q, k, v, seqlens, seqlen_all, scale, out, lse, stream=None,
-                strides=None) -> None:
+    def _launch(self, q, k, v, seqlens, seqlen_all, scale, out, lse, stream, strides) -> None:
         """Everything after validation: the split kernel, then (if split) the merge kernel, on
-        ``stream`` (default: the current stream); ``strides``: ``_element_strides(q, k, v)``,
-        where the caller has it."""
+        ``stream`` (None: the current stream); ``strides``: ``_element_strides(q, k, v)``."""
         import cupy
 
         if self.batch == 0:
             return
-        if strides is None:
-            strides = self._element_strides(q, k, v)
         if stream is None:
             stream = cupy.cuda.get_current_stream()
         if (self._counters_wait is not None or self._counters_refill) and not _is_capturing(stream):

@@ -13,11 +13,16 @@ from __future__ import annotations
 import numpy as np
 
 
-def to_float64(x) -> np.ndarray:
-    """Host float64 copy of a NumPy/ml_dtypes array or anything with ``.get()`` (CuPy)."""
+def _host(x) -> np.ndarray:
+    """A host array of ``x`` in its own dtype (CuPy arrays through ``.get()``)."""
     if not isinstance(x, np.ndarray) and hasattr(x, "get"):
         x = x.get()
-    return np.asarray(x).astype(np.float64)
+    return np.asarray(x)
+
+
+def to_float64(x) -> np.ndarray:
+    """Host float64 copy of a NumPy/ml_dtypes array or anything with ``.get()`` (CuPy)."""
+    return _host(x).astype(np.float64)
 
 
 def seqlens_array(cache_seqlens, batch: int, max_seqlen: int) -> np.ndarray:
@@ -26,9 +31,7 @@ def seqlens_array(cache_seqlens, batch: int, max_seqlen: int) -> np.ndarray:
         return np.full(batch, max_seqlen, np.int64)
     if isinstance(cache_seqlens, (int, np.integer)):
         return np.full(batch, int(cache_seqlens), np.int64)
-    if not isinstance(cache_seqlens, np.ndarray) and hasattr(cache_seqlens, "get"):
-        cache_seqlens = cache_seqlens.get()
-    return np.clip(np.asarray(cache_seqlens, np.int64).reshape(batch), 0, max_seqlen)
+    return np.clip(_host(cache_seqlens).astype(np.int64).reshape(batch), 0, max_seqlen)
 
 
 def attention_rows(q, k_cache, v_cache, cache_seqlens=None, softmax_scale=None,
@@ -191,13 +194,6 @@ def append_kv(k_cache, v_cache, cache_seqlens, k_new, v_new, block_table=None):
                 k[page, t % k.shape[1]] = k_new[b, i]
                 v[page, t % k.shape[1]] = v_new[b, i]
     return k, v, np.minimum(lens + q_len, capacity)
-
-
-def _host(x) -> np.ndarray:
-    """A host array of ``x`` in its own dtype (CuPy arrays through ``.get()``)."""
-    if not isinstance(x, np.ndarray) and hasattr(x, "get"):
-        x = x.get()
-    return np.asarray(x)
 
 
 def decode_attention(q, k_cache, v_cache, cache_seqlens=None, softmax_scale=None,
