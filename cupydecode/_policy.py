@@ -74,6 +74,7 @@ class SplitKernelConfig:
     heads_as_n: bool = False  # the ≤ 8 query heads as the mma's N dimension (heads_as_n())
     kv_per_block: int = 1  # adjacent KV heads per block, one per warp of a slot (kv_per_block())
     l2_evict_first: bool = True  # K/V copies hint L2 evict-first (l2_evict_first())
+    soft_cap: bool = False  # score_mod caps the scores (logits_soft_cap)
 
     @property
     def threads(self) -> int:
@@ -116,6 +117,7 @@ class SplitKernelConfig:
             "HEADS_AS_N": int(self.heads_as_n),
             "KV_PER_BLOCK": self.kv_per_block,
             "L2_EVICT_FIRST": int(self.l2_evict_first),
+            "SOFT_CAP": int(self.soft_cap),
         }
 
 

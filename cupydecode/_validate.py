@@ -157,6 +157,39 @@ def check_scale(softmax_scale, head_dim: int) -> float:
 
 
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
+_FLOAT32_TINY = float(np.finfo(np.float32).tiny)
+
+
+def check_soft_cap(logits_soft_cap) -> float | None:
+    """``logits_soft_cap``: None (or 0, FlashAttention's "no cap") → None; else a finite c > 0."""
+    if logits_soft_cap is None:
+        return None
+    if isinstance(logits_soft_cap, bool) or not isinstance(logits_soft_cap, numbers.Real):
+        fail(TypeError, "logits_soft_cap", "a finite number > 0, or None (or 0) for no cap",
+             f"{type(logits_soft_cap).__name__} {logits_soft_cap!r}")
+    c = float(logits_soft_cap)
+    if c == 0.0:
+        return None
+    if not math.isfinite(c) or c < 0.0:
+        fail(ValueError, "logits_soft_cap", "a finite number > 0, or None (or 0) for no cap", c)
+    if not _FLOAT32_TINY <= c * LOG2E <= _FLOAT32_MAX:
+        fail(ValueError, "logits_soft_cap", f"a number in [{_FLOAT32_TINY / LOG2E:.3g}, "
+             f"{_FLOAT32_MAX / LOG2E:.3g}] (it is used in float32)", c)
+    return c
+
+
+def soft_cap_args(softmax_scale: float, logits_soft_cap: float | None) -> tuple[float, float]:
+    """The split kernel's (soft_cap_in, soft_cap_out) for score_mod (kernels/decode_split.cu):
+    2·log2(e)·scale/c and c·log2(e); (0, 0) without a cap. A ratio scale/c too large for
+    float32 is refused (naming both)."""
+    if logits_soft_cap is None:
+        return 0.0, 0.0
+    ratio = 2.0 * LOG2E * softmax_scale / logits_soft_cap
+    if abs(ratio) > _FLOAT32_MAX:
+        fail(ValueError, "softmax_scale/logits_soft_cap",
+             f"|softmax_scale / logits_soft_cap| <= {_FLOAT32_MAX / (2 * LOG2E):.3g} (float32)",
+             f"{softmax_scale!r} / {logits_soft_cap!r}")
+    return ratio, logits_soft_cap * LOG2E
 
 
 _VALIDATED: dict = {}

@@ -332,8 +332,9 @@ def _matmul_dtype(dtype: str):
     return dtype if _MATMUL_OK[dtype] else "float32"
 
 
-def naive_decode(q, k, v, scale: float, mm_dtype=None):
-    """Decode attention the obvious CuPy way: cuBLAS for q·Kᵀ and P·V, softmax in float32.
+def naive_decode(q, k, v, scale: float, mm_dtype=None, soft_cap=None):
+    """Decode attention the obvious CuPy way: cuBLAS for q·Kᵀ and P·V, softmax in float32
+    (``soft_cap`` c: the scores capped to c·tanh(s/c) first).
 
     GQA without copies: q is viewed as (B, Hkv, G, D) and multiplied by Kᵀ viewed as
     (B, Hkv, D, L), which broadcasts the G query heads over their KV head.
@@ -350,6 +351,10 @@ def naive_decode(q, k, v, scale: float, mm_dtype=None):
     vt = v.transpose(0, 2, 1, 3).astype(mm, copy=False)          # (B, Hkv, L, D)
     s = cupy.matmul(qg, kt).astype(cupy.float32)                 # (B, Hkv, G, L)
     s *= scale
+    if soft_cap is not None:
+        s /= soft_cap
+        cupy.tanh(s, out=s)
+        s *= soft_cap
     s -= s.max(axis=-1, keepdims=True)
     cupy.exp(s, out=s)
     s /= s.sum(axis=-1, keepdims=True)
@@ -457,6 +462,8 @@ def torch_sdpa_times(sets, w: Workload, scale: float, n_calls: int, check, befor
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    if w.logits_soft_cap is not None:
+        return {col: (None, f"{col}: torch SDPA has no soft-cap") for col in PEERS["torch"][2]}
     cupy.cuda.Device().synchronize()
     views = _torch_views(torch, sets)
     gqa = w.group > 1
@@ -536,12 +543,13 @@ def flashinfer_times(sets, w: Workload, scale: float, n_calls: int, check, befor
             workspace, "NHD", use_cuda_graph=True, use_tensor_cores=tensor_cores,
             paged_kv_indptr_buffer=indptr, paged_kv_indices_buffer=indices,
             paged_kv_last_page_len_buffer=last)
+        cap = w.logits_soft_cap or 0.0
         try:
             wrapper.plan(indptr, indices, last, w.num_heads, w.num_kv_heads, w.head_dim, page,
-                         data_type=dt, q_data_type=dt, sm_scale=scale)
+                         data_type=dt, q_data_type=dt, sm_scale=scale, logits_soft_cap=cap)
         except TypeError:  # older signature
             wrapper.plan(indptr, indices, last, w.num_heads, w.num_kv_heads, w.head_dim, page,
-                         data_type=dt, sm_scale=scale)
+                         data_type=dt, sm_scale=scale, logits_soft_cap=cap)
 
         def call(i, _w=wrapper):
             tq, tk, tv = tsets[i % len(tsets)]
@@ -666,6 +674,7 @@ def empty_row(w: Workload, model: str) -> dict:
     return {
         "model": model, "dtype": w.dtype, "batch": w.batch, "seqlen": w.seqlen,
         "num_heads": w.num_heads, "num_kv_heads": w.num_kv_heads, "head_dim": w.head_dim,
+        "logits_soft_cap": w.logits_soft_cap,
         "splits_requested": w.splits_label, "num_splits": None, "chunk_tokens": None,
         "kv_per_block": None, "kv_bytes": w.kv_bytes(), "buffer_sets": None, "ceiling_gbps": None,
         "floor_us": None, "protocol": None, "graph_calls": None,
@@ -693,7 +702,8 @@ def _subset_checker(w: Workload, q, k, v):
     """A function out → relative error on two sequences × two KV heads (float64 on the GPU)."""
     b_ids = sorted({0, w.batch - 1})
     h_ids = sorted({0, w.num_kv_heads - 1})
-    ref_out, _ = reference_gpu(q, k, v, None, None, b_ids, h_ids)
+    ref_out, _ = reference_gpu(q, k, v, None, None, b_ids, h_ids,
+                               logits_soft_cap=w.logits_soft_cap)
 
     def check(out) -> float:
         return R.relative_error(select_rows(out, w.num_kv_heads, b_ids, h_ids), ref_out)
@@ -734,8 +744,9 @@ def bench_point(w: Workload, ceiling_gbps: float, l2_bytes: int, model: str = ""
     settle()
     try:
         scale = 1.0 / math.sqrt(w.head_dim)
+        cap = w.logits_soft_cap
         plan = DecodePlan(w.batch, w.num_heads, w.num_kv_heads, w.head_dim, w.seqlen, w.dtype,
-                          num_splits=w.num_splits)
+                          num_splits=w.num_splits, logits_soft_cap=cap)
         base.update(num_splits=plan.num_splits, chunk_tokens=plan.chunk_tokens,
                     kv_per_block=plan.kv_per_block)
         q0, k0, v0, _ = sets[0]
@@ -756,7 +767,7 @@ def bench_point(w: Workload, ceiling_gbps: float, l2_bytes: int, model: str = ""
 
         def eager(i):
             q, k, v, _ = sets[i % nsets]
-            flash_decode(q, k, v, num_splits=w.num_splits)
+            flash_decode(q, k, v, num_splits=w.num_splits, logits_soft_cap=cap)
         base["eager_us"] = eager_time_cupy(eager, int(min(200, max(20, 2.5e5 / (med + 20)))))
         base["host_us"] = host_time_cupy(eager)
         base["plan_host_us"] = host_time_cupy(run_plan)
@@ -770,7 +781,7 @@ def bench_point(w: Workload, ceiling_gbps: float, l2_bytes: int, model: str = ""
             base["split1_us"] = med
         else:
             plan1 = DecodePlan(w.batch, w.num_heads, w.num_kv_heads, w.head_dim, w.seqlen,
-                               w.dtype, num_splits=1)
+                               w.dtype, num_splits=1, logits_soft_cap=cap)
             base["split1_us"] = graph_time_cupy(lambda i: plan1.run(*sets[i % nsets][:3]),
                                                 first_calls, before=first_before, span=nsets)[0]
             del plan1
@@ -824,12 +835,13 @@ def _naive(row: dict, w: Workload, sets, n_calls: int, scale: float, check, note
     try:
         mm = _matmul_dtype(w.dtype)
         q0, k0, v0, _ = sets[0]
-        err = check(naive_decode(q0, k0, v0, scale, mm))
+        cap = w.logits_soft_cap
+        err = check(naive_decode(q0, k0, v0, scale, mm, cap))
         if err > REL_TOL[w.dtype] * 5:
             notes.append(f"naive: rel err {err:.1e}")
         # CuPy cannot capture cuBLAS in a graph: back-to-back calls timed by events instead.
         row["naive_us"] = stream_time_cupy(
-            lambda i: naive_decode(*sets[i % len(sets)][:3], scale, mm), n_calls,
+            lambda i: naive_decode(*sets[i % len(sets)][:3], scale, mm, cap), n_calls,
             trials=max(3, GRAPH_TRIALS // 4))[0]
         if mm != w.dtype:
             notes.append(f"naive: matmul in {mm}")
@@ -839,12 +851,15 @@ def _naive(row: dict, w: Workload, sets, n_calls: int, scale: float, check, note
         cupy.get_default_memory_pool().free_all_blocks()
 
 
-def sweep(model: str, dtype: str, seqlens, batches, num_splits=None) -> list[Workload]:
-    """The points of a bench run, batch-major, each with a fresh seed."""
+def sweep(model: str, dtype: str, seqlens, batches, num_splits=None,
+          soft_cap: float | None = None) -> list[Workload]:
+    """The points of a bench run, batch-major, each with a fresh seed; ``soft_cap`` None: the
+    model's logits_soft_cap, 0: none, else that cap."""
     from .workloads import workload_for_model
 
-    return [workload_for_model(model, b, L, dtype, num_splits=num_splits, seed=fresh_seed())
-            for b in batches for L in seqlens]
+    opts = {} if soft_cap is None else {"logits_soft_cap": soft_cap or None}
+    return [workload_for_model(model, b, L, dtype, num_splits=num_splits, seed=fresh_seed(),
+                               **opts) for b in batches for L in seqlens]
 
 
 # ---------------------------------------------------------------------------- plot

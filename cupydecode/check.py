@@ -41,13 +41,16 @@ def lse_tolerance(ref_lse, head_dim: int) -> float:
     return LSE_ATOL + 2.0**-23 * math.sqrt(head_dim) * mag
 
 
-def reference_gpu(q, k, v, lengths=None, softmax_scale=None, batch_ids=None, kv_heads=None):
+def reference_gpu(q, k, v, lengths=None, softmax_scale=None, batch_ids=None, kv_heads=None,
+                  **options):
     """Float64 decode attention on the GPU for some sequences and KV heads: the reference's own
     computation (``reference.attention_rows``) with CuPy. Returns CuPy float64 ``(out, lse)`` of
-    shapes (nb, nk, G, D) and (nb, nk, G); ``lengths`` a host sequence (None: all max_seqlen)."""
+    shapes (nb, nk, G, D) and (nb, nk, G); ``lengths`` a host sequence (None: all max_seqlen);
+    ``options``: the score options of ``attention_rows`` (e.g. ``logits_soft_cap``)."""
     import cupy
 
-    return R.attention_rows(q, k, v, lengths, softmax_scale, batch_ids, kv_heads, xp=cupy)
+    return R.attention_rows(q, k, v, lengths, softmax_scale, batch_ids, kv_heads, xp=cupy,
+                            **options)
 
 
 def select_rows(x, num_kv_heads: int, batch_ids=None, kv_heads=None):
@@ -63,11 +66,12 @@ def select_rows(x, num_kv_heads: int, batch_ids=None, kv_heads=None):
 
 def reference_for(w: Workload, q, k, v):
     """Float64 ``(out, lse, kind)`` for the whole workload; out (B, H, D), lse (B, H)."""
+    options = {"logits_soft_cap": w.logits_soft_cap}
     if k[0].size * w.batch <= NUMPY_REFERENCE_MAX_ELEMENTS:
         lens = None if w.lengths is None else np.asarray(w.lengths)
-        out, lse = R.decode_attention(q, k, v, lens)
+        out, lse = R.decode_attention(q, k, v, lens, **options)
         return out, lse, "numpy f64"
-    out, lse = reference_gpu(q, k, v, w.lengths)
+    out, lse = reference_gpu(q, k, v, w.lengths, **options)
     return (out.reshape(w.batch, w.num_heads, w.head_dim).get(),
             lse.reshape(w.batch, w.num_heads).get(), "gpu f64")
 
@@ -85,6 +89,7 @@ def _row_skeleton(w: Workload) -> dict:
         "name": w.name, "dtype": w.dtype, "batch": w.batch, "seqlen": w.seqlen,
         "num_heads": w.num_heads, "num_kv_heads": w.num_kv_heads, "head_dim": w.head_dim,
         "lengths": None if w.lengths is None else list(w.lengths), "q_scale": w.q_scale,
+        "logits_soft_cap": w.logits_soft_cap,
         "splits_requested": w.splits_label, "splits": None, "chunk_tokens": None,
         "seed": w.seed, "reference": None, "max_abs_err": None, "rel_err": None,
         "lse_err": None, "rel_tol": REL_TOL[w.dtype], "lse_tol": None, "max_abs_lse": None,
@@ -103,7 +108,7 @@ def run_check(w: Workload) -> dict:
         q, k, v, seqlens = make_inputs(w)
         row["seed"] = w.seed
         plan = DecodePlan(w.batch, w.num_heads, w.num_kv_heads, w.head_dim, w.seqlen, w.dtype,
-                          num_splits=w.num_splits)
+                          num_splits=w.num_splits, logits_soft_cap=w.logits_soft_cap)
         row["splits"], row["chunk_tokens"] = plan.num_splits, plan.chunk_tokens
         # Poisoned outputs: a row the kernels forget to write stays NaN and fails the check.
         out = cupy.full((w.batch, w.num_heads, w.head_dim), math.nan, w.dtype)
@@ -137,4 +142,6 @@ def repro_command(row: dict) -> str:
         parts.append("--lengths " + ",".join(str(n) for n in row["lengths"]))
     if row["q_scale"] != 1.0:
         parts.append(f"--q-scale {row['q_scale']:g}")
+    if row["logits_soft_cap"] is not None:
+        parts.append(f"--soft-cap {row['logits_soft_cap']:g}")
     return " ".join(parts)

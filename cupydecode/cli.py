@@ -122,6 +122,8 @@ def _dtype_callback(ctx, param, value):
 DTYPE_CHOICE = click.Choice([*DTYPES, *DTYPE_ALIASES], case_sensitive=False)
 MODEL_CHOICE = click.Choice(list(MODELS), case_sensitive=False)
 HEAD_DIM_CHOICE = click.Choice([str(d) for d in SUPPORTED_HEAD_DIMS])
+# logits_soft_cap from the command line: a finite c >= 0 (0: none); the library checks the rest
+SOFT_CAP_TYPE = click.FloatRange(min=0.0, max=1e30)
 
 
 # ---------------------------------------------------------------------------- output helpers
@@ -199,9 +201,12 @@ def main():
 # ---------------------------------------------------------------------------- check
 
 def _single_workload(batch, seqlen, heads, kv_heads, head_dim, dtype, splits, seed, varlen,
-                     lengths, q_scale, model) -> Workload:
-    """One workload from ``check``'s options (raises click.BadParameter on bad combinations)."""
+                     lengths, q_scale, model, soft_cap=None) -> Workload:
+    """One workload from ``check``'s options (raises click.BadParameter on bad combinations).
+    ``soft_cap`` None: the model's (none without --model); 0: none."""
     preset = MODELS[(model or "llama-3-8b").lower()]
+    if soft_cap is None:
+        soft_cap = preset.logits_soft_cap if model else None
     if heads is None:
         heads = preset.num_heads
         kv_heads = preset.num_kv_heads if kv_heads is None else kv_heads
@@ -227,7 +232,8 @@ def _single_workload(batch, seqlen, heads, kv_heads, head_dim, dtype, splits, se
         lengths = random_lengths(batch, seqlen, seed)
     name = (model or "custom") + (" varlen" if lengths is not None else "")
     return Workload(batch, seqlen, heads, kv_heads, head_dim, dtype or "float16",
-                    None if splits in (None, "auto") else splits, lengths, q_scale, seed, name)
+                    None if splits in (None, "auto") else splits, lengths, q_scale, seed, name,
+                    logits_soft_cap=soft_cap or None)
 
 
 def _workload_label(w: Workload) -> str:
@@ -265,17 +271,21 @@ def _check_header(width: int) -> str:
 @click.option("--lengths", type=IntListType(minimum=0), help="Explicit per-sequence lengths.")
 @click.option("--q-scale", type=float, default=1.0, show_default=True,
               help="Multiply q (and so every logit), e.g. 2400 for logits of about ±1e4.")
-@click.option("--model", type=MODEL_CHOICE, help="Take heads/kv-heads/head-dim from a preset.")
+@click.option("--soft-cap", "soft_cap", type=SOFT_CAP_TYPE,
+              help="logits_soft_cap c: scores capped to c·tanh(s/c) (default: the model's, e.g. "
+                   "50 for gemma-2; 0: none).")
+@click.option("--model", type=MODEL_CHOICE,
+              help="Take heads/kv-heads/head-dim (and the soft-cap) from a preset.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), callback=_output_path,
               help="Write the result rows to this JSON file.")
 @click.pass_context
 def check(ctx, batch, seqlen, heads, kv_heads, head_dim, dtype, splits, seed, varlen, lengths,
-          q_scale, model, json_path):
+          q_scale, soft_cap, model, json_path):
     """Compare flash_decode with a float64 reference; one row per workload.
 
     Without shape options, runs the built-in matrix (fp16/bf16/fp32, head_dim 64/128/256,
     MHA to MQA, lengths 1 to 65536, variable lengths with an empty sequence, forced and
-    automatic splits, logits of ±1e4). Outputs are filled with NaN before each call.
+    automatic splits, logits of ±1e4, the soft-cap). Outputs are filled with NaN before each call.
     Tolerances: relative L2 error 2e-3 (fp16), 1e-2 (bf16), 1e-4 (fp32); LSE 1e-3.
     Exit status 0 if all pass, 1 if any fails, 2 on bad usage or without a GPU.
 
@@ -284,15 +294,16 @@ def check(ctx, batch, seqlen, heads, kv_heads, head_dim, dtype, splits, seed, va
       cupydecode check
       cupydecode check --model llama-3-8b --seqlen 300 --batch 2 --varlen
       cupydecode check --heads 28 --kv-heads 4 --seqlen 4097 --dtype bf16 --splits 3
+      cupydecode check --model gemma-2-9b --q-scale 60        (its soft-cap 50, logits past it)
       cupydecode check --json check.json
     """
     from .workloads import default_check_matrix
 
     single = any(x is not None for x in (batch, seqlen, heads, kv_heads, head_dim, dtype, splits,
-                                         lengths, model)) or varlen or q_scale != 1.0
+                                         lengths, model, soft_cap)) or varlen or q_scale != 1.0
     if single:
         workloads = [_single_workload(batch, seqlen, heads, kv_heads, head_dim, dtype, splits,
-                                      seed, varlen, lengths, q_scale, model)]
+                                      seed, varlen, lengths, q_scale, model, soft_cap)]
     else:
         workloads = default_check_matrix()
         base = fresh_seed() if seed is None else seed
@@ -428,11 +439,14 @@ def _bench_in_processes(n: int, argv: list[str]) -> list[dict]:
     return rows
 
 
-def _forwarded_bench_args(model, dtype, seqlens, batches, splits, protocols, baselines) -> list[str]:
+def _forwarded_bench_args(model, dtype, seqlens, batches, splits, protocols, baselines,
+                          soft_cap=None) -> list[str]:
     """The options of this bench run, for the processes of --processes (outputs stay here)."""
     argv = ["--model", model, "--dtype", dtype, "--seqlens", ",".join(map(str, seqlens)),
             "--batch", ",".join(map(str, batches)), "--splits", str(splits),
             "--protocol", ",".join(protocols)]
+    if soft_cap is not None:
+        argv += ["--soft-cap", repr(float(soft_cap))]
     for name in baselines:
         argv += ["--baseline", name]
     return argv
@@ -457,6 +471,9 @@ def _forwarded_bench_args(model, dtype, seqlens, batches, splits, protocols, bas
                    ":CALLS sets the calls per graph (default 10, more with more buffer sets).")
 @click.option("--processes", type=click.IntRange(1, 16), default=1, show_default=True,
               help="Run the sweep in this many fresh processes and report the spread per point.")
+@click.option("--soft-cap", "soft_cap", type=SOFT_CAP_TYPE,
+              help="logits_soft_cap c (default: the model's, e.g. 50 for gemma-2; 0: none). "
+                   "torch SDPA has none: its columns stay empty.")
 @click.option("--baseline", "baselines", type=click.Choice(["torch", "flashinfer"]),
               multiple=True, help="Also time a peer (repeatable); needs torch / flashinfer.")
 @click.option("--csv", "csv_path", type=click.Path(dir_okay=False), callback=_output_path,
@@ -466,8 +483,8 @@ def _forwarded_bench_args(model, dtype, seqlens, batches, splits, protocols, bas
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), callback=_output_path,
               help="Plot µs and % of floor vs seqlen to this PNG (needs matplotlib).")
 @click.pass_context
-def bench(ctx, model, dtype, seqlens, batches, splits, protocols, processes, baselines, csv_path,
-          json_path, plot_path):
+def bench(ctx, model, dtype, seqlens, batches, splits, protocols, processes, soft_cap, baselines,
+          csv_path, json_path, plot_path):
     """Time flash_decode against the HBM read floor and against baselines.
 
     Per point: floor = bytes(K+V) / read ceiling measured in this run; GPU µs per call from a
@@ -484,6 +501,7 @@ def bench(ctx, model, dtype, seqlens, batches, splits, protocols, processes, bas
       cupydecode bench
       cupydecode bench --seqlens 4096,65536 --batch 1,16 --csv out.csv --plot out.png
       cupydecode bench --model qwen2.5-7b --dtype bf16 --baseline torch
+      cupydecode bench --model gemma-2-9b --baseline flashinfer     (soft-cap 50, the model's)
       cupydecode bench --protocol step,back-to-back:2,back-to-back:10 --processes 3
     """
     from . import bench as B
@@ -506,15 +524,18 @@ def bench(ctx, model, dtype, seqlens, batches, splits, protocols, processes, bas
                    f"{p.head_dim}, {dtype}, splits {splits}; {processes} processes, protocols "
                    f"{', '.join(protocols)}")
         rows = _bench_in_processes(processes, _forwarded_bench_args(
-            model, dtype, seqlens, batches, splits, protocols, peers))
+            model, dtype, seqlens, batches, splits, protocols, peers, soft_cap))
         ceiling = {"gbps": [r["ceiling_gbps"] for r in rows if r["ceiling_gbps"]]}
     else:
         ceiling = B.measure_read_ceiling()
         click.echo(f"HBM read ceiling: {ceiling['gbps']:.0f} GB/s (read-only kernel over "
                    f"{ceiling['nbytes'] / 1e9:.2f} GB, {ceiling['us']:.0f} µs)")
-        points = B.sweep(model, dtype, seqlens, batches, None if splits == "auto" else splits)
+        points = B.sweep(model, dtype, seqlens, batches, None if splits == "auto" else splits,
+                         soft_cap)
+        cap = points[0].logits_soft_cap if points else None
         click.echo(f"{model}: {p.num_heads} query heads, {p.num_kv_heads} KV heads, head_dim "
-                   f"{p.head_dim}, {dtype}, splits {splits}")
+                   f"{p.head_dim}, {dtype}, splits {splits}"
+                   + ("" if cap is None else f", logits_soft_cap {cap:g}"))
         click.echo(f"bytes per point: {B.napkin(points[0], symbolic=True)} "
                    f"(e.g. {B.napkin(points[0])})")
         click.echo(f"GPU µs: {B.GRAPH_TRIALS} replays of a graph per protocol; floor µs = KV "

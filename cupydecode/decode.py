@@ -107,6 +107,10 @@ class DecodePlan:
     per call from 4 MB to 268 MB of KV and 6 µs (1.2%) at 2 GB; after a kernel that does not,
     0.06–0.46 µs more, hence off by default (docs/PERFORMANCE.md).
 
+    ``logits_soft_cap`` c > 0 caps every score s (after the softmax scale) as c·tanh(s/c)
+    before the softmax, as Gemma-2 does (c = 50); the plan's kernel is then built with the cap
+    (``SOFT_CAP``), and a plan without one runs exactly the kernel it ran before.
+
     A plan's workspace (partials and the fused merge's arrival counters) is shared by its runs:
     run one plan on one stream at a time, and make one plan per stream for concurrent decoding
     (``flash_decode`` keeps its cached plans per stream for this reason, and per thread on the
@@ -115,7 +119,8 @@ class DecodePlan:
 
     def __init__(self, batch: int, num_heads: int, num_kv_heads: int, head_dim: int,
                  max_seqlen: int, dtype, num_splits: int | None = None,
-                 split_size: int | None = None, merge: str = "auto", enable_pdl: bool = False):
+                 split_size: int | None = None, merge: str = "auto", enable_pdl: bool = False,
+                 *, logits_soft_cap: float | None = None):
         cupy = _kernels.import_cupy()
 
         self.batch = V.check_int(batch, "batch", 0, _policy.MAX_BATCH)
@@ -140,6 +145,7 @@ class DecodePlan:
         if not isinstance(enable_pdl, bool):
             V.fail(TypeError, "enable_pdl", "True or False", repr(enable_pdl))
         self.enable_pdl = enable_pdl
+        self.logits_soft_cap = V.check_soft_cap(logits_soft_cap)
         self.group = self.num_heads // self.num_kv_heads
         try:
             self.device_id = cupy.cuda.Device().id
@@ -179,6 +185,8 @@ class DecodePlan:
                     * _policy.ITEMSIZE[self.dtype])
         if not _policy.l2_evict_first(self.dtype, kv_bytes):
             self.config = dataclasses.replace(self.config, l2_evict_first=False)
+        if self.logits_soft_cap is not None:
+            self.config = dataclasses.replace(self.config, soft_cap=True)
         self.merge = _policy.merge_mode(self.num_splits, rows_per_block, self.head_dim,
                                         self.config.num_warps, merge, programmatic)
         rows = self.batch * self.num_heads
@@ -223,6 +231,8 @@ class DecodePlan:
         self._counter_ptr = 0 if self._counters is None else self._counters.data.ptr
         self._layouts: dict = {}  # layout_key of inputs that passed run's checks -> strides
         self._scale = V.check_scale(None, self.head_dim)
+        self._score_default = None
+        self._score_default = self._score_args(self._scale)
         self._split_launch = (None if self.batch == 0 else _kernels.StructLaunch(
             _split_function(self.config), self._grid, (self.config.threads, 1, 1),
             self.config.smem_bytes, _PARAMS,
@@ -232,11 +242,20 @@ class DecodePlan:
                            max_seqlen=self.max_seqlen)
 
     def __repr__(self) -> str:
+        cap = "" if self.logits_soft_cap is None else f", logits_soft_cap={self.logits_soft_cap:g}"
         return (f"DecodePlan(batch={self.batch}, num_heads={self.num_heads}, "
                 f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
-                f"max_seqlen={self.max_seqlen}, dtype={self.dtype}, num_splits={self.num_splits}, "
-                f"chunk_tokens={self.chunk_tokens}, m_tiles={self.m_tiles}, "
-                f"kv_per_block={self.kv_per_block})")
+                f"max_seqlen={self.max_seqlen}, dtype={self.dtype}{cap}, "
+                f"num_splits={self.num_splits}, chunk_tokens={self.chunk_tokens}, "
+                f"m_tiles={self.m_tiles}, kv_per_block={self.kv_per_block})")
+
+    def _score_args(self, scale: float) -> tuple:
+        """The kernel's last parameters for softmax scale ``scale``, in the list's order:
+        (scale_log2, warps_in_step, soft_cap_in, soft_cap_out); the default scale's are kept."""
+        if scale == self._scale and self._score_default is not None:
+            return self._score_default
+        return (scale * _policy.LOG2E, self._in_step,
+                *V.soft_cap_args(scale, self.logits_soft_cap))
 
     @property
     def workspace_bytes(self) -> int:
@@ -315,7 +334,7 @@ class DecodePlan:
             stream.ptr,
             q.data.ptr, k.data.ptr, v.data.ptr, 0 if seqlens is None else seqlens.data.ptr,
             *self._part_ptrs, out.data.ptr, 0 if lse is None else lse.data.ptr, self._counter_ptr,
-            *strides, seqlen_all, *self._static, scale * _policy.LOG2E, self._in_step)
+            *strides, seqlen_all, *self._static, *self._score_args(scale))
         if self._merge_call is not None:
             self._merge_call(stream.ptr, *self._part_ptrs, out.data.ptr,
                              0 if lse is None else lse.data.ptr, *self._merge_static)
@@ -334,7 +353,7 @@ _PARAMS = struct.Struct("<" + "".join(_PARAM_CODES[kind] for kind, _ in _PARAM_L
 _LAUNCH_ORDER = ("q", "k", "v", "seqlens", "o_part", "lse_part", "out", "lse_out", "counters",
                  "q_sb", "q_sh", "k_sb", "k_ss", "k_sh", "v_sb", "v_ss", "v_sh", "out_sb",
                  "out_sh", "seqlen_all", "max_seqlen", "num_heads", "group", "head_tiles",
-                 "chunk_tokens", "scale_log2", "warps_in_step")
+                 "chunk_tokens", "scale_log2", "warps_in_step", "soft_cap_in", "soft_cap_out")
 if _PARAM_LIST and tuple(name for _, name in _PARAM_LIST) != _LAUNCH_ORDER:
     raise ImportError("kernels/decode_params.cuh and DecodePlan._launch disagree on the split "
                       f"kernel's parameters: {[n for _, n in _PARAM_LIST]} vs {list(_LAUNCH_ORDER)}")
@@ -363,20 +382,21 @@ def _thread_token() -> object:
     return token
 
 
-def _cached_plan(shape: dict, dtype: str, num_splits, split_size, device: int,
+def _cached_plan(shape: dict, dtype: str, num_splits, split_size, soft_cap, device: int,
                  stream: int) -> DecodePlan:
     """Plans (and their workspaces) reused across eager calls of the same shape on one stream
     (``device``: the current device, ``stream``: the current stream's handle)."""
     # The per-thread default stream has the same handle in every thread but is a different
     # stream in each: those plans (workspaces) must not be shared across threads.
     owner = _thread_token() if stream == _PER_THREAD_STREAM else None
-    key = (tuple(shape.values()), dtype, num_splits, split_size, device, stream, owner)
+    key = (tuple(shape.values()), dtype, num_splits, split_size, soft_cap, device, stream, owner)
     with _PLAN_LOCK:  # threads may share the cache (not a plan: see the key)
         plan = _PLAN_CACHE.get(key)
         if plan is None:
             plan = DecodePlan(shape["batch"], shape["num_heads"], shape["num_kv_heads"],
                               shape["head_dim"], shape["max_seqlen"], dtype,
-                              num_splits=num_splits, split_size=split_size)
+                              num_splits=num_splits, split_size=split_size,
+                              logits_soft_cap=soft_cap)
             _PLAN_CACHE[key] = plan
             if len(_PLAN_CACHE) > _PLAN_CACHE_SIZE:
                 _PLAN_CACHE.popitem(last=False)
@@ -386,18 +406,20 @@ def _cached_plan(shape: dict, dtype: str, num_splits, split_size, device: int,
 
 
 # flash_decode's lookups folded into one per call: (the inputs' layout key (_validate.layout_key),
-# stream, num_splits, split_size, per-thread owner) → (dtype name, shape, plan, kernel strides).
-# An entry exists only for inputs that passed the checks with those values; num_splits,
-# split_size, cache_seqlens and softmax_scale are checked on every call all the same.
+# stream, num_splits, split_size, soft-cap, per-thread owner) → (dtype name, shape, plan, kernel
+# strides). An entry exists only for inputs that passed the checks with those values; num_splits,
+# split_size, cache_seqlens, softmax_scale and logits_soft_cap are checked on every call all the
+# same.
 _EAGER: dict = {}
 _EAGER_SIZE = 16
 
 
 def flash_decode(q: ArrayLike, k_cache: ArrayLike, v_cache: ArrayLike,
                  cache_seqlens: int | Sequence[int] | ArrayLike | None = None, *,
-                 softmax_scale: float | None = None, num_splits: int | None = None,
-                 return_lse: bool = False, out: ArrayLike | None = None,
-                 split_size: int | None = None) -> cupy.ndarray | tuple[cupy.ndarray, cupy.ndarray]:
+                 softmax_scale: float | None = None, logits_soft_cap: float | None = None,
+                 num_splits: int | None = None, return_lse: bool = False,
+                 out: ArrayLike | None = None, split_size: int | None = None
+                 ) -> cupy.ndarray | tuple[cupy.ndarray, cupy.ndarray]:
     """Decode attention of one query token per sequence against its KV cache.
 
     Args:
@@ -407,6 +429,8 @@ def flash_decode(q: ArrayLike, k_cache: ArrayLike, v_cache: ArrayLike,
         cache_seqlens: None (all max_seqlen), an int, a host sequence of ``batch`` ints, or a
             (batch,) int32 device array (never read on the host; clamped to [0, max_seqlen]).
         softmax_scale: default 1/sqrt(head_dim).
+        logits_soft_cap: c > 0 caps every score s = softmax_scale · q·k as c·tanh(s/c) before
+            the softmax (Gemma-2: 50.0); None or 0: no cap.
         num_splits: force the number of KV splits (≥ 1); default chosen from shape and SM count.
         return_lse: also return the log-sum-exp (batch, num_heads) float32, natural log.
         out: optional preallocated (batch, num_heads, head_dim) output of q's dtype.
@@ -426,11 +450,12 @@ def flash_decode(q: ArrayLike, k_cache: ArrayLike, v_cache: ArrayLike,
     cupy = _kernels.import_cupy()
 
     layout = V.layout_key(q, k_cache, v_cache)  # (no CUDA call before a host array is refused)
+    soft_cap = V.check_soft_cap(logits_soft_cap)
     stream = key = hit = None
     if layout is not None:
         stream = cupy.cuda.get_current_stream()
         ptr = stream.ptr
-        key = (layout, ptr, num_splits, split_size,
+        key = (layout, ptr, num_splits, split_size, soft_cap,
                _thread_token() if ptr == _PER_THREAD_STREAM else None)
         try:
             hit = _EAGER.get(key)
@@ -454,7 +479,7 @@ def flash_decode(q: ArrayLike, k_cache: ArrayLike, v_cache: ArrayLike,
         ptr = stream.ptr
     if plan is None:
         # validation put q on the current device: its id, without asking the runtime again
-        plan = _cached_plan(shape, dt, num_splits, split_size, q.data.device_id, ptr)
+        plan = _cached_plan(shape, dt, num_splits, split_size, soft_cap, q.data.device_id, ptr)
         strides = plan._element_strides(q, k, v)
         if key is not None:
             if len(_EAGER) >= _EAGER_SIZE:

@@ -24,12 +24,14 @@ DTYPES = tuple(DTYPE_IDS)
 
 @dataclass(frozen=True)
 class ModelPreset:
-    """Attention shape of one decoder layer: query heads, KV heads, head dim."""
+    """Attention of one decoder layer: query heads, KV heads, head dim, and the score options
+    the model uses (``logits_soft_cap``: Gemma-2's cap on the scores)."""
 
     num_heads: int
     num_kv_heads: int
     head_dim: int
     note: str = ""
+    logits_soft_cap: float | None = None
 
     @property
     def group(self) -> int:
@@ -44,7 +46,8 @@ MODELS: dict[str, ModelPreset] = {
     "llama-2-7b": ModelPreset(32, 32, 128, "MHA"),
     "qwen2.5-7b": ModelPreset(28, 4, 128, "GQA 7"),
     "mistral-7b": ModelPreset(32, 8, 128, "GQA 4"),
-    "gemma-2-9b": ModelPreset(16, 8, 256, "GQA 2, head_dim 256"),
+    "gemma-2-2b": ModelPreset(8, 4, 256, "GQA 2, head_dim 256, soft-cap 50", 50.0),
+    "gemma-2-9b": ModelPreset(16, 8, 256, "GQA 2, head_dim 256, soft-cap 50", 50.0),
     "gemma-2b": ModelPreset(8, 1, 256, "MQA, head_dim 256"),
     "gpt-2": ModelPreset(12, 12, 64, "MHA"),
     "falcon-7b": ModelPreset(71, 1, 64, "MQA"),
@@ -64,6 +67,7 @@ class Workload:
     lengths (varlen; None: every sequence is ``seqlen`` long). ``num_splits`` None lets the
     library choose. ``q_scale`` multiplies q, which scales every logit (the overflow case).
     ``seed`` None means "draw a fresh one": :func:`make_inputs` records it here.
+    ``logits_soft_cap``: the score cap c (s ← c·tanh(s/c)), None for none.
     """
 
     batch: int
@@ -77,6 +81,7 @@ class Workload:
     q_scale: float = 1.0
     seed: int | None = None
     name: str = ""
+    logits_soft_cap: float | None = None
 
     def __post_init__(self) -> None:
         if self.lengths is not None:
@@ -111,8 +116,9 @@ class Workload:
                       + 2 * self.batch * self.seqlen * self.num_kv_heads * self.head_dim)
 
     def shape_label(self) -> str:
+        cap = "" if self.logits_soft_cap is None else f" cap={self.logits_soft_cap:g}"
         return (f"B={self.batch} L={self.seqlen} H={self.num_heads}/{self.num_kv_heads} "
-                f"D={self.head_dim}")
+                f"D={self.head_dim}{cap}")
 
 
 def workload_for_model(model: str, batch: int, seqlen: int, dtype: str = "float16",
@@ -123,6 +129,7 @@ def workload_for_model(model: str, batch: int, seqlen: int, dtype: str = "float1
     except KeyError:
         raise ValueError(f"model: expected one of {', '.join(MODELS)}, got {model!r}") from None
     kw.setdefault("name", model)
+    kw.setdefault("logits_soft_cap", p.logits_soft_cap)
     return Workload(batch, seqlen, p.num_heads, p.num_kv_heads, p.head_dim, dtype, **kw)
 
 
@@ -194,7 +201,8 @@ def default_check_matrix() -> list[Workload]:
 
     Covers fp16 / bf16 / fp32; head_dim 64, 128, 256; GQA groups 1 (MHA), 2, 4, 7, 8 and MQA
     (71 or 48 query heads on one KV head, also with blocks of several M-tiles); lengths 1, 17, 255, 257, 4097 and 65536; variable lengths
-    with an empty sequence; forced 1 and 3 splits and automatic splits; and logits of ±1e4.
+    with an empty sequence; forced 1 and 3 splits and automatic splits; logits of ±1e4; and the
+    soft-cap on every math path.
     Sizes are kept small enough that the float64 reference stays cheap (the whole list runs
     in seconds on an H200, most of it compilation on the first run).
     """
@@ -237,5 +245,18 @@ def default_check_matrix() -> list[Workload]:
     m += [
         W(2, 1024, 32, 8, 128, "float16", None, q_scale=OVERFLOW_Q_SCALE, name="logits ±1e4"),
         W(2, 1024, 32, 8, 128, "float32", 3, q_scale=OVERFLOW_Q_SCALE, name="logits ±1e4"),
+    ]
+    # the soft-cap (Gemma-2's 50) on every math path, on logits mostly past the cap (q_scale 60:
+    # logits of about ±60, capped to ±36) and on ordinary ones: heads as N (G 2), Q·Kᵀ (G 16),
+    # M-tiles (MQA 48), CUDA cores (fp32); one split, several, and the fused merge
+    cap = {"logits_soft_cap": 50.0}
+    m += [
+        W(2, 4097, 16, 8, 256, "float16", None, q_scale=60.0, name="soft-cap 50", **cap),
+        W(3, 257, 32, 2, 128, "float16", 3, (257, 100, 0), name="soft-cap 50, varlen", **cap),
+        W(2, 2000, 48, 1, 128, "bfloat16", 1, q_scale=60.0, name="soft-cap 50, M-tiles", **cap),
+        W(2, 4097, 8, 4, 256, "bfloat16", None, name="soft-cap 50", **cap),
+        W(2, 1024, 32, 8, 128, "float32", 3, q_scale=60.0, name="soft-cap 50", **cap),
+        W(2, 1024, 32, 8, 128, "float16", None, q_scale=OVERFLOW_Q_SCALE,
+          name="soft-cap 50, logits ±1e4", **cap),
     ]
     return m

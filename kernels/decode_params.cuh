@@ -35,7 +35,9 @@
     X(I32, int, head_tiles)                                                                   \
     X(I32, int, chunk_tokens)                                                                 \
     X(F32, float, scale_log2)        /* softmax scale · log2(e) */                            \
-    X(I32, int, warps_in_step)       /* 1: the block's warps take their tiles in step */
+    X(I32, int, warps_in_step)       /* 1: the block's warps take their tiles in step */     \
+    X(F32, float, soft_cap_in)       /* SOFT_CAP: 2·log2(e) · scale / cap (else unused) */   \
+    X(F32, float, soft_cap_out)      /* SOFT_CAP: cap · log2(e) */
 
 #define CD_PARAM_FIELD(kind, type, name) type name;
 #define CD_PARAM_SIZE(kind, type, name) +sizeof(type)

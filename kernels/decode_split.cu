@@ -60,7 +60,8 @@
 // Compile-time constants (prepended by cupydecode/_kernels.py, chosen by cupydecode/_policy.py):
 //   DTYPE_ID (0 f16, 1 bf16, 2 f32), HEAD_DIM, NUM_WARPS, STAGES, ROWS (16), TILE_N (16), MTILES,
 //   HEADS_AS_N (0 or 1), KV_PER_BLOCK (1, or a divisor of NUM_WARPS for HEADS_AS_N: below),
-//   L2_EVICT_FIRST (1: K/V copies hint L2 evict-first; 0: plain copies).
+//   L2_EVICT_FIRST (1: K/V copies hint L2 evict-first; 0: plain copies), SOFT_CAP (0 or 1:
+//   score_mod caps the scores).
 //
 // KV_PER_BLOCK > 1 (heads-as-N only): a block holds KV_PER_BLOCK adjacent KV heads, warp w
 // computing KV head (unit · KV_PER_BLOCK + w % KV_PER_BLOCK) in token slot w / KV_PER_BLOCK,
@@ -195,15 +196,31 @@ __device__ __forceinline__ float warp_sum16(float x) {
 // The score hook: every score of every math path passes through here once, as the raw dot
 // product q·k of query head `head` and key position `key`, before the online softmax. It returns
 // the score in log2 units, or −inf for a key that does not count (past the chunk's end). Every
-// change to the scores (a soft-cap, ALiBi, a window, sinks) goes here, and only here.
+// change to the scores (a soft-cap, ALiBi, a window, sinks) goes here, and only here, behind a
+// compile-time switch, so that a plan without the change runs exactly the code it ran before.
+//   SOFT_CAP (logits_soft_cap c): s ← c·tanh(s/c). In log2 units, with x = s/c:
+//     c·log2(e) · tanh(x) = cap_out − 2·cap_out / (e^{2x} + 1),   e^{2x} = 2^{qk · cap_in},
+//   one ex2 and one fast division. Its error in the capped score is a few ulps of c (~1e-5 at
+//   c = 50), which is what the softmax sees; tanh.approx's 2⁻¹¹ relative error would move a
+//   capped logit of 50 by 0.02, 2% of its weight. ±inf scores give ±c, NaN stays NaN.
+#ifndef SOFT_CAP
+#define SOFT_CAP 0
+#endif
 struct cd_score_params {
     float scale_log2;  // softmax scale · log2(e)
     int chunk_end;     // keys at or past this position do not count
+    float cap_in;      // SOFT_CAP: 2·log2(e) · scale / c
+    float cap_out;     // SOFT_CAP: c · log2(e)
 };
 __device__ __forceinline__ float score_mod(float qk, int key, int head,
                                            const cd_score_params& sp) {
     (void)head;
-    return key < sp.chunk_end ? qk * sp.scale_log2 : CD_NEG_INF;
+#if SOFT_CAP
+    const float s = sp.cap_out - __fdividef(2.f * sp.cap_out, cd_exp2(qk * sp.cap_in) + 1.f);
+#else
+    const float s = qk * sp.scale_log2;
+#endif
+    return key < sp.chunk_end ? s : CD_NEG_INF;
 }
 
 #if DTYPE_ID != 2
@@ -410,7 +427,7 @@ cd_decode_split(const cd_decode_params p) {
     seqlen = max(0, min(seqlen, max_seqlen));
     const int chunk_start = split * chunk_tokens;
     const int chunk_end = min(chunk_start + chunk_tokens, seqlen);
-    const cd_score_params score_params{scale_log2, chunk_end};
+    const cd_score_params score_params{scale_log2, chunk_end, p.soft_cap_in, p.soft_cap_out};
 
     float* sm_acc = reinterpret_cast<float*>(smem + Q_BYTES);                // aliases the ring
     float* sm_m = reinterpret_cast<float*>(smem + Q_BYTES + BODY_BYTES);

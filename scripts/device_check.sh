@@ -4,7 +4,8 @@
 # Steps: versions → full pytest (GPU tests included) → compute-sanitizer memcheck on a
 # representative subset → `cupydecode check` → `cupydecode bench` sweeps with peers (torch SDPA;
 # FlashInfer when importable). Logs, CSV/JSON and the plot go to OUTDIR; a summary prints last.
-# STEPS selects steps (default "tests sanitizer check bench layouts"; also "racecheck").
+# STEPS selects steps (default "tests sanitizer check bench layouts"; also "racecheck", and
+# "softcap": the soft-cap's cost, the same points with and without it, and gemma-2 with peers).
 # A machine that returns only a few files: run it into a scratch folder and pack that, e.g.
 #   bash scripts/device_check.sh /tmp/dc; tar czf "$OUT/device_check.tgz" -C /tmp/dc .
 set -u
@@ -39,7 +40,7 @@ fi
 if has sanitizer; then
   timeout 300 compute-sanitizer --tool memcheck --error-exitcode 3 \
     $PY -m pytest -q -p no:cacheprovider tests/test_gpu_decode.py tests/test_gpu_merge.py \
-    tests/test_gpu_plan.py -k "clamped or transposed or slice or large_logits or gqa or empty \
+    tests/test_gpu_plan.py tests/test_gpu_scores.py -k "soft_cap or clamped or transposed or slice or large_logits or gqa or empty \
     or cache_seqlens or split_counts or many_forced or merge or graph or long_chunk or m_tile \
     or both_tensor_core_paths or (warps_in_step and not bfloat16) or (kv_groups and not bfloat16) \
     or enable_pdl or l2_hint" \
@@ -79,6 +80,24 @@ if has bench; then
   $PY -m cupydecode.cli bench $BASELINES --protocol "$PROTOCOLS" --seqlens 32768 --batch 16 \
     --csv "$OUT_DIR/bench_b32k.csv" 2>>"$OUT_DIR/bench.err" | tee -a "$OUT_DIR/bench.txt"
   add_summary "bench: $(awk 'FNR > 1' "$OUT_DIR"/bench*.csv | wc -l) rows in bench*.csv"
+fi
+
+if has softcap; then
+  # what logits_soft_cap costs: llama-3-8b without and with a cap of 50 (same process order,
+  # decode-step protocol), then gemma-2-9b (its own cap) beside FlashInfer, which has one too
+  for cap in 0 50; do
+    $PY -m cupydecode.cli bench --protocol "${PROTOCOLS%%,*}" --soft-cap $cap --seqlens 16384,65536 \
+      --batch 1,16 --csv "$OUT_DIR/softcap_$cap.csv" 2>>"$OUT_DIR/bench.err" | tee -a "$OUT_DIR/softcap.txt"
+  done
+  $PY -m cupydecode.cli bench $BASELINES --protocol "${PROTOCOLS%%,*}" --model gemma-2-9b \
+    --seqlens 16384,65536 --batch 1,16 --csv "$OUT_DIR/softcap_gemma.csv" 2>>"$OUT_DIR/bench.err" \
+    | tee -a "$OUT_DIR/softcap.txt"
+  add_summary "softcap: $($PY - "$OUT_DIR" <<'PYEOF'
+import csv, sys
+rows = {c: {(r["batch"], r["seqlen"]): float(r["gpu_us"] or "nan") for r in csv.DictReader(open(f"{sys.argv[1]}/softcap_{c}.csv"))} for c in ("0", "50")}
+print("; ".join(f"b{b}x{L}: {rows['0'][b, L]:.1f} -> {rows['50'][b, L]:.1f} us ({100 * (rows['50'][b, L] / rows['0'][b, L] - 1):+.2f}%)" for b, L in rows["0"]))
+PYEOF
+)"
 fi
 
 if has layouts; then

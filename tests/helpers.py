@@ -117,3 +117,74 @@ def nan_tail(k: np.ndarray, lens) -> np.ndarray:
     for b, n in enumerate(lens):
         k[b, n:] = np.nan
     return k
+
+
+class DecodeCase:
+    """One decode problem for a test, in a few lines: fresh inputs (the cache past each length
+    NaN), the float64 reference with the same options, the library's calls into NaN-poisoned
+    outputs, and the check against the reference (empty sequences: out = 0, lse = −inf).
+
+    ``options`` are the API's score options (e.g. ``logits_soft_cap=50.0``), given alike to the
+    reference, to ``flash_decode`` and to ``DecodePlan``::
+
+        case = DecodeCase(rng, seed, 3, 32, 8, 128, 1000, "float16", [1000, 0, 17],
+                          logits_soft_cap=5.0)
+        case.check(*case.flash_decode(num_splits=3))
+    """
+
+    def __init__(self, rng, seed, batch, num_heads, num_kv_heads, head_dim, max_seqlen, dtype,
+                 lengths=None, q_scale: float = 1.0, **options):
+        import cupy
+
+        self.dtype, self.options = dtype, options
+        self.shape = (batch, num_heads, num_kv_heads, head_dim, max_seqlen)
+        self.lengths = [max_seqlen] * batch if lengths is None else list(lengths)
+        q, k, v = decode_inputs(rng, batch, num_heads, num_kv_heads, head_dim, max_seqlen, dtype,
+                                q_scale)
+        k, v = nan_tail(k, self.lengths), nan_tail(v, self.lengths)
+        self.host = q, k, v
+        self.ref_out, self.ref_lse = R.decode_attention(q, k, v, self.lengths, **options)
+        self.q, self.k, self.v = to_device(q), to_device(k), to_device(v)
+        self.seqlens = cupy.asarray(np.asarray(self.lengths, np.int32))
+        self.ctx = context(seed, dtype=dtype, shape=self.shape, lens=self.lengths[:8],
+                           q_scale=q_scale, **options)
+
+    def poisoned(self):
+        """NaN-filled (out, lse) of the problem's shapes."""
+        import cupy
+
+        return (cupy.full(self.q.shape, np.nan, self.q.dtype),
+                cupy.full(self.q.shape[:2], np.nan, cupy.float32))
+
+    def flash_decode(self, **kw):
+        """``flash_decode`` with the case's options (and ``kw``) into poisoned outputs."""
+        import cupydecode
+
+        out, lse = self.poisoned()
+        got, got_lse = cupydecode.flash_decode(self.q, self.k, self.v, self.seqlens, out=out,
+                                               return_lse=True, **self.options, **kw)
+        lse[...] = got_lse
+        return got, lse
+
+    def plan(self, **kw):
+        """A ``DecodePlan`` of the case's shape and options (``kw``: splits, merge, ...)."""
+        import cupydecode
+
+        return cupydecode.DecodePlan(*self.shape, self.dtype, **self.options, **kw)
+
+    def run(self, plan):
+        """``plan.run`` on the case's inputs into poisoned outputs."""
+        out, lse = self.poisoned()
+        return plan.run(self.q, self.k, self.v, self.seqlens, out=out, lse=lse)
+
+    def check(self, out, lse, what: str = "", lse_rtol: float = 0.0) -> float:
+        """Out and lse against the reference; returns the output's relative error."""
+        import cupy
+
+        ctx = f"{what} {self.ctx}".strip()
+        err = assert_out_close(out, self.ref_out, OUT_TOL[self.dtype], ctx)
+        assert_lse_close(lse, self.ref_lse, LSE_TOL[self.dtype], ctx, rtol=lse_rtol)
+        for b, n in enumerate(self.lengths):
+            if n == 0:
+                assert not cupy.any(out[b]) and bool(cupy.all(cupy.isneginf(lse[b]))), ctx
+        return err

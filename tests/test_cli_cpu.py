@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from cupydecode import _policy as P
+from cupydecode import bench as B
 from cupydecode import cli, explain
 from cupydecode.workloads import MODELS, Workload, default_check_matrix, random_lengths
 
@@ -154,6 +155,29 @@ def test_single_workload_from_options():
                              1.0, None)
     assert (w.batch, w.seqlen, w.num_heads, w.num_kv_heads, w.head_dim) == (3, 9, 28, 28, 64)
     assert w.num_splits == 3 and w.seed is not None
+    assert w.logits_soft_cap is None
+
+
+def test_soft_cap_from_the_model_or_the_option():
+    """gemma-2 presets carry their cap of 50; --soft-cap overrides it (0: none), and a replay
+    command carries it."""
+    from cupydecode.check import _row_skeleton, repro_command
+
+    args = (1, 300, None, None, None, None, None, 7, False, None, 1.0)
+    assert cli._single_workload(*args, "gemma-2-9b").logits_soft_cap == 50.0
+    assert cli._single_workload(*args, "gemma-2-9b", 0.0).logits_soft_cap is None
+    assert cli._single_workload(*args, "llama-3-8b").logits_soft_cap is None
+    w = cli._single_workload(*args, None, 30.0)
+    assert w.logits_soft_cap == 30.0 and "cap=30" in cli._workload_label(w)
+    assert repro_command(_row_skeleton(w)).endswith("--soft-cap 30")
+    assert "--soft-cap" not in repro_command(_row_skeleton(cli._single_workload(*args, None)))
+    ctx = cli.check.make_context("check", ["--soft-cap", "50"])
+    assert ctx.params["soft_cap"] == 50.0
+    ctx = cli.bench.make_context("bench", ["--model", "gemma-2-9b"])
+    assert ctx.params["soft_cap"] is None  # the model's
+    assert {w.logits_soft_cap for w in B.sweep("gemma-2-9b", "float16", [1024], [1, 2])} == {50.0}
+    assert {w.logits_soft_cap for w in B.sweep("gemma-2-9b", "float16", [1024], [1], None, 0.0)} == {None}
+    assert {w.logits_soft_cap for w in B.sweep("llama-3-8b", "float16", [1024], [1], None, 50)} == {50}
 
 
 def test_default_matrix_covers_the_contract():
@@ -167,6 +191,10 @@ def test_default_matrix_covers_the_contract():
     assert any(w.lengths is not None and 0 in w.lengths for w in m)
     assert {1, 3, None} <= {w.num_splits for w in m}
     assert any(w.q_scale > 1000 for w in m)
+    # the soft-cap on every math path: heads as N, 16 rows, M-tiles, fp32; each 16-bit type
+    capped = [w for w in m if w.logits_soft_cap]
+    assert {w.dtype for w in capped} == {"float16", "bfloat16", "float32"}
+    assert {2, 4, 16, 48} <= {w.group for w in capped}
     # blocks of several M-tiles (G > 16, chunks of at least MTILE_MIN_CHUNK) in both 16-bit types
     assert {w.dtype for w in m if w.num_splits
             and P.m_tiles(w.dtype, w.head_dim, w.group) > 1
@@ -308,9 +336,10 @@ def test_step_traffic_sizes_follow_the_layer():
 def test_processes_forward_the_sweep_options():
     """--processes re-runs the same sweep: the forwarded options parse back to the same values."""
     argv = cli._forwarded_bench_args("qwen2.5-7b", "bfloat16", [1024, 65536], [1, 16], "auto",
-                                     ["step", "back-to-back:2"], ["torch"])
+                                     ["step", "back-to-back:2"], ["torch"], 30.0)
     ctx = cli.bench.make_context("bench", argv + ["--processes", "1"])
     p = ctx.params
+    assert p["soft_cap"] == 30.0
     assert (p["model"], p["dtype"], p["seqlens"], p["batches"], p["splits"]) == (
         "qwen2.5-7b", "bfloat16", [1024, 65536], [1, 16], "auto")
     assert p["protocols"] == ["step", "back-to-back:2"] and p["baselines"] == ("torch",)

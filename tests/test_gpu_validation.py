@@ -183,6 +183,18 @@ def test_softmax_scale_errors(cupy, good, value, exc):
         cupydecode.flash_decode(q, k, v, softmax_scale=value)
 
 
+@pytest.mark.parametrize("value,exc", [(-1.0, ValueError), (math.inf, ValueError),
+                                       (math.nan, ValueError), ("50", TypeError),
+                                       (False, TypeError)])
+def test_soft_cap_errors(cupy, good, value, exc):
+    (q, k, v), _ = good
+    with raises(exc, "logits_soft_cap:"):
+        cupydecode.flash_decode(q, k, v, logits_soft_cap=value)
+    with raises(exc, "logits_soft_cap:"):
+        cupydecode.DecodePlan(*q.shape[:2], k.shape[2], q.shape[2], k.shape[1], q.dtype,
+                              logits_soft_cap=value)
+
+
 def test_merge_states_errors(cupy, rng):
     o = cupy.zeros((3, 4, 64), cupy.float32)
     lse = cupy.zeros((3, 4), cupy.float32)

@@ -56,11 +56,11 @@ def test_merge_kernel_parameters_match_prepared_launch():
 def test_split_kernel_parameters_are_declared_once():
     """struct cd_decode_params is built from the list in kernels/decode_params.cuh, and the host
     packs that same list (decode._PARAMS, in the order _launch passes the values): the packing
-    of the fields as the GPU tests ran them, 9 pointers, 10 int64 strides, 6 int32, a float32
-    and an int32."""
+    of the fields as the GPU tests ran them, 9 pointers, 10 int64 strides, 6 int32, a float32,
+    an int32 and the soft-cap's two float32."""
     from cupydecode.decode import _LAUNCH_ORDER, _PARAM_LIST, _PARAMS  # imports no CuPy
 
-    assert _PARAMS.format == "<" + "Q" * 9 + "q" * 10 + "i" * 6 + "fi" and _PARAMS.size == 184
+    assert _PARAMS.format == "<" + "Q" * 9 + "q" * 10 + "i" * 6 + "fiff" and _PARAMS.size == 192
     assert tuple(name for _, name in _PARAM_LIST) == _LAUNCH_ORDER
     split = (KERNELS / "decode_split.cu").read_text()
     assert '#include "decode_params.cuh"' in split
@@ -77,7 +77,7 @@ def test_a_variant_with_another_parameter_list_is_refused(tmp_path):
 
     text = (KERNELS / "decode_params.cuh").read_text()
     (tmp_path / "decode_params.cuh").write_text(
-        text.replace("X(I32, int, warps_in_step)", "X(I32, int, warps_in_step) X(I32, int, extra)"))
+        text.replace("X(F32, float, soft_cap_out)", "X(F32, float, soft_cap_out) X(I32, int, extra)"))
     with _kernels.kernel_sources(tmp_path):
         assert _kernels.param_list("decode_params.cuh", "CD_DECODE_PARAMS")[-1] == ("I32", "extra")
         with pytest.raises(RuntimeError, match="parameter list"):

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import cupydecode
+from cupydecode import _validate as V
 
 
 @pytest.fixture
@@ -73,6 +74,9 @@ def test_import_does_not_import_cupy():
     (dict(batch=True), "batch"),
     (dict(batch=65536), "batch"),
     (dict(enable_pdl=1), "enable_pdl"),
+    (dict(logits_soft_cap=-1.0), "logits_soft_cap"),
+    (dict(logits_soft_cap=float("nan")), "logits_soft_cap"),
+    (dict(logits_soft_cap="50"), "logits_soft_cap"),
 ])
 def test_plan_arguments_checked_before_any_gpu_use(cupy_importable, kwargs, name):
     """Token counts are int32 in the kernels: out-of-range plan arguments fail by name, early."""
@@ -131,8 +135,6 @@ def test_dlpack_only_object_that_fails_names_the_argument(cupy_importable):
 
 @pytest.mark.parametrize("scale", [1e39, -1e39, 3e38])
 def test_softmax_scale_beyond_float32_is_refused(scale):
-    from cupydecode import _validate as V
-
     with pytest.raises(ValueError, match=r"^softmax_scale: expected \|softmax_scale\| <= "):
         V.check_scale(scale, 128)
     assert V.check_scale(1e30, 128) == 1e30
@@ -165,3 +167,32 @@ def test_plan_without_a_gpu_says_so_plainly(cupy_importable):
     with pytest.raises(RuntimeError, match=r"^DecodePlan: ") as info:
         cupydecode.DecodePlan(1, 8, 2, 128, 1024, "float16")
     assert str(info.value) == f"DecodePlan: {why}"
+
+
+@pytest.mark.parametrize("cap, exc", [(-1.0, ValueError), (float("inf"), ValueError),
+                                      (float("nan"), ValueError), (1e-40, ValueError),
+                                      (1e39, ValueError), ("50", TypeError), (True, TypeError),
+                                      ([50.0], TypeError)])
+def test_soft_cap_errors_name_the_argument(cap, exc):
+    with pytest.raises(exc, match=r"^logits_soft_cap: expected a"):
+        V.check_soft_cap(cap)
+
+
+def test_soft_cap_values():
+    """None and 0 (FlashAttention's "no cap") mean none; a cap gives the kernel's two factors;
+    a softmax_scale / cap ratio beyond float32 is refused naming both."""
+    import math
+
+    from cupydecode._policy import LOG2E
+
+    assert V.check_soft_cap(None) is None and V.check_soft_cap(0) is None
+    assert V.check_soft_cap(0.0) is None and V.check_soft_cap(50) == 50.0
+    assert V.soft_cap_args(0.125, None) == (0.0, 0.0)
+    cap_in, cap_out = V.soft_cap_args(0.125, 50.0)
+    assert math.isclose(cap_in, 2 * LOG2E * 0.125 / 50) and math.isclose(cap_out, 50 * LOG2E)
+    # tanh as the kernel computes it: cap_out − 2·cap_out / (2^(qk·cap_in) + 1), in log2 units
+    qk = np.linspace(-3000, 3000, 101)
+    kernel = (cap_out - 2 * cap_out / (np.exp2(qk * cap_in) + 1)) / LOG2E
+    assert np.allclose(kernel, 50 * np.tanh(0.125 * qk / 50), atol=1e-9)
+    with pytest.raises(ValueError, match=r"^softmax_scale/logits_soft_cap: expected"):
+        V.soft_cap_args(1e38, 1e-30)
