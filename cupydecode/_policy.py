@@ -75,6 +75,7 @@ class SplitKernelConfig:
     kv_per_block: int = 1  # adjacent KV heads per block, one per warp of a slot (kv_per_block())
     l2_evict_first: bool = True  # K/V copies hint L2 evict-first (l2_evict_first())
     soft_cap: bool = False  # score_mod caps the scores (logits_soft_cap)
+    paged: bool = False  # the KV view reads a paged cache through a block table
 
     @property
     def threads(self) -> int:
@@ -103,7 +104,8 @@ class SplitKernelConfig:
         pipe = self.rings * self.stages * 2 * TILE_N * self.head_dim * es
         acc = self.num_warps * ROWS * (self.head_dim + 8) * 4  # rows padded (ACC_STRIDE)
         ml = 2 * self.num_warps * ROWS * 4
-        return q + max(pipe, acc) + ml
+        live = self.rings * self.stages * 4 if self.paged else 0  # LIVE_BYTES
+        return q + max(pipe, acc) + ml + live
 
     def defines(self) -> dict[str, int]:
         return {
@@ -118,6 +120,7 @@ class SplitKernelConfig:
             "KV_PER_BLOCK": self.kv_per_block,
             "L2_EVICT_FIRST": int(self.l2_evict_first),
             "SOFT_CAP": int(self.soft_cap),
+            "PAGED": int(self.paged),
         }
 
 

@@ -212,34 +212,38 @@ def layout_key(q, k_cache, v_cache):
 _NO_KEY = object()
 
 
-def check_decode_inputs(q, k_cache, v_cache, key=_NO_KEY):
+def check_decode_inputs(q, k_cache, v_cache, key=_NO_KEY, paged: bool = False):
     """Validate q, k_cache, v_cache; return (q, k, v, dtype, shape dict) as device arrays.
 
     Every property the checks depend on (shapes, strides, dtypes, pointer alignment, devices) is
     a key of a small cache, so a serving loop that passes the same layouts every step pays for a
     dictionary lookup instead of the full checks. ``key``: the inputs' :func:`layout_key` where
-    the caller has it already.
+    the caller has it already. ``paged``: the caches are pools of pages, (num_pages, page_size,
+    num_kv_heads, head_dim); the shape dict then has ``page_size`` and ``num_pages`` instead of
+    ``max_seqlen`` (which the block table sets: :func:`check_block_table`).
     """
     if key is _NO_KEY:
         key = layout_key(q, k_cache, v_cache)
     if key is not None:
-        hit = _VALIDATED.get(key)
+        hit = _VALIDATED.get((key, paged))
         if hit is not None:
             return q, k_cache, v_cache, hit[0], hit[1]
-        result = _check_decode_inputs(q, k_cache, v_cache)
+        result = _check_decode_inputs(q, k_cache, v_cache, paged)
         if len(_VALIDATED) < 256:
-            _VALIDATED[key] = result[3:]
+            _VALIDATED[(key, paged)] = result[3:]
         return result
-    return _check_decode_inputs(q, k_cache, v_cache)
+    return _check_decode_inputs(q, k_cache, v_cache, paged)
 
 
-def _check_decode_inputs(q, k_cache, v_cache):
+def _check_decode_inputs(q, k_cache, v_cache, paged: bool = False):
     q = as_device_array(q, "q")
     k = as_device_array(k_cache, "k_cache")
     v = as_device_array(v_cache, "v_cache")
     check_ndim(q, "q", 3, "(batch, num_heads, head_dim)")
-    check_ndim(k, "k_cache", 4, "(batch, max_seqlen, num_kv_heads, head_dim)")
-    check_ndim(v, "v_cache", 4, "(batch, max_seqlen, num_kv_heads, head_dim)")
+    cache = ("(num_pages, page_size, num_kv_heads, head_dim) (a paged cache: block_table given)"
+             if paged else "(batch, max_seqlen, num_kv_heads, head_dim)")
+    check_ndim(k, "k_cache", 4, cache)
+    check_ndim(v, "v_cache", 4, cache)
     dt = check_dtype(q, "q")
     for name, a in (("k_cache", k), ("v_cache", v)):
         if dtype_name(a.dtype) != dt:
@@ -248,8 +252,15 @@ def _check_decode_inputs(q, k_cache, v_cache):
     if head_dim not in SUPPORTED_HEAD_DIMS:
         fail(ValueError, "q", f"head_dim in {SUPPORTED_HEAD_DIMS}", head_dim)
     kb, max_seqlen, num_kv_heads, kd = k.shape
-    check_shape(k, "k_cache", (batch, None, None, head_dim),
-                f"(batch={batch}, max_seqlen, num_kv_heads, head_dim={head_dim}) to match q")
+    if paged:
+        check_shape(k, "k_cache", (None, None, None, head_dim),
+                    f"(num_pages, page_size, num_kv_heads, head_dim={head_dim}) to match q")
+        if kb < 1 or max_seqlen < 1 or kb > MAX_TOKENS:
+            fail(ValueError, "k_cache", f"at least one page of at least one token (and at most "
+                 f"{MAX_TOKENS} pages)", f"shape {tuple(k.shape)}")
+    else:
+        check_shape(k, "k_cache", (batch, None, None, head_dim),
+                    f"(batch={batch}, max_seqlen, num_kv_heads, head_dim={head_dim}) to match q")
     if max_seqlen > MAX_TOKENS:
         fail(ValueError, "k_cache", f"max_seqlen <= {MAX_TOKENS}", max_seqlen)
     if tuple(v.shape) != tuple(k.shape):
@@ -264,8 +275,65 @@ def _check_decode_inputs(q, k_cache, v_cache):
     check_vector_layout(k, "k_cache", (0, 1, 2))
     check_vector_layout(v, "v_cache", (0, 1, 2))
     check_same_device({"q": q, "k_cache": k, "v_cache": v})
-    return q, k, v, dt, dict(batch=batch, num_heads=num_heads, num_kv_heads=num_kv_heads,
-                             head_dim=head_dim, max_seqlen=max_seqlen)
+    shape = dict(batch=batch, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
+    if paged:
+        return q, k, v, dt, dict(shape, page_size=max_seqlen, num_pages=kb)
+    return q, k, v, dt, dict(shape, max_seqlen=max_seqlen)
+
+
+def table_key(block_table):
+    """Every property of a block table that :func:`check_block_table` checks apart from its
+    values (shape, strides, dtype, device), as a hashable key; None unless a ``cupy.ndarray``
+    (or no table: ``()``)."""
+    import cupy
+
+    if block_table is None:
+        return ()
+    if type(block_table) is cupy.ndarray:
+        return (block_table.shape, block_table.strides, block_table.dtype,
+                block_table.data.device_id)
+    return None
+
+
+def check_block_table(block_table, batch: int, page_size: int, num_pages: int,
+                      min_pages: int = 1, allow_host_array: bool = True):
+    """``block_table`` of a paged cache: ``(device int32 array, row stride in elements,
+    max_pages_per_seq)``. A device table's values are never read on the host (the kernel reads
+    nothing for an index outside [0, num_pages)); a host table is range-checked, then copied.
+    ``min_pages``: the pages per sequence a plan's max_seqlen needs."""
+    import cupy
+
+    layout = f"({batch}, max_pages_per_seq >= {min_pages}) int32"
+    if isinstance(block_table, (list, tuple, np.ndarray)):
+        if not allow_host_array:
+            fail(TypeError, "block_table", f"a {layout} device array (a plan never copies from "
+                 "the host)", type(block_table).__name__)
+        arr = np.asarray(block_table)
+        if arr.dtype == bool or not np.issubdtype(arr.dtype, np.integer):
+            fail(TypeError, "block_table", "integers", f"dtype {arr.dtype}")
+        if arr.ndim != 2 or arr.shape[0] != batch or arr.shape[1] < min_pages:
+            fail(ValueError, "block_table", f"shape {layout}", arr.shape)
+        if arr.size and (arr.min() < 0 or arr.max() >= num_pages):
+            fail(ValueError, "block_table", f"page indices in [0, num_pages={num_pages})",
+                 f"values in [{arr.min()}, {arr.max()}]")
+        arr = cupy.asarray(arr, dtype=cupy.int32)
+    else:
+        arr = as_device_array(block_table, "block_table")
+        if dtype_name(arr.dtype) != "int32":
+            fail(TypeError, "block_table", "dtype int32", dtype_name(arr.dtype))
+        if arr.ndim != 2 or arr.shape[0] != batch or arr.shape[1] < min_pages:
+            fail(ValueError, "block_table", f"shape {layout}", tuple(arr.shape))
+        if arr.shape[1] > 1 and arr.strides[1] != 4:
+            fail(ValueError, "block_table", "rows contiguous (a column stride of 1 element)",
+                 f"strides {tuple(arr.strides)} bytes")
+        if arr.strides[0] < 0 or arr.strides[0] % 4:
+            fail(ValueError, "block_table", "a non-negative row stride", f"strides {tuple(arr.strides)} bytes")
+        check_same_device({"block_table": arr})
+    max_pages = int(arr.shape[1])
+    if max_pages * page_size > MAX_TOKENS:
+        fail(ValueError, "block_table", f"max_pages_per_seq × page_size <= {MAX_TOKENS}",
+             f"{max_pages} × {page_size}")
+    return arr, (arr.strides[0] // 4 if batch > 1 else 0), max_pages
 
 
 def check_seqlens(cache_seqlens, batch: int, max_seqlen: int, allow_host_array: bool = True):

@@ -111,6 +111,13 @@ class DecodePlan:
     before the softmax, as Gemma-2 does (c = 50); the plan's kernel is then built with the cap
     (``SOFT_CAP``), and a plan without one runs exactly the kernel it ran before.
 
+    ``page_size`` P makes the plan one for paged caches: ``run`` then takes k_cache, v_cache
+    of shape (num_pages, P, num_kv_heads, head_dim) (other strides honoured, e.g. the HND order
+    as a transposed view) and ``block_table=``, an int32 device array (batch, ≥
+    ceil(max_seqlen / P)) whose row b lists sequence b's pages in order; ``max_seqlen`` is then
+    the most tokens a sequence may hold. Any P ≥ 1 works; a page index outside [0, num_pages)
+    reads nothing and its tokens count for nothing.
+
     A plan's workspace (partials and the fused merge's arrival counters) is shared by its runs:
     run one plan on one stream at a time, and make one plan per stream for concurrent decoding
     (``flash_decode`` keeps its cached plans per stream for this reason, and per thread on the
@@ -120,7 +127,7 @@ class DecodePlan:
     def __init__(self, batch: int, num_heads: int, num_kv_heads: int, head_dim: int,
                  max_seqlen: int, dtype, num_splits: int | None = None,
                  split_size: int | None = None, merge: str = "auto", enable_pdl: bool = False,
-                 *, logits_soft_cap: float | None = None):
+                 *, logits_soft_cap: float | None = None, page_size: int | None = None):
         cupy = _kernels.import_cupy()
 
         self.batch = V.check_int(batch, "batch", 0, _policy.MAX_BATCH)
@@ -146,6 +153,8 @@ class DecodePlan:
             V.fail(TypeError, "enable_pdl", "True or False", repr(enable_pdl))
         self.enable_pdl = enable_pdl
         self.logits_soft_cap = V.check_soft_cap(logits_soft_cap)
+        self.page_size = (None if page_size is None
+                          else V.check_int(page_size, "page_size", 1, _policy.MAX_TOKENS))
         self.group = self.num_heads // self.num_kv_heads
         try:
             self.device_id = cupy.cuda.Device().id
@@ -187,6 +196,8 @@ class DecodePlan:
             self.config = dataclasses.replace(self.config, l2_evict_first=False)
         if self.logits_soft_cap is not None:
             self.config = dataclasses.replace(self.config, soft_cap=True)
+        if self.page_size is not None:
+            self.config = dataclasses.replace(self.config, paged=True)
         self.merge = _policy.merge_mode(self.num_splits, rows_per_block, self.head_dim,
                                         self.config.num_warps, merge, programmatic)
         rows = self.batch * self.num_heads
@@ -224,7 +235,9 @@ class DecodePlan:
         self._grid = ((self.num_kv_heads // kpb) * self.head_tiles, self.num_splits, self.batch)
         # Kernel scalars that never change for this plan, packed once.
         self._static = (self.max_seqlen, self.num_heads, self.group, self.head_tiles,
-                        self.chunk_tokens)
+                        self.chunk_tokens, self.page_size or 0)
+        # pages per sequence a block table must have for this plan's max_seqlen
+        self._min_pages = 0 if self.page_size is None else -(-self.max_seqlen // self.page_size)
         self._in_step = int(_policy.warps_in_step(self.config, self.chunk_tokens))
         self._part_ptrs = ((0, 0) if self.o_part is None
                            else (self.o_part.data.ptr, self.lse_part.data.ptr))
@@ -243,6 +256,7 @@ class DecodePlan:
 
     def __repr__(self) -> str:
         cap = "" if self.logits_soft_cap is None else f", logits_soft_cap={self.logits_soft_cap:g}"
+        cap += "" if self.page_size is None else f", page_size={self.page_size}"
         return (f"DecodePlan(batch={self.batch}, num_heads={self.num_heads}, "
                 f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
                 f"max_seqlen={self.max_seqlen}, dtype={self.dtype}{cap}, "
@@ -264,58 +278,92 @@ class DecodePlan:
 
     def run(self, q: ArrayLike, k_cache: ArrayLike, v_cache: ArrayLike,
             cache_seqlens: int | ArrayLike | None = None, out: ArrayLike | None = None,
-            lse: ArrayLike | None = None, *, softmax_scale: float | None = None
-            ) -> tuple[cupy.ndarray, cupy.ndarray]:
+            lse: ArrayLike | None = None, *, softmax_scale: float | None = None,
+            block_table: ArrayLike | None = None) -> tuple[cupy.ndarray, cupy.ndarray]:
         """Decode attention for this plan's shape; returns ``(out, lse)`` (the plan's own
         buffers unless ``out``/``lse`` are given). ``cache_seqlens``: None, an int or an int32
-        device array (a plan never copies from the host).
+        device array (a plan never copies from the host). A plan built with ``page_size`` takes
+        paged caches (num_pages, page_size, num_kv_heads, head_dim) and their ``block_table``,
+        an int32 device array (batch, ≥ ceil(max_seqlen / page_size)), whose values may change
+        between graph replays.
 
         Raises:
             TypeError, ValueError: inputs that do not match the plan (shape, dtype, device) or
                 are invalid, named in the message, before any launch.
         """
         layout = V.layout_key(q, k_cache, v_cache)
-        strides = self._layouts.get(layout) if layout is not None else None
+        tkey = V.table_key(block_table)
+        if layout is not None and tkey is not None:
+            layout = (layout, tkey)
+            strides = self._layouts.get(layout)
+        else:
+            layout = strides = None
         if strides is None:  # a layout this plan has not seen: the full checks, once
-            q, k_cache, v_cache, strides = self._check_layout(q, k_cache, v_cache, layout)
+            q, k_cache, v_cache, block_table, strides = self._check_layout(
+                q, k_cache, v_cache, block_table, layout)
         seqlens, seqlen_all = V.check_seqlens(cache_seqlens, self.batch, self.max_seqlen,
                                               allow_host_array=False)
         scale = self._scale if softmax_scale is None else V.check_scale(softmax_scale,
                                                                         self.head_dim)
         out = self.out if out is None else V.check_out(out, "out", self.out.shape, self.dtype)
         lse = self.lse if lse is None else V.check_out(lse, "lse", self.lse.shape, "float32")
-        self._launch(q, k_cache, v_cache, seqlens, seqlen_all, scale, out, lse, None, strides)
+        self._launch(q, k_cache, v_cache, seqlens, seqlen_all, scale, out, lse, None, strides,
+                     block_table)
         return out, lse
 
-    def _check_layout(self, q, k_cache, v_cache, layout):
-        """The checks of inputs of a layout not seen before: (q, k, v, kernel strides). A layout
-        that passes is remembered (``layout``: its _validate.layout_key, or None)."""
-        q, k, v, dt, shape = V.check_decode_inputs(q, k_cache, v_cache, layout)
+    def _check_layout(self, q, k_cache, v_cache, block_table, layout):
+        """The checks of inputs of a layout not seen before: (q, k, v, block_table, kernel
+        strides). A layout that passes is remembered (``layout``: its key, or None)."""
+        paged = self.page_size is not None
+        if (block_table is not None) != paged:
+            expected = (f"a (batch, max_pages_per_seq) int32 device array (the plan has "
+                        f"page_size={self.page_size})" if paged else
+                        "None (the plan is for contiguous caches; DecodePlan(..., page_size=P) "
+                        "takes paged ones)")
+            V.fail(ValueError, "block_table", expected,
+                   "None" if block_table is None else type(block_table).__name__)
+        q, k, v, dt, shape = V.check_decode_inputs(q, k_cache, v_cache, layout and layout[0],
+                                                   paged)
         if q.data.device_id != self.device_id:
             V.fail(ValueError, "q/k_cache/v_cache", f"arrays on the plan's GPU {self.device_id}",
                    f"GPU {q.data.device_id}")
+        bt_sb = num_pages = 0
+        if paged:
+            if shape["page_size"] != self.page_size:
+                V.fail(ValueError, "k_cache", f"pages of the plan's page_size {self.page_size}",
+                       f"shape {tuple(k.shape)}")
+            shape = dict(shape)  # (the checks' cached dict stays as it is)
+            num_pages = shape.pop("num_pages")
+            del shape["page_size"]
+            block_table, bt_sb, _ = V.check_block_table(block_table, shape["batch"],
+                                                        self.page_size, num_pages,
+                                                        self._min_pages, allow_host_array=False)
+            shape["max_seqlen"] = self.max_seqlen
         if shape != self._shape or dt != self.dtype:
             V.fail(ValueError, "q/k_cache/v_cache",
                    f"the plan's shape {self._shape} and dtype {self.dtype}",
                    f"{shape} and dtype {dt}")
-        strides = self._element_strides(q, k, v)
+        strides = self._element_strides(q, k, v, bt_sb, num_pages)
         if layout is not None and len(self._layouts) < 64:
             self._layouts[layout] = strides
-        return q, k, v, strides
+        return q, k, v, block_table, strides
 
-    def _element_strides(self, q, k, v) -> tuple:
-        """The kernel's strides in elements: q's batch and head, K's and V's batch, token and
-        head, out's batch and head (computed once per layout by the callers' caches: run's
-        ``_layouts``, flash_decode's ``_EAGER``). ``out`` is always C-contiguous (``check_out``),
-        so its strides follow from the shape (a size-1 axis's stride, whatever the array
-        reports, only ever multiplies index 0)."""
+    def _element_strides(self, q, k, v, bt_sb: int = 0, num_pages: int = 0) -> tuple:
+        """The kernel's layout values: strides in elements (q's batch and head, K's and V's
+        batch — the page, paged — token and head, out's batch and head, the block table's row)
+        and the number of pages (0 unpaged), computed once per layout by the callers' caches:
+        run's ``_layouts``, flash_decode's ``_EAGER``. ``out`` is always C-contiguous
+        (``check_out``), so its strides follow from the shape (a size-1 axis's stride, whatever
+        the array reports, only ever multiplies index 0)."""
         es = q.itemsize
         return (*(x // es for x in (q.strides[0], q.strides[1], *k.strides[:3], *v.strides[:3])),
-                self.num_heads * self.head_dim, self.head_dim)
+                self.num_heads * self.head_dim, self.head_dim, bt_sb, num_pages)
 
-    def _launch(self, q, k, v, seqlens, seqlen_all, scale, out, lse, stream, strides) -> None:
+    def _launch(self, q, k, v, seqlens, seqlen_all, scale, out, lse, stream, strides,
+                table=None) -> None:
         """Everything after validation: the split kernel, then (if split) the merge kernel, on
-        ``stream`` (None: the current stream); ``strides``: ``_element_strides(q, k, v)``."""
+        ``stream`` (None: the current stream); ``strides``: ``_element_strides(...)``;
+        ``table``: the block table of a paged plan."""
         import cupy
 
         if self.batch == 0:
@@ -334,6 +382,7 @@ class DecodePlan:
             stream.ptr,
             q.data.ptr, k.data.ptr, v.data.ptr, 0 if seqlens is None else seqlens.data.ptr,
             *self._part_ptrs, out.data.ptr, 0 if lse is None else lse.data.ptr, self._counter_ptr,
+            0 if table is None else table.data.ptr,
             *strides, seqlen_all, *self._static, *self._score_args(scale))
         if self._merge_call is not None:
             self._merge_call(stream.ptr, *self._part_ptrs, out.data.ptr,
@@ -351,9 +400,10 @@ except FileNotFoundError:  # kernel sources missing (a broken install): building
     _PARAM_LIST = ()
 _PARAMS = struct.Struct("<" + "".join(_PARAM_CODES[kind] for kind, _ in _PARAM_LIST))
 _LAUNCH_ORDER = ("q", "k", "v", "seqlens", "o_part", "lse_part", "out", "lse_out", "counters",
-                 "q_sb", "q_sh", "k_sb", "k_ss", "k_sh", "v_sb", "v_ss", "v_sh", "out_sb",
-                 "out_sh", "seqlen_all", "max_seqlen", "num_heads", "group", "head_tiles",
-                 "chunk_tokens", "scale_log2", "warps_in_step", "soft_cap_in", "soft_cap_out")
+                 "block_table", "q_sb", "q_sh", "k_sb", "k_ss", "k_sh", "v_sb", "v_ss", "v_sh",
+                 "out_sb", "out_sh", "bt_sb", "num_pages", "seqlen_all", "max_seqlen",
+                 "num_heads", "group", "head_tiles", "chunk_tokens", "page_size", "scale_log2",
+                 "warps_in_step", "soft_cap_in", "soft_cap_out")
 if _PARAM_LIST and tuple(name for _, name in _PARAM_LIST) != _LAUNCH_ORDER:
     raise ImportError("kernels/decode_params.cuh and DecodePlan._launch disagree on the split "
                       f"kernel's parameters: {[n for _, n in _PARAM_LIST]} vs {list(_LAUNCH_ORDER)}")
@@ -396,7 +446,7 @@ def _cached_plan(shape: dict, dtype: str, num_splits, split_size, soft_cap, devi
             plan = DecodePlan(shape["batch"], shape["num_heads"], shape["num_kv_heads"],
                               shape["head_dim"], shape["max_seqlen"], dtype,
                               num_splits=num_splits, split_size=split_size,
-                              logits_soft_cap=soft_cap)
+                              logits_soft_cap=soft_cap, page_size=shape.get("page_size"))
             _PLAN_CACHE[key] = plan
             if len(_PLAN_CACHE) > _PLAN_CACHE_SIZE:
                 _PLAN_CACHE.popitem(last=False)
@@ -418,7 +468,8 @@ def flash_decode(q: ArrayLike, k_cache: ArrayLike, v_cache: ArrayLike,
                  cache_seqlens: int | Sequence[int] | ArrayLike | None = None, *,
                  softmax_scale: float | None = None, logits_soft_cap: float | None = None,
                  num_splits: int | None = None, return_lse: bool = False,
-                 out: ArrayLike | None = None, split_size: int | None = None
+                 out: ArrayLike | None = None, split_size: int | None = None,
+                 block_table: ArrayLike | None = None
                  ) -> cupy.ndarray | tuple[cupy.ndarray, cupy.ndarray]:
     """Decode attention of one query token per sequence against its KV cache.
 
@@ -426,6 +477,7 @@ def flash_decode(q: ArrayLike, k_cache: ArrayLike, v_cache: ArrayLike,
         q: (batch, num_heads, head_dim) float16, bfloat16 or float32 GPU array.
         k_cache, v_cache: (batch, max_seqlen, num_kv_heads, head_dim), same dtype; last dim
             contiguous, other strides honoured. num_heads must be a multiple of num_kv_heads.
+            With ``block_table``: paged, (num_pages, page_size, num_kv_heads, head_dim).
         cache_seqlens: None (all max_seqlen), an int, a host sequence of ``batch`` ints, or a
             (batch,) int32 device array (never read on the host; clamped to [0, max_seqlen]).
         softmax_scale: default 1/sqrt(head_dim).
@@ -435,6 +487,11 @@ def flash_decode(q: ArrayLike, k_cache: ArrayLike, v_cache: ArrayLike,
         return_lse: also return the log-sum-exp (batch, num_heads) float32, natural log.
         out: optional preallocated (batch, num_heads, head_dim) output of q's dtype.
         split_size: fix the tokens per split instead of num_splits (batch-independent results).
+        block_table: (batch, max_pages_per_seq) int32 page indices of a paged cache: token t of
+            sequence b is row t % page_size of page block_table[b, t // page_size]; any
+            page_size ≥ 1, pages in any order. A device table is never read on the host (an
+            index outside [0, num_pages) reads nothing, its tokens count for nothing); a host
+            table is range-checked and copied. max_seqlen is max_pages_per_seq × page_size.
 
     Returns:
         out, or (out, lse) with ``return_lse=True``. A sequence of length 0 gives out = 0 and
@@ -451,11 +508,13 @@ def flash_decode(q: ArrayLike, k_cache: ArrayLike, v_cache: ArrayLike,
 
     layout = V.layout_key(q, k_cache, v_cache)  # (no CUDA call before a host array is refused)
     soft_cap = V.check_soft_cap(logits_soft_cap)
+    tkey = V.table_key(block_table)
     stream = key = hit = None
-    if layout is not None:
+    table = block_table
+    if layout is not None and tkey is not None:
         stream = cupy.cuda.get_current_stream()
         ptr = stream.ptr
-        key = (layout, ptr, num_splits, split_size, soft_cap,
+        key = (layout, tkey, ptr, num_splits, split_size, soft_cap,
                _thread_token() if ptr == _PER_THREAD_STREAM else None)
         try:
             hit = _EAGER.get(key)
@@ -465,8 +524,16 @@ def flash_decode(q: ArrayLike, k_cache: ArrayLike, v_cache: ArrayLike,
         dt, shape, plan, strides = hit
         k, v = k_cache, v_cache
     else:
-        q, k, v, dt, shape = V.check_decode_inputs(q, k_cache, v_cache, layout)
+        q, k, v, dt, shape = V.check_decode_inputs(q, k_cache, v_cache, layout,
+                                                   block_table is not None)
         plan = strides = None
+        bt_sb = num_pages = 0
+        if block_table is not None:
+            shape = dict(shape)  # (the checks' cached dict stays as it is)
+            num_pages = shape.pop("num_pages")
+            table, bt_sb, max_pages = V.check_block_table(block_table, shape["batch"],
+                                                          shape["page_size"], num_pages)
+            shape["max_seqlen"] = max_pages * shape["page_size"]
     seqlens, seqlen_all = V.check_seqlens(cache_seqlens, shape["batch"], shape["max_seqlen"])
     scale = V.check_scale(softmax_scale, shape["head_dim"])
     num_splits, split_size = V.check_splits(num_splits, split_size)
@@ -480,12 +547,12 @@ def flash_decode(q: ArrayLike, k_cache: ArrayLike, v_cache: ArrayLike,
     if plan is None:
         # validation put q on the current device: its id, without asking the runtime again
         plan = _cached_plan(shape, dt, num_splits, split_size, soft_cap, q.data.device_id, ptr)
-        strides = plan._element_strides(q, k, v)
+        strides = plan._element_strides(q, k, v, bt_sb, num_pages)
         if key is not None:
             if len(_EAGER) >= _EAGER_SIZE:
                 _EAGER.clear()
             _EAGER[key] = (dt, shape, plan, strides)
-    plan._launch(q, k, v, seqlens, seqlen_all, scale, out, lse, stream, strides)
+    plan._launch(q, k, v, seqlens, seqlen_all, scale, out, lse, stream, strides, table)
     return (out, lse) if return_lse else out
 
 

@@ -5,12 +5,14 @@
 // list from this file to pack the same fields in the same order (little-endian, no padding: the
 // list keeps falling alignment). A new parameter is one entry here, and its value in
 // DecodePlan._launch, whose order decode.py checks against this list when it is imported.
-// (q_t, kv_t, out_t: the element types, defined by the file that includes this one.)
+// (q_t, kv_t, out_t: the element types, defined by the file that includes this one.) A paged
+// cache (PAGED) is (num_pages, page_size, num_kv_heads, head_dim): k_sb/v_sb are then the page
+// strides and k_ss/v_ss the token strides within a page.
 #pragma once
 
 #define CD_DECODE_PARAMS(X)                                                                   \
     X(PTR, const q_t*, q)            /* (batch, num_heads, head_dim) */                       \
-    X(PTR, const kv_t*, k)           /* (batch, max_seqlen, num_kv_heads, head_dim) */        \
+    X(PTR, const kv_t*, k)           /* (batch, max_seqlen, kv heads, dim); PAGED: pages */   \
     X(PTR, const kv_t*, v)                                                                    \
     X(PTR, const int*, seqlens)      /* (batch,) device lengths, or null: use seqlen_all */   \
     X(PTR, float*, o_part)           /* partials; null for a single split (direct output) */  \
@@ -18,6 +20,7 @@
     X(PTR, out_t*, out)                                                                       \
     X(PTR, float*, lse_out)          /* may be null */                                        \
     X(PTR, int*, counters)           /* non-null: fused merge */                              \
+    X(PTR, const int*, block_table)  /* PAGED: (batch, pages per sequence) page indices */    \
     X(I64, long long, q_sb)          /* strides, in elements */                               \
     X(I64, long long, q_sh)                                                                   \
     X(I64, long long, k_sb)                                                                   \
@@ -28,12 +31,15 @@
     X(I64, long long, v_sh)                                                                   \
     X(I64, long long, out_sb)                                                                 \
     X(I64, long long, out_sh)                                                                 \
+    X(I64, long long, bt_sb)         /* PAGED: block_table's row stride */                    \
+    X(I32, int, num_pages)           /* PAGED: pages in the cache; other indices read nothing */ \
     X(I32, int, seqlen_all)                                                                   \
     X(I32, int, max_seqlen)                                                                   \
     X(I32, int, num_heads)                                                                    \
     X(I32, int, group)                                                                        \
     X(I32, int, head_tiles)                                                                   \
     X(I32, int, chunk_tokens)                                                                 \
+    X(I32, int, page_size)           /* PAGED: tokens per page (any ≥ 1) */                   \
     X(F32, float, scale_log2)        /* softmax scale · log2(e) */                            \
     X(I32, int, warps_in_step)       /* 1: the block's warps take their tiles in step */     \
     X(F32, float, soft_cap_in)       /* SOFT_CAP: 2·log2(e) · scale / cap (else unused) */   \

@@ -61,7 +61,7 @@
 //   DTYPE_ID (0 f16, 1 bf16, 2 f32), HEAD_DIM, NUM_WARPS, STAGES, ROWS (16), TILE_N (16), MTILES,
 //   HEADS_AS_N (0 or 1), KV_PER_BLOCK (1, or a divisor of NUM_WARPS for HEADS_AS_N: below),
 //   L2_EVICT_FIRST (1: K/V copies hint L2 evict-first; 0: plain copies), SOFT_CAP (0 or 1:
-//   score_mod caps the scores).
+//   score_mod caps the scores), PAGED (0 or 1: the cache is paged, read through block_table).
 //
 // KV_PER_BLOCK > 1 (heads-as-N only): a block holds KV_PER_BLOCK adjacent KV heads, warp w
 // computing KV head (unit · KV_PER_BLOCK + w % KV_PER_BLOCK) in token slot w / KV_PER_BLOCK,
@@ -104,7 +104,12 @@ static_assert(sizeof(q_t) == sizeof(kv_t), "the tile math multiplies q and K/V o
 #define ACC_BYTES (NUM_WARPS * ROWS * ACC_STRIDE * 4)
 #define BODY_BYTES (PIPE_BYTES > ACC_BYTES ? PIPE_BYTES : ACC_BYTES)
 #define ML_BYTES (2 * NUM_WARPS * ROWS * 4)
-#define SMEM_BYTES (Q_BYTES + BODY_BYTES + ML_BYTES)
+#ifndef PAGED
+#define PAGED 0
+#endif
+// PAGED: one word per ring stage, the rows of its tile that hold a key (the KV view's mask)
+#define LIVE_BYTES (PAGED ? RINGS * STAGES * 4 : 0)
+#define SMEM_BYTES (Q_BYTES + BODY_BYTES + ML_BYTES + LIVE_BYTES)
 
 #if (HEAD_DIM * 2 / 16) < 8
 #error "HEAD_DIM too small for the 8-row XOR swizzle"
@@ -221,6 +226,18 @@ __device__ __forceinline__ float score_mod(float qk, int key, int head,
     const float s = qk * sp.scale_log2;
 #endif
     return key < sp.chunk_end ? s : CD_NEG_INF;
+}
+
+// The KV view's mask (PAGED): a score of tile row r whose page index was out of range is −inf,
+// so that its zero-filled key and value count for nothing. Without paging, nothing to mask.
+__device__ __forceinline__ float kv_mask(float s, u32 live, int r) {
+#if PAGED
+    return (live >> r) & 1u ? s : CD_NEG_INF;
+#else
+    (void)live;
+    (void)r;
+    return s;
+#endif
 }
 
 #if DTYPE_ID != 2
@@ -439,8 +456,19 @@ cd_decode_split(const cd_decode_params p) {
         // ------------------------------------------------- this warp's K/V ring (its slot's)
         unsigned char* ring = smem + Q_BYTES + ring_id * (STAGES * 2 * TILE_BYTES);
         const u32 ring_u32 = smem_u32(ring);
+#if PAGED
+        // Paged: the cache is a pool of pages (k_sb, v_sb: the page stride); token t of this
+        // sequence is row t % page_size of page table[t / page_size]. Only entries of tokens
+        // below the length are read, and a page index outside [0, num_pages) reads nothing.
+        const int* __restrict__ table = p.block_table + b * p.bt_sb;
+        const int page_size = p.page_size, num_pages = p.num_pages;
+        u32* sm_live = reinterpret_cast<u32*>(smem + Q_BYTES + BODY_BYTES + ML_BYTES);
+        const kv_t* kbase = k + (long long)kv_head * k_sh;
+        const kv_t* vbase = v + (long long)kv_head * v_sh;
+#else
         const kv_t* kbase = k + b * k_sb + (long long)kv_head * k_sh;
         const kv_t* vbase = v + b * v_sb + (long long)kv_head * v_sh;
+#endif
         const int n_tiles = (chunk_end - chunk_start + TILE_N - 1) / TILE_N;
         const int my_tiles = slot < n_tiles ? (n_tiles - slot + SLOTS - 1) / SLOTS : 0;
         // One M-tile: each warp streams through its own ring, and by default waits only for its
@@ -474,6 +502,65 @@ cd_decode_split(const cd_decode_params p) {
         const long long k_rows = (long long)RSTEP * k_ss, v_rows = (long long)RSTEP * v_ss;
         const long long k_tiles = (long long)SLOTS * TILE_N * k_ss;  // from a slot's tile to its next
         const long long v_tiles = (long long)SLOTS * TILE_N * v_ss;
+#if PAGED
+        // A tile inside one page takes the walking copy from that page (one table entry per
+        // tile); any other tile (pages of < 16 tokens, a tile across a page boundary, the
+        // chunk's partial last tile) has lane l < 16 look up row l's page and hand it to the
+        // lanes that copy the row. Rows without a key are zero-filled and masked (kv_mask).
+        auto load_tile = [&](int i, int stage) {
+            const int t0 = tile_start(i);
+            const u32 kdst = ring_u32 + stage * 2 * TILE_BYTES;
+            const u32 vdst = kdst + TILE_BYTES;
+            const int pi = t0 / page_size, off = t0 - pi * page_size;
+            u32 live;
+            if (WALK && t0 + TILE_N <= chunk_end && off + TILE_N <= page_size) {
+                const int pg = table[pi];
+                const bool ok = (unsigned)pg < (unsigned)num_pages;
+                const long long kp0 = ok ? (long long)pg * k_sb + (long long)off * k_ss : 0;
+                const long long vp0 = ok ? (long long)pg * v_sb + (long long)off * v_ss : 0;
+                const kv_t* kp = kbase + kp0 + (long long)r0 * k_ss + c0 * EPC;
+                const kv_t* vp = vbase + vp0 + (long long)r0 * v_ss + c0 * EPC;
+#pragma unroll
+                for (int j = 0; j < TILE_N / RSTEP; ++j) {
+                    const int so = swz(r0 + j * RSTEP, c0) * 16;
+                    cp_async16_stream(kdst + so, kp, ok, policy);
+                    cp_async16_stream(vdst + so, vp, ok, policy);
+                    kp += k_rows;
+                    vp += v_rows;
+                }
+                live = ok ? 0xffffu : 0u;
+            } else {
+                const int tok = t0 + (lane & (TILE_N - 1));
+                int pg = 0, row = 0;
+                bool ok = tok < chunk_end;
+                if (ok) {
+                    const int pj = tok / page_size;
+                    pg = table[pj];
+                    row = tok - pj * page_size;
+                    ok = (unsigned)pg < (unsigned)num_pages;
+                    if (!ok) pg = row = 0;  // a valid address, never read
+                }
+                live = __ballot_sync(0xffffffffu, ok) & 0xffffu;
+#pragma unroll
+                for (int j = 0; j < TILE_N * CPR / 32; ++j) {
+                    const int cid = lane + 32 * j;
+                    const int r = cid / CPR, c = cid % CPR;
+                    const long long rp = __shfl_sync(0xffffffffu, pg, r);
+                    const long long rr = __shfl_sync(0xffffffffu, row, r);
+                    const bool rok = (live >> r) & 1u;
+                    const int so = swz(r, c) * 16;
+                    cp_async16_stream(kdst + so, kbase + rp * k_sb + rr * k_ss + c * EPC, rok, policy);
+                    cp_async16_stream(vdst + so, vbase + rp * v_sb + rr * v_ss + c * EPC, rok, policy);
+                }
+            }
+            if (lane == 0) sm_live[ring_id * STAGES + stage] = live;
+        };
+        // the mask of tile i, visible to the slot's warps once next_tile(i) has returned
+        auto tile_live = [&](int i) -> u32 { return sm_live[ring_id * STAGES + i % STAGES]; };
+        (void)k_tiles;
+        (void)v_tiles;
+#else
+        auto tile_live = [&](int i) -> u32 { (void)i; return 0xffffu; };
         const kv_t* k_lane = kbase + (long long)(tile_start(0) + r0) * k_ss + c0 * EPC;  // tile 0
         const kv_t* v_lane = vbase + (long long)(tile_start(0) + r0) * v_ss + c0 * EPC;
         auto load_tile = [&](int i, int stage) {
@@ -504,6 +591,7 @@ cd_decode_split(const cd_decode_params p) {
                 cp_async16_stream(vdst + so, vbase + tok * v_ss + c * EPC, ok, policy);
             }
         };
+#endif
 
         // Start streaming K/V first: the Q load and its barrier then overlap the first
         // tiles' latency instead of delaying it.
@@ -583,6 +671,7 @@ cd_decode_split(const cd_decode_params p) {
 
         for (int i = 0; i < my_tiles; ++i) {
             next_tile(i);
+            const u32 live = tile_live(i);  // the KV view's rows with a key (all, unpaged)
             const u32 ks = ring_u32 + (i % STAGES) * 2 * TILE_BYTES;
             const u32 vs = ks + TILE_BYTES;
             // Sᵀ for 16 tokens × 8 heads; two accumulators (even and odd k steps) so that two mma
@@ -601,8 +690,9 @@ cd_decode_split(const cd_decode_params p) {
             float mx[2] = {CD_NEG_INF, CD_NEG_INF};
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                s[e] = score_mod(s[e] + s_odd[e], t0 + g + 8 * (e >> 1),
-                                 h0 + kh * group + 2 * t + (e & 1), score_params);
+                s[e] = kv_mask(score_mod(s[e] + s_odd[e], t0 + g + 8 * (e >> 1),
+                                         h0 + kh * group + 2 * t + (e & 1), score_params),
+                               live, g + 8 * (e >> 1));
                 mx[e & 1] = fmaxf(mx[e & 1], s[e]);
             }
             float alpha[2], ref[2];
@@ -656,6 +746,7 @@ cd_decode_split(const cd_decode_params p) {
 
         for (int i = 0; i < my_tiles; ++i) {
             next_tile(i);
+            const u32 live = tile_live(i);  // the KV view's rows with a key (all, unpaged)
             const u32 ks = ring_u32 + (i % STAGES) * 2 * TILE_BYTES;
             const u32 vs = ks + TILE_BYTES;
             // S = Q·Kᵀ for 16 rows × 16 tokens: two n-tiles of 8 tokens.
@@ -682,8 +773,9 @@ cd_decode_split(const cd_decode_params p) {
             for (int j = 0; j < 2; ++j)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
-                    s[j][e] = score_mod(s[j][e], t0 + 8 * j + 2 * t + (e & 1),
-                                        h0 + mt * ROWS + g + 8 * (e >> 1), score_params);
+                    s[j][e] = kv_mask(score_mod(s[j][e], t0 + 8 * j + 2 * t + (e & 1),
+                                                h0 + mt * ROWS + g + 8 * (e >> 1), score_params),
+                                      live, 8 * j + 2 * t + (e & 1));
                     mx[e >> 1] = fmaxf(mx[e >> 1], s[j][e]);
                 }
             float alpha[2], ref[2];
@@ -739,6 +831,7 @@ cd_decode_split(const cd_decode_params p) {
         st.init();
         for (int i = 0; i < my_tiles; ++i) {
             next_tile(i);
+            const u32 live = tile_live(i);  // the KV view's rows with a key (all, unpaged)
             const float4* ks = reinterpret_cast<const float4*>(ring + (i % STAGES) * 2 * TILE_BYTES);
             const float* vs = reinterpret_cast<const float*>(ring + (i % STAGES) * 2 * TILE_BYTES + TILE_BYTES);
             float s[ROWS];
@@ -761,7 +854,7 @@ cd_decode_split(const cd_decode_params p) {
             for (int r = 0; r < ROWS; ++r) {
                 if (r < rows) {
                     s[r] += __shfl_xor_sync(0xffffffffu, s[r], 16);
-                    s[r] = st.step(r, score_mod(s[r], key, h0 + r, score_params));
+                    s[r] = st.step(r, kv_mask(score_mod(s[r], key, h0 + r, score_params), live, tn));
                 }
             }
 #pragma unroll 2

@@ -188,3 +188,24 @@ class DecodeCase:
             if n == 0:
                 assert not cupy.any(out[b]) and bool(cupy.all(cupy.isneginf(lse[b]))), ctx
         return err
+
+
+def to_paged(rng, k: np.ndarray, v: np.ndarray, page_size: int, extra_pages: int = 3):
+    """A contiguous (batch, max_seqlen, kv_heads, dim) cache as a paged one: (k_pages, v_pages,
+    block_table) with ceil(max_seqlen / page_size) pages per sequence, pages in random order
+    among ``extra_pages`` unused ones. Unused pages and rows past max_seqlen are NaN, so a
+    kernel that reads a wrong page or row turns its output NaN."""
+    batch, max_seqlen = k.shape[:2]
+    per_seq = -(-max_seqlen // page_size)
+    num_pages = batch * per_seq + extra_pages
+    order = rng.permutation(num_pages)
+    table = order[:batch * per_seq].reshape(batch, per_seq).astype(np.int32)
+    pages = []
+    for x in (k, v):
+        p = np.full((num_pages, page_size) + x.shape[2:], np.nan, np.float32).astype(x.dtype)
+        for b in range(batch):
+            for j in range(per_seq):
+                rows = x[b, j * page_size:(j + 1) * page_size]
+                p[table[b, j], :len(rows)] = rows
+        pages.append(p)
+    return pages[0], pages[1], table

@@ -56,11 +56,12 @@ def test_merge_kernel_parameters_match_prepared_launch():
 def test_split_kernel_parameters_are_declared_once():
     """struct cd_decode_params is built from the list in kernels/decode_params.cuh, and the host
     packs that same list (decode._PARAMS, in the order _launch passes the values): the packing
-    of the fields as the GPU tests ran them, 9 pointers, 10 int64 strides, 6 int32, a float32,
-    an int32 and the soft-cap's two float32."""
+    of the fields as the GPU tests ran them: 10 pointers (the block table's last), 11 int64
+    strides (the block table's last), 8 int32, a float32, an int32 and the soft-cap's two
+    float32."""
     from cupydecode.decode import _LAUNCH_ORDER, _PARAM_LIST, _PARAMS  # imports no CuPy
 
-    assert _PARAMS.format == "<" + "Q" * 9 + "q" * 10 + "i" * 6 + "fiff" and _PARAMS.size == 192
+    assert _PARAMS.format == "<" + "Q" * 10 + "q" * 11 + "i" * 8 + "fiff" and _PARAMS.size == 216
     assert tuple(name for _, name in _PARAM_LIST) == _LAUNCH_ORDER
     split = (KERNELS / "decode_split.cu").read_text()
     assert '#include "decode_params.cuh"' in split

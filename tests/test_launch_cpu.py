@@ -57,9 +57,10 @@ def _merge_params(kernel_params) -> tuple:
 
 
 def _values(seed: int) -> tuple:
-    ptrs = tuple(0x7F0000000000 + 256 * (seed + i) for i in range(9))
-    strides = tuple(-(seed + i) if i % 3 else seed + 1000 * i for i in range(10))
-    return ptrs + strides + (seed, 1 << 20, 32, 4, 1, 256 + seed, 0.125, seed % 2, 0.5 * seed, 72.0)
+    ptrs = tuple(0x7F0000000000 + 256 * (seed + i) for i in range(10))
+    strides = tuple(-(seed + i) if i % 3 else seed + 1000 * i for i in range(11))
+    return ptrs + strides + (7 * seed, seed, 1 << 20, 32, 4, 1, 256 + seed, 16, 0.125, seed % 2,
+                             0.5 * seed, 72.0)
 
 
 def test_struct_launch_passes_the_packed_block(captured):
