@@ -39,7 +39,7 @@ import numpy as np
 
 from .check import REL_TOL, reference_gpu, select_rows
 from . import reference as R
-from .workloads import Workload, fresh_seed, make_inputs
+from .workloads import Workload, fresh_seed, make_inputs, page_inputs
 
 GRAPH_TRIALS = 20          # graph replays per measurement
 MIN_GRAPH_CALLS = 10       # calls captured per graph (more if there are more buffer sets)
@@ -441,7 +441,7 @@ def _torch_graph_time(torch, call, n_calls: int, trials: int = GRAPH_TRIALS, bef
 def _torch_views(torch, sets):
     """torch tensors sharing memory with the CuPy sets: q (B,H,1,D), k/v (B,Hkv,L,D) views."""
     views = []
-    for q, k, v, _ in sets:
+    for q, k, v, *_ in sets:
         tq = torch.from_dlpack(q).unsqueeze(2)
         tk = torch.from_dlpack(k).permute(0, 2, 1, 3)
         tv = torch.from_dlpack(v).permute(0, 2, 1, 3)
@@ -462,8 +462,9 @@ def torch_sdpa_times(sets, w: Workload, scale: float, n_calls: int, check, befor
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    if w.logits_soft_cap is not None:
-        return {col: (None, f"{col}: torch SDPA has no soft-cap") for col in PEERS["torch"][2]}
+    if w.logits_soft_cap is not None or w.page_size:
+        what = "soft-cap" if w.logits_soft_cap is not None else "paged cache"
+        return {col: (None, f"{col}: torch SDPA has no {what}") for col in PEERS["torch"][2]}
     cupy.cuda.Device().synchronize()
     views = _torch_views(torch, sets)
     gqa = w.group > 1
@@ -514,10 +515,12 @@ def flashinfer_times(sets, w: Workload, scale: float, n_calls: int, check, befor
                      span=None) -> dict:
     """GPU µs per call of FlashInfer's batch decode (CUDA-core and tensor-core variants).
 
-    The cache is used as a paged cache without copying: our contiguous (B, L, Hkv, D) cache
-    viewed as NHD pages (B·L/page, page, Hkv, D) with page = 16 tokens (1 if L is not a multiple
-    of 16), sequence b owning pages [b·L/page, (b+1)·L/page). One giant page per sequence is a
-    layout FlashInfer's decode kernels are not built for (they run an order of magnitude slower).
+    A paged workload (``w.page_size``) gives FlashInfer the same pages and page order as ours.
+    Otherwise the cache is used as a paged cache without copying: our contiguous (B, L, Hkv, D)
+    cache viewed as NHD pages (B·L/page, page, Hkv, D) with page = 16 tokens (1 if L is not a
+    multiple of 16), sequence b owning pages [b·L/page, (b+1)·L/page). One giant page per
+    sequence is a layout FlashInfer's decode kernels are not built for (they run an order of
+    magnitude slower).
     """
     import cupy
     import flashinfer
@@ -527,18 +530,26 @@ def flashinfer_times(sets, w: Workload, scale: float, n_calls: int, check, befor
     dt = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}[w.dtype]
     dev = torch.device("cuda", cupy.cuda.Device().id)
     B, L = w.batch, w.seqlen
-    page = 16 if L % 16 == 0 else 1
-    pages_per_seq = L // page
+    if w.page_size:
+        page = w.page_size
+        pages_per_seq = -(-L // page)
+        tsets = [(torch.from_dlpack(q), torch.from_dlpack(k), torch.from_dlpack(v))
+                 for q, k, v, *_ in sets]
+        table = torch.from_dlpack(sets[0][4])  # every set has the same page order
 
-    def paged(x):
-        return torch.from_dlpack(x).reshape(B * pages_per_seq, page, w.num_kv_heads, w.head_dim)
-    tsets = [(torch.from_dlpack(q), paged(k), paged(v)) for q, k, v, _ in sets]
+    else:
+        page = 16 if L % 16 == 0 else 1
+        pages_per_seq = L // page
+        tsets = [(torch.from_dlpack(q), *(torch.from_dlpack(x).reshape(
+            B * pages_per_seq, page, w.num_kv_heads, w.head_dim) for x in (k, v)))
+            for q, k, v, *_ in sets]
+        table = torch.arange(B * pages_per_seq, dtype=torch.int32, device=dev).reshape(B, -1)
 
     def timed(col, tensor_cores):
         workspace = torch.empty(128 << 20, dtype=torch.uint8, device=dev)
         indptr = torch.arange(B + 1, dtype=torch.int32, device=dev) * pages_per_seq
-        indices = torch.arange(B * pages_per_seq, dtype=torch.int32, device=dev)
-        last = torch.full((B,), page, dtype=torch.int32, device=dev)
+        indices = table.reshape(-1).contiguous()
+        last = torch.full((B,), L - (pages_per_seq - 1) * page, dtype=torch.int32, device=dev)
         wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             workspace, "NHD", use_cuda_graph=True, use_tensor_cores=tensor_cores,
             paged_kv_indptr_buffer=indptr, paged_kv_indices_buffer=indices,
@@ -733,28 +744,36 @@ def bench_point(w: Workload, ceiling_gbps: float, l2_bytes: int, model: str = ""
     protocols = [parse_protocol(p) for p in specs]
     rows = [dict(base, protocol=spec) for spec in specs]
     free = cupy.cuda.runtime.memGetInfo()[0]
-    need = nsets * w.cache_bytes() + MARGIN_BYTES
+    need = (nsets + (1 if w.page_size else 0)) * w.cache_bytes() + MARGIN_BYTES  # paging copies
     if need > free:
         why = (f"needs {need / 1e9:.1f} GB ({nsets} buffer set(s) of "
                f"{w.cache_bytes() / 1e9:.2f} GB + margin), {free / 1e9:.1f} GB free")
         return [dict(r, skipped=why) for r in rows]
     notes = []
-    sets = [make_inputs(dataclasses.replace(w, seed=(w.seed + i) % 2**32)) for i in range(nsets)]
+    # (q, k, v, lengths, block table or None) per buffer set; paged: k, v are pools of pages
+    sets = []
+    for i in range(nsets):
+        inputs = make_inputs(dataclasses.replace(w, seed=(w.seed + i) % 2**32))
+        if i == 0:  # the float64 check's reference, from the contiguous cache
+            check = _subset_checker(w, *inputs[:3])
+        # paged: one page order (and block table) for every set, as a peer's plan fixes it
+        sets.append(page_inputs(inputs, w.page_size, w.seed) if w.page_size
+                    else (*inputs, None))
+        del inputs
     step = StepTraffic(w, l2_bytes) if any(n == "step" for n, _ in protocols) else None
     settle()
     try:
         scale = 1.0 / math.sqrt(w.head_dim)
         cap = w.logits_soft_cap
         plan = DecodePlan(w.batch, w.num_heads, w.num_kv_heads, w.head_dim, w.seqlen, w.dtype,
-                          num_splits=w.num_splits, logits_soft_cap=cap)
+                          num_splits=w.num_splits, logits_soft_cap=cap, page_size=w.page_size)
         base.update(num_splits=plan.num_splits, chunk_tokens=plan.chunk_tokens,
                     kv_per_block=plan.kv_per_block)
-        q0, k0, v0, _ = sets[0]
-        check = _subset_checker(w, q0, k0, v0)
+        q0, k0, v0, _, t0 = sets[0]
 
         def run_plan(i, _plan=plan):
-            q, k, v, _ = sets[i % nsets]
-            _plan.run(q, k, v)
+            q, k, v, _, table = sets[i % nsets]
+            _plan.run(q, k, v, block_table=table)
         timing = [(calls or max(MIN_GRAPH_CALLS, nsets), step if name == "step" else None)
                   for name, calls in protocols]  # (calls per graph, other kernels) per protocol
         for row, (n_calls, before) in zip(rows, timing):
@@ -766,14 +785,14 @@ def bench_point(w: Workload, ceiling_gbps: float, l2_bytes: int, model: str = ""
         first_calls, first_before = timing[0]
 
         def eager(i):
-            q, k, v, _ = sets[i % nsets]
-            flash_decode(q, k, v, num_splits=w.num_splits, logits_soft_cap=cap)
+            q, k, v, _, table = sets[i % nsets]
+            flash_decode(q, k, v, num_splits=w.num_splits, logits_soft_cap=cap, block_table=table)
         base["eager_us"] = eager_time_cupy(eager, int(min(200, max(20, 2.5e5 / (med + 20)))))
         base["host_us"] = host_time_cupy(eager)
         base["plan_host_us"] = host_time_cupy(run_plan)
         base["launch_host_us"] = empty_launch_host_us()
 
-        out, _ = plan.run(q0, k0, v0)
+        out, _ = plan.run(q0, k0, v0, block_table=t0)
         base["rel_err"] = check(out)
         base["check"] = "ok" if base["rel_err"] <= REL_TOL[w.dtype] else "FAIL"
 
@@ -781,9 +800,10 @@ def bench_point(w: Workload, ceiling_gbps: float, l2_bytes: int, model: str = ""
             base["split1_us"] = med
         else:
             plan1 = DecodePlan(w.batch, w.num_heads, w.num_kv_heads, w.head_dim, w.seqlen,
-                               w.dtype, num_splits=1, logits_soft_cap=cap)
-            base["split1_us"] = graph_time_cupy(lambda i: plan1.run(*sets[i % nsets][:3]),
-                                                first_calls, before=first_before, span=nsets)[0]
+                               w.dtype, num_splits=1, logits_soft_cap=cap, page_size=w.page_size)
+            base["split1_us"] = graph_time_cupy(
+                lambda i: plan1.run(*sets[i % nsets][:3], block_table=sets[i % nsets][4]),
+                first_calls, before=first_before, span=nsets)[0]
             del plan1
         base["speedup_vs_split1"] = base["split1_us"] / med
 
@@ -828,13 +848,16 @@ _PER_PROTOCOL = frozenset({"protocol", "graph_calls", "gpu_us", "gpu_us_p20", "g
 def _naive(row: dict, w: Workload, sets, n_calls: int, scale: float, check, notes: list) -> None:
     import cupy
 
+    if w.page_size:
+        notes.append("naive: contiguous caches only")
+        return
     free = cupy.cuda.runtime.memGetInfo()[0]
     if naive_bytes(w) + MARGIN_BYTES > free:
         notes.append(f"naive: skipped, needs ~{naive_bytes(w) / 1e9:.1f} GB, {free / 1e9:.1f} GB free")
         return
     try:
         mm = _matmul_dtype(w.dtype)
-        q0, k0, v0, _ = sets[0]
+        q0, k0, v0 = sets[0][:3]
         cap = w.logits_soft_cap
         err = check(naive_decode(q0, k0, v0, scale, mm, cap))
         if err > REL_TOL[w.dtype] * 5:
@@ -852,12 +875,13 @@ def _naive(row: dict, w: Workload, sets, n_calls: int, scale: float, check, note
 
 
 def sweep(model: str, dtype: str, seqlens, batches, num_splits=None,
-          soft_cap: float | None = None) -> list[Workload]:
+          soft_cap: float | None = None, page_size: int | None = None) -> list[Workload]:
     """The points of a bench run, batch-major, each with a fresh seed; ``soft_cap`` None: the
-    model's logits_soft_cap, 0: none, else that cap."""
+    model's logits_soft_cap, 0: none, else that cap; ``page_size``: paged caches."""
     from .workloads import workload_for_model
 
     opts = {} if soft_cap is None else {"logits_soft_cap": soft_cap or None}
+    opts["page_size"] = page_size
     return [workload_for_model(model, b, L, dtype, num_splits=num_splits, seed=fresh_seed(),
                                **opts) for b in batches for L in seqlens]
 

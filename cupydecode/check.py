@@ -18,7 +18,7 @@ import math
 import numpy as np
 
 from . import reference as R
-from .workloads import Workload, make_inputs
+from .workloads import Workload, make_inputs, page_inputs
 
 REL_TOL = {"float16": 2e-3, "bfloat16": 1e-2, "float32": 1e-4}
 LSE_ATOL = 1e-3
@@ -89,7 +89,7 @@ def _row_skeleton(w: Workload) -> dict:
         "name": w.name, "dtype": w.dtype, "batch": w.batch, "seqlen": w.seqlen,
         "num_heads": w.num_heads, "num_kv_heads": w.num_kv_heads, "head_dim": w.head_dim,
         "lengths": None if w.lengths is None else list(w.lengths), "q_scale": w.q_scale,
-        "logits_soft_cap": w.logits_soft_cap,
+        "logits_soft_cap": w.logits_soft_cap, "page_size": w.page_size,
         "splits_requested": w.splits_label, "splits": None, "chunk_tokens": None,
         "seed": w.seed, "reference": None, "max_abs_err": None, "rel_err": None,
         "lse_err": None, "rel_tol": REL_TOL[w.dtype], "lse_tol": None, "max_abs_lse": None,
@@ -108,12 +108,19 @@ def run_check(w: Workload) -> dict:
         q, k, v, seqlens = make_inputs(w)
         row["seed"] = w.seed
         plan = DecodePlan(w.batch, w.num_heads, w.num_kv_heads, w.head_dim, w.seqlen, w.dtype,
-                          num_splits=w.num_splits, logits_soft_cap=w.logits_soft_cap)
+                          num_splits=w.num_splits, logits_soft_cap=w.logits_soft_cap,
+                          page_size=w.page_size)
         row["splits"], row["chunk_tokens"] = plan.num_splits, plan.chunk_tokens
         # Poisoned outputs: a row the kernels forget to write stays NaN and fails the check.
         out = cupy.full((w.batch, w.num_heads, w.head_dim), math.nan, w.dtype)
         lse = cupy.full((w.batch, w.num_heads), math.nan, cupy.float32)
-        plan.run(q, k, v, seqlens, out=out, lse=lse)
+        if w.page_size:  # the same tokens in pages (random order); the reference reads k, v
+            _, kp, vp, _, table = page_inputs((q, k.copy(), v.copy(), seqlens), w.page_size,
+                                              w.seed)
+            plan.run(q, kp, vp, seqlens, out=out, lse=lse, block_table=table)
+            del kp, vp
+        else:
+            plan.run(q, k, v, seqlens, out=out, lse=lse)
         cupy.cuda.get_current_stream().synchronize()
         ref_out, ref_lse, kind = reference_for(w, q, k, v)
         row["reference"] = kind
@@ -144,4 +151,6 @@ def repro_command(row: dict) -> str:
         parts.append(f"--q-scale {row['q_scale']:g}")
     if row["logits_soft_cap"] is not None:
         parts.append(f"--soft-cap {row['logits_soft_cap']:g}")
+    if row["page_size"] is not None:
+        parts.append(f"--page-size {row['page_size']}")
     return " ".join(parts)

@@ -201,7 +201,7 @@ def main():
 # ---------------------------------------------------------------------------- check
 
 def _single_workload(batch, seqlen, heads, kv_heads, head_dim, dtype, splits, seed, varlen,
-                     lengths, q_scale, model, soft_cap=None) -> Workload:
+                     lengths, q_scale, model, soft_cap=None, page_size=None) -> Workload:
     """One workload from ``check``'s options (raises click.BadParameter on bad combinations).
     ``soft_cap`` None: the model's (none without --model); 0: none."""
     preset = MODELS[(model or "llama-3-8b").lower()]
@@ -233,7 +233,7 @@ def _single_workload(batch, seqlen, heads, kv_heads, head_dim, dtype, splits, se
     name = (model or "custom") + (" varlen" if lengths is not None else "")
     return Workload(batch, seqlen, heads, kv_heads, head_dim, dtype or "float16",
                     None if splits in (None, "auto") else splits, lengths, q_scale, seed, name,
-                    logits_soft_cap=soft_cap or None)
+                    logits_soft_cap=soft_cap or None, page_size=page_size)
 
 
 def _workload_label(w: Workload) -> str:
@@ -274,18 +274,20 @@ def _check_header(width: int) -> str:
 @click.option("--soft-cap", "soft_cap", type=SOFT_CAP_TYPE,
               help="logits_soft_cap c: scores capped to c·tanh(s/c) (default: the model's, e.g. "
                    "50 for gemma-2; 0: none).")
+@click.option("--page-size", "page_size", type=click.IntRange(min=1),
+              help="Run on a paged copy of the cache: pages of this many tokens, random order.")
 @click.option("--model", type=MODEL_CHOICE,
               help="Take heads/kv-heads/head-dim (and the soft-cap) from a preset.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), callback=_output_path,
               help="Write the result rows to this JSON file.")
 @click.pass_context
 def check(ctx, batch, seqlen, heads, kv_heads, head_dim, dtype, splits, seed, varlen, lengths,
-          q_scale, soft_cap, model, json_path):
+          q_scale, soft_cap, page_size, model, json_path):
     """Compare flash_decode with a float64 reference; one row per workload.
 
     Without shape options, runs the built-in matrix (fp16/bf16/fp32, head_dim 64/128/256,
     MHA to MQA, lengths 1 to 65536, variable lengths with an empty sequence, forced and
-    automatic splits, logits of ±1e4, the soft-cap). Outputs are filled with NaN before each call.
+    automatic splits, logits of ±1e4, the soft-cap, paged caches). Outputs are filled with NaN before each call.
     Tolerances: relative L2 error 2e-3 (fp16), 1e-2 (bf16), 1e-4 (fp32); LSE 1e-3.
     Exit status 0 if all pass, 1 if any fails, 2 on bad usage or without a GPU.
 
@@ -295,15 +297,16 @@ def check(ctx, batch, seqlen, heads, kv_heads, head_dim, dtype, splits, seed, va
       cupydecode check --model llama-3-8b --seqlen 300 --batch 2 --varlen
       cupydecode check --heads 28 --kv-heads 4 --seqlen 4097 --dtype bf16 --splits 3
       cupydecode check --model gemma-2-9b --q-scale 60        (its soft-cap 50, logits past it)
+      cupydecode check --model llama-3-8b --seqlen 5000 --page-size 16 --varlen
       cupydecode check --json check.json
     """
     from .workloads import default_check_matrix
 
     single = any(x is not None for x in (batch, seqlen, heads, kv_heads, head_dim, dtype, splits,
-                                         lengths, model, soft_cap)) or varlen or q_scale != 1.0
+                                         lengths, model, soft_cap, page_size)) or varlen or q_scale != 1.0
     if single:
         workloads = [_single_workload(batch, seqlen, heads, kv_heads, head_dim, dtype, splits,
-                                      seed, varlen, lengths, q_scale, model, soft_cap)]
+                                      seed, varlen, lengths, q_scale, model, soft_cap, page_size)]
     else:
         workloads = default_check_matrix()
         base = fresh_seed() if seed is None else seed
@@ -440,13 +443,15 @@ def _bench_in_processes(n: int, argv: list[str]) -> list[dict]:
 
 
 def _forwarded_bench_args(model, dtype, seqlens, batches, splits, protocols, baselines,
-                          soft_cap=None) -> list[str]:
+                          soft_cap=None, page_size=None) -> list[str]:
     """The options of this bench run, for the processes of --processes (outputs stay here)."""
     argv = ["--model", model, "--dtype", dtype, "--seqlens", ",".join(map(str, seqlens)),
             "--batch", ",".join(map(str, batches)), "--splits", str(splits),
             "--protocol", ",".join(protocols)]
     if soft_cap is not None:
         argv += ["--soft-cap", repr(float(soft_cap))]
+    if page_size is not None:
+        argv += ["--page-size", str(page_size)]
     for name in baselines:
         argv += ["--baseline", name]
     return argv
@@ -474,6 +479,9 @@ def _forwarded_bench_args(model, dtype, seqlens, batches, splits, protocols, bas
 @click.option("--soft-cap", "soft_cap", type=SOFT_CAP_TYPE,
               help="logits_soft_cap c (default: the model's, e.g. 50 for gemma-2; 0: none). "
                    "torch SDPA has none: its columns stay empty.")
+@click.option("--page-size", "page_size", type=click.IntRange(min=1),
+              help="Time a paged cache: pages of this many tokens in random order (FlashInfer "
+                   "reads the same pages; torch SDPA and the naive version have no paging).")
 @click.option("--baseline", "baselines", type=click.Choice(["torch", "flashinfer"]),
               multiple=True, help="Also time a peer (repeatable); needs torch / flashinfer.")
 @click.option("--csv", "csv_path", type=click.Path(dir_okay=False), callback=_output_path,
@@ -483,8 +491,8 @@ def _forwarded_bench_args(model, dtype, seqlens, batches, splits, protocols, bas
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), callback=_output_path,
               help="Plot µs and % of floor vs seqlen to this PNG (needs matplotlib).")
 @click.pass_context
-def bench(ctx, model, dtype, seqlens, batches, splits, protocols, processes, soft_cap, baselines,
-          csv_path, json_path, plot_path):
+def bench(ctx, model, dtype, seqlens, batches, splits, protocols, processes, soft_cap, page_size,
+          baselines, csv_path, json_path, plot_path):
     """Time flash_decode against the HBM read floor and against baselines.
 
     Per point: floor = bytes(K+V) / read ceiling measured in this run; GPU µs per call from a
@@ -502,6 +510,7 @@ def bench(ctx, model, dtype, seqlens, batches, splits, protocols, processes, sof
       cupydecode bench --seqlens 4096,65536 --batch 1,16 --csv out.csv --plot out.png
       cupydecode bench --model qwen2.5-7b --dtype bf16 --baseline torch
       cupydecode bench --model gemma-2-9b --baseline flashinfer     (soft-cap 50, the model's)
+      cupydecode bench --page-size 16 --baseline flashinfer
       cupydecode bench --protocol step,back-to-back:2,back-to-back:10 --processes 3
     """
     from . import bench as B
@@ -524,18 +533,20 @@ def bench(ctx, model, dtype, seqlens, batches, splits, protocols, processes, sof
                    f"{p.head_dim}, {dtype}, splits {splits}; {processes} processes, protocols "
                    f"{', '.join(protocols)}")
         rows = _bench_in_processes(processes, _forwarded_bench_args(
-            model, dtype, seqlens, batches, splits, protocols, peers, soft_cap))
+            model, dtype, seqlens, batches, splits, protocols, peers, soft_cap, page_size))
         ceiling = {"gbps": [r["ceiling_gbps"] for r in rows if r["ceiling_gbps"]]}
     else:
         ceiling = B.measure_read_ceiling()
         click.echo(f"HBM read ceiling: {ceiling['gbps']:.0f} GB/s (read-only kernel over "
                    f"{ceiling['nbytes'] / 1e9:.2f} GB, {ceiling['us']:.0f} µs)")
         points = B.sweep(model, dtype, seqlens, batches, None if splits == "auto" else splits,
-                         soft_cap)
+                         soft_cap, page_size)
         cap = points[0].logits_soft_cap if points else None
         click.echo(f"{model}: {p.num_heads} query heads, {p.num_kv_heads} KV heads, head_dim "
                    f"{p.head_dim}, {dtype}, splits {splits}"
-                   + ("" if cap is None else f", logits_soft_cap {cap:g}"))
+                   + ("" if cap is None else f", logits_soft_cap {cap:g}")
+                   + ("" if page_size is None else f", paged: {page_size} tokens per page, "
+                      "random page order"))
         click.echo(f"bytes per point: {B.napkin(points[0], symbolic=True)} "
                    f"(e.g. {B.napkin(points[0])})")
         click.echo(f"GPU µs: {B.GRAPH_TRIALS} replays of a graph per protocol; floor µs = KV "

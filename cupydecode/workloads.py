@@ -67,7 +67,8 @@ class Workload:
     lengths (varlen; None: every sequence is ``seqlen`` long). ``num_splits`` None lets the
     library choose. ``q_scale`` multiplies q, which scales every logit (the overflow case).
     ``seed`` None means "draw a fresh one": :func:`make_inputs` records it here.
-    ``logits_soft_cap``: the score cap c (s ← c·tanh(s/c)), None for none.
+    ``logits_soft_cap``: the score cap c (s ← c·tanh(s/c)), None for none. ``page_size``: run
+    on a paged copy of the cache (:func:`page_inputs`), None for the contiguous cache.
     """
 
     batch: int
@@ -82,6 +83,7 @@ class Workload:
     seed: int | None = None
     name: str = ""
     logits_soft_cap: float | None = None
+    page_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.lengths is not None:
@@ -117,6 +119,7 @@ class Workload:
 
     def shape_label(self) -> str:
         cap = "" if self.logits_soft_cap is None else f" cap={self.logits_soft_cap:g}"
+        cap += "" if self.page_size is None else f" page={self.page_size}"
         return (f"B={self.batch} L={self.seqlen} H={self.num_heads}/{self.num_kv_heads} "
                 f"D={self.head_dim}{cap}")
 
@@ -191,6 +194,31 @@ def make_inputs(workload: Workload):
     return q, k, v, seqlens
 
 
+def page_inputs(inputs, page_size: int, seed: int):
+    """``make_inputs``' (q, k, v, cache_seqlens) with the cache moved into pages:
+    (q, k_pages, v_pages, cache_seqlens, block_table). Pages of ``page_size`` tokens, each
+    sequence's ceil(max_seqlen / page_size) pages in random order over the pool (``seed``);
+    rows past max_seqlen in a sequence's last page are NaN. The contiguous K and V are not kept."""
+    import cupy
+
+    q, k, v, seqlens = inputs
+    batch, max_seqlen = k.shape[:2]
+    per_seq = -(-max_seqlen // page_size)
+    order = cupy.random.RandomState(seed).permutation(batch * per_seq)
+    table = order.reshape(batch, per_seq).astype(cupy.int32)
+    pages = []
+    for x in (k, v):
+        if per_seq * page_size != max_seqlen:
+            padded = cupy.full((batch, per_seq * page_size) + x.shape[2:], math.nan, x.dtype)
+            padded[:, :max_seqlen] = x
+            x = padded
+        p = cupy.empty((batch * per_seq, page_size) + x.shape[2:], x.dtype)
+        p[order] = x.reshape(batch * per_seq, page_size, *x.shape[2:])
+        pages.append(p)
+        del x
+    return q, pages[0], pages[1], seqlens, table
+
+
 # q_scale for the overflow workload: with q ~ N(0, s²) and K ~ N(0, 1) the logits
 # c·q·k are N(0, s²), so over ~10⁵ (row, token) pairs they reach about ±4.3 s ≈ ±1e4.
 OVERFLOW_Q_SCALE = 2400.0
@@ -201,8 +229,8 @@ def default_check_matrix() -> list[Workload]:
 
     Covers fp16 / bf16 / fp32; head_dim 64, 128, 256; GQA groups 1 (MHA), 2, 4, 7, 8 and MQA
     (71 or 48 query heads on one KV head, also with blocks of several M-tiles); lengths 1, 17, 255, 257, 4097 and 65536; variable lengths
-    with an empty sequence; forced 1 and 3 splits and automatic splits; logits of ±1e4; and the
-    soft-cap on every math path.
+    with an empty sequence; forced 1 and 3 splits and automatic splits; logits of ±1e4; the
+    soft-cap on every math path; paged caches of 1 to 256 tokens per page.
     Sizes are kept small enough that the float64 reference stays cheap (the whole list runs
     in seconds on an H200, most of it compilation on the first run).
     """
@@ -258,5 +286,17 @@ def default_check_matrix() -> list[Workload]:
         W(2, 1024, 32, 8, 128, "float32", 3, q_scale=60.0, name="soft-cap 50", **cap),
         W(2, 1024, 32, 8, 128, "float16", None, q_scale=OVERFLOW_Q_SCALE,
           name="soft-cap 50, logits ±1e4", **cap),
+    ]
+    # paged caches (pages in random order): a page per token, odd pages across tiles, one tile
+    # per page, several; each math path; with the soft-cap
+    m += [
+        W(4, 300, 32, 8, 128, "float16", None, (300, 1, 17, 0), name="paged 16, varlen",
+          page_size=16),
+        W(2, 4097, 28, 4, 128, "bfloat16", 3, name="paged 1", page_size=1),
+        W(2, 2000, 48, 1, 128, "float16", 1, name="paged 64, M-tiles", page_size=64),
+        W(2, 257, 16, 8, 256, "float32", None, name="paged 17", page_size=17),
+        W(1, 65536, 32, 8, 128, "bfloat16", None, name="paged 256", page_size=256),
+        W(2, 4097, 16, 8, 256, "float16", None, q_scale=60.0, name="paged 64, soft-cap 50",
+          page_size=64, **cap),
     ]
     return m

@@ -5,7 +5,8 @@
 # representative subset → `cupydecode check` → `cupydecode bench` sweeps with peers (torch SDPA;
 # FlashInfer when importable). Logs, CSV/JSON and the plot go to OUTDIR; a summary prints last.
 # STEPS selects steps (default "tests sanitizer check bench layouts"; also "racecheck", and
-# "softcap": the soft-cap's cost, the same points with and without it, and gemma-2 with peers).
+# "softcap": the soft-cap's cost, the same points with and without it, and gemma-2 with peers;
+# "paged": paged caches of 1, 16 and 64 tokens per page beside the contiguous cache and FlashInfer).
 # A machine that returns only a few files: run it into a scratch folder and pack that, e.g.
 #   bash scripts/device_check.sh /tmp/dc; tar czf "$OUT/device_check.tgz" -C /tmp/dc .
 set -u
@@ -40,7 +41,8 @@ fi
 if has sanitizer; then
   timeout 300 compute-sanitizer --tool memcheck --error-exitcode 3 \
     $PY -m pytest -q -p no:cacheprovider tests/test_gpu_decode.py tests/test_gpu_merge.py \
-    tests/test_gpu_plan.py tests/test_gpu_scores.py -k "soft_cap or clamped or transposed or slice or large_logits or gqa or empty \
+    tests/test_gpu_plan.py tests/test_gpu_scores.py tests/test_gpu_paged.py \
+    -k "paged or pages or soft_cap or clamped or transposed or slice or large_logits or gqa or empty \
     or cache_seqlens or split_counts or many_forced or merge or graph or long_chunk or m_tile \
     or both_tensor_core_paths or (warps_in_step and not bfloat16) or (kv_groups and not bfloat16) \
     or enable_pdl or l2_hint" \
@@ -96,6 +98,36 @@ if has softcap; then
 import csv, sys
 rows = {c: {(r["batch"], r["seqlen"]): float(r["gpu_us"] or "nan") for r in csv.DictReader(open(f"{sys.argv[1]}/softcap_{c}.csv"))} for c in ("0", "50")}
 print("; ".join(f"b{b}x{L}: {rows['0'][b, L]:.1f} -> {rows['50'][b, L]:.1f} us ({100 * (rows['50'][b, L] / rows['0'][b, L] - 1):+.2f}%)" for b, L in rows["0"]))
+PYEOF
+)"
+fi
+
+if has paged; then
+  # the same points contiguous and paged (random page order), FlashInfer on the same pages
+  for page in none 1 16 64; do
+    opt=$([ "$page" = none ] || echo "--page-size $page")
+    fi_opt=$([ "$page" = none ] || echo "$BASELINES" | grep -o -- "--baseline flashinfer")
+    for pt in "16384,65536 1" "8192 4" "32768 16"; do
+      set -- $pt
+      $PY -m cupydecode.cli bench $fi_opt --protocol "${PROTOCOLS%%,*}" $opt --seqlens "$1" --batch "$2" \
+        --csv "$OUT_DIR/paged_${page}_$2.csv" 2>>"$OUT_DIR/bench.err" | tee -a "$OUT_DIR/paged.txt"
+    done
+  done
+  parts=("$OUT_DIR"/paged_*_*.csv)
+  awk 'FNR == 1 && NR != 1 { next } 1' "${parts[@]}" > "$OUT_DIR/paged.csv" && rm -f "${parts[@]}"
+  add_summary "paged: $($PY - "$OUT_DIR/paged.csv" <<'PYEOF'
+import csv, sys
+rows = list(csv.DictReader(open(sys.argv[1])))
+base = {(r["batch"], r["seqlen"]): float(r["gpu_us"]) for r in rows if not r["page_size"]}
+out = []
+for r in rows:
+    if r["page_size"] and r["gpu_us"]:
+        us, b = float(r["gpu_us"]), base.get((r["batch"], r["seqlen"]))
+        fi = [float(r[c]) for c in ("flashinfer_us", "flashinfer_tc_us") if r.get(c)]
+        out.append(f"p{r['page_size']} b{r['batch']}x{r['seqlen']}: {us:.1f} us"
+                   + (f" ({100 * (us / b - 1):+.1f}% vs contiguous)" if b else "")
+                   + (f" FI {min(fi):.1f} x{min(fi) / us:.3f}" if fi else "") + f" {r['check']}")
+print("; ".join(out))
 PYEOF
 )"
 fi

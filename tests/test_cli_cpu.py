@@ -180,6 +180,22 @@ def test_soft_cap_from_the_model_or_the_option():
     assert {w.logits_soft_cap for w in B.sweep("llama-3-8b", "float16", [1024], [1], None, 50)} == {50}
 
 
+def test_page_size_option():
+    """--page-size reaches the workloads of check and bench (and the replay command)."""
+    from cupydecode.check import _row_skeleton, repro_command
+
+    args = (1, 300, None, None, None, None, None, 7, False, None, 1.0, None, None)
+    w = cli._single_workload(*args, 16)
+    assert w.page_size == 16 and "page=16" in cli._workload_label(w)
+    assert repro_command(_row_skeleton(w)).endswith("--page-size 16")
+    assert cli.check.make_context("check", ["--page-size", "5"]).params["page_size"] == 5
+    assert {w.page_size for w in B.sweep("llama-3-8b", "float16", [1024], [1, 4], None, None, 64)} == {64}
+    argv = cli._forwarded_bench_args("llama-3-8b", "float16", [1024], [1], "auto", ["step"], [],
+                                     None, 64)
+    assert cli.bench.make_context("bench", argv).params["page_size"] == 64
+    assert any(w.page_size == 1 for w in default_check_matrix())
+
+
 def test_default_matrix_covers_the_contract():
     m = default_check_matrix()
     assert {w.dtype for w in m} == {"float16", "bfloat16", "float32"}
