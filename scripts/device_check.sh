@@ -6,7 +6,7 @@
 # FlashInfer when importable). Logs, CSV/JSON and the plot go to OUTDIR; a summary prints last.
 # STEPS selects steps (default "tests sanitizer check bench layouts"; also "racecheck", and
 # "softcap": the soft-cap's cost, the same points with and without it, and gemma-2 with peers;
-# "paged": paged caches of 1, 16 and 64 tokens per page beside the contiguous cache and FlashInfer).
+# "paged": paged caches of 1 and 16 tokens per page beside the contiguous cache and FlashInfer).
 # A machine that returns only a few files: run it into a scratch folder and pack that, e.g.
 #   bash scripts/device_check.sh /tmp/dc; tar czf "$OUT/device_check.tgz" -C /tmp/dc .
 set -u
@@ -104,7 +104,7 @@ fi
 
 if has paged; then
   # the same points contiguous and paged (random page order), FlashInfer on the same pages
-  for page in none 1 16 64; do
+  for page in none 1 16; do
     opt=$([ "$page" = none ] || echo "--page-size $page")
     fi_opt=$([ "$page" = none ] || echo "$BASELINES" | grep -o -- "--baseline flashinfer")
     for pt in "16384,65536 1" "8192 4" "32768 16"; do
