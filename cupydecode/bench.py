@@ -685,7 +685,7 @@ def empty_row(w: Workload, model: str) -> dict:
     return {
         "model": model, "dtype": w.dtype, "batch": w.batch, "seqlen": w.seqlen,
         "num_heads": w.num_heads, "num_kv_heads": w.num_kv_heads, "head_dim": w.head_dim,
-        "logits_soft_cap": w.logits_soft_cap,
+        "logits_soft_cap": w.logits_soft_cap, "page_size": w.page_size,
         "splits_requested": w.splits_label, "num_splits": None, "chunk_tokens": None,
         "kv_per_block": None, "kv_bytes": w.kv_bytes(), "buffer_sets": None, "ceiling_gbps": None,
         "floor_us": None, "protocol": None, "graph_calls": None,
