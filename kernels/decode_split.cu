@@ -502,6 +502,17 @@ cd_decode_split(const cd_decode_params p) {
         const long long k_rows = (long long)RSTEP * k_ss, v_rows = (long long)RSTEP * v_ss;
         const long long k_tiles = (long long)SLOTS * TILE_N * k_ss;  // from a slot's tile to its next
         const long long v_tiles = (long long)SLOTS * TILE_N * v_ss;
+        // The walking copy of one whole tile whose lane's first K and V addresses are kp, vp.
+        auto walk_tile = [&](u32 kdst, u32 vdst, const kv_t* kp, const kv_t* vp) {
+#pragma unroll
+            for (int j = 0; j < TILE_N / RSTEP; ++j) {
+                const int so = swz(r0 + j * RSTEP, c0) * 16;
+                cp_async16_stream(kdst + so, kp, true, policy);
+                cp_async16_stream(vdst + so, vp, true, policy);
+                kp += k_rows;
+                vp += v_rows;
+            }
+        };
 #if PAGED
         // A tile inside one page takes the walking copy from that page; any other tile (pages of
         // < 16 tokens, a tile across a page boundary, the chunk's partial last tile) has the
@@ -537,14 +548,7 @@ cd_decode_split(const cd_decode_params p) {
                 const long long page0 = __shfl_sync(0xffffffffu, pg, 0);
                 const kv_t* kp = kbase + page0 * k_sb + (long long)(off + r0) * k_ss + c0 * EPC;
                 const kv_t* vp = vbase + page0 * v_sb + (long long)(off + r0) * v_ss + c0 * EPC;
-#pragma unroll
-                for (int j = 0; j < TILE_N / RSTEP; ++j) {
-                    const int so = swz(r0 + j * RSTEP, c0) * 16;
-                    cp_async16_stream(kdst + so, kp, true, policy);
-                    cp_async16_stream(vdst + so, vp, true, policy);
-                    kp += k_rows;
-                    vp += v_rows;
-                }
+                walk_tile(kdst, vdst, kp, vp);
             } else {
 #pragma unroll
                 for (int j = 0; j < TILE_N * CPR / 32; ++j) {
@@ -575,14 +579,7 @@ cd_decode_split(const cd_decode_params p) {
             if (WALK && t0 + TILE_N <= chunk_end) {
                 const kv_t* kp = k_lane + i * k_tiles;
                 const kv_t* vp = v_lane + i * v_tiles;
-#pragma unroll
-                for (int j = 0; j < TILE_N / RSTEP; ++j) {
-                    const int so = swz(r0 + j * RSTEP, c0) * 16;
-                    cp_async16_stream(kdst + so, kp, true, policy);
-                    cp_async16_stream(vdst + so, vp, true, policy);
-                    kp += k_rows;
-                    vp += v_rows;
-                }
+                walk_tile(kdst, vdst, kp, vp);
                 return;
             }
 #pragma unroll
