@@ -287,14 +287,18 @@ def default_check_matrix() -> list[Workload]:
         W(2, 1024, 32, 8, 128, "float16", None, q_scale=OVERFLOW_Q_SCALE,
           name="soft-cap 50, logits ±1e4", **cap),
     ]
-    # paged caches (pages in random order): a page per token, odd pages across tiles, one tile
-    # per page, several; each math path; with the soft-cap
+    # paged caches (pages in random order): a page per token, 3 (tiles across pages), one tile
+    # per page, several, a page size that is no power of two (100); lengths that end mid-page
+    # and an empty one; each math path; with the soft-cap
     m += [
         W(4, 300, 32, 8, 128, "float16", None, (300, 1, 17, 0), name="paged 16, varlen",
           page_size=16),
         W(2, 4097, 28, 4, 128, "bfloat16", 3, name="paged 1", page_size=1),
         W(2, 2000, 48, 1, 128, "float16", 1, name="paged 64, M-tiles", page_size=64),
-        W(2, 257, 16, 8, 256, "float32", None, name="paged 17", page_size=17),
+        W(3, 257, 16, 8, 256, "float32", None, (257, 100, 0), name="paged 3, varlen",
+          page_size=3),
+        W(3, 5000, 32, 8, 128, "bfloat16", None, (5000, 4099, 250), name="paged 100, varlen",
+          page_size=100),
         W(1, 65536, 32, 8, 128, "bfloat16", None, name="paged 256", page_size=256),
         W(2, 4097, 16, 8, 256, "float16", None, q_scale=60.0, name="paged 64, soft-cap 50",
           page_size=64, **cap),
