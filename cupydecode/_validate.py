@@ -160,8 +160,15 @@ _FLOAT32_MAX = float(np.finfo(np.float32).max)
 _FLOAT32_TINY = float(np.finfo(np.float32).tiny)
 
 
+# The kernel forms a capped score to about 1e-7 · c absolute (kernels/decode_split.cu,
+# score_mod): at c = 1000 that moves outputs by < 5e-5 relative (float32 emulation, scores up to
+# ±100), at c = 1e4 by 5e-4 — beyond float32's tolerance. Models cap at 30–50.
+MAX_SOFT_CAP = 1000.0
+
+
 def check_soft_cap(logits_soft_cap) -> float | None:
-    """``logits_soft_cap``: None (or 0, FlashAttention's "no cap") → None; else a finite c > 0."""
+    """``logits_soft_cap``: None (or 0, FlashAttention's "no cap") → None; else c in
+    (0, MAX_SOFT_CAP]."""
     if logits_soft_cap is None:
         return None
     if isinstance(logits_soft_cap, bool) or not isinstance(logits_soft_cap, numbers.Real):
@@ -172,9 +179,10 @@ def check_soft_cap(logits_soft_cap) -> float | None:
         return None
     if not math.isfinite(c) or c < 0.0:
         fail(ValueError, "logits_soft_cap", "a finite number > 0, or None (or 0) for no cap", c)
-    if not _FLOAT32_TINY <= c * LOG2E <= _FLOAT32_MAX:
+    if not _FLOAT32_TINY <= c * LOG2E or c > MAX_SOFT_CAP:
         fail(ValueError, "logits_soft_cap", f"a number in [{_FLOAT32_TINY / LOG2E:.3g}, "
-             f"{_FLOAT32_MAX / LOG2E:.3g}] (it is used in float32)", c)
+             f"{MAX_SOFT_CAP:g}] (the capped scores are accurate to ~1e-7 · cap; models use "
+             "30-50)", c)
     return c
 
 
@@ -262,7 +270,8 @@ def _check_decode_inputs(q, k_cache, v_cache, paged: bool = False):
         check_shape(k, "k_cache", (batch, None, None, head_dim),
                     f"(batch={batch}, max_seqlen, num_kv_heads, head_dim={head_dim}) to match q")
     if max_seqlen > MAX_TOKENS:
-        fail(ValueError, "k_cache", f"max_seqlen <= {MAX_TOKENS}", max_seqlen)
+        fail(ValueError, "k_cache", f"{'page_size' if paged else 'max_seqlen'} <= {MAX_TOKENS}",
+             max_seqlen)
     if tuple(v.shape) != tuple(k.shape):
         fail(ValueError, "v_cache", f"the shape of k_cache {tuple(k.shape)}", tuple(v.shape))
     if num_heads < 1:
@@ -300,7 +309,9 @@ def check_block_table(block_table, batch: int, page_size: int, num_pages: int,
     """``block_table`` of a paged cache: ``(device int32 array, row stride in elements,
     max_pages_per_seq)``. A device table's values are never read on the host (the kernel reads
     nothing for an index outside [0, num_pages)); a host table is range-checked, then copied.
-    ``min_pages``: the pages per sequence a plan's max_seqlen needs."""
+    ``min_pages``: the pages per sequence a plan's max_seqlen needs. (Every entry of a host
+    table must be a valid page index, those past a sequence's length too: the lengths may be
+    on the device.)"""
     import cupy
 
     layout = f"({batch}, max_pages_per_seq >= {min_pages}) int32"

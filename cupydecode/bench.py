@@ -554,13 +554,13 @@ def flashinfer_times(sets, w: Workload, scale: float, n_calls: int, check, befor
             workspace, "NHD", use_cuda_graph=True, use_tensor_cores=tensor_cores,
             paged_kv_indptr_buffer=indptr, paged_kv_indices_buffer=indices,
             paged_kv_last_page_len_buffer=last)
-        cap = w.logits_soft_cap or 0.0
+        cap = {"logits_soft_cap": w.logits_soft_cap} if w.logits_soft_cap else {}
         try:
             wrapper.plan(indptr, indices, last, w.num_heads, w.num_kv_heads, w.head_dim, page,
-                         data_type=dt, q_data_type=dt, sm_scale=scale, logits_soft_cap=cap)
+                         data_type=dt, q_data_type=dt, sm_scale=scale, **cap)
         except TypeError:  # older signature
             wrapper.plan(indptr, indices, last, w.num_heads, w.num_kv_heads, w.head_dim, page,
-                         data_type=dt, sm_scale=scale, logits_soft_cap=cap)
+                         data_type=dt, sm_scale=scale, **cap)
 
         def call(i, _w=wrapper):
             tq, tk, tv = tsets[i % len(tsets)]
@@ -786,7 +786,9 @@ def bench_point(w: Workload, ceiling_gbps: float, l2_bytes: int, model: str = ""
 
         def eager(i):
             q, k, v, _, table = sets[i % nsets]
-            flash_decode(q, k, v, num_splits=w.num_splits, logits_soft_cap=cap, block_table=table)
+            # paged: the capacity may exceed seqlen (whole pages); attend seqlen, as the plan does
+            flash_decode(q, k, v, None if table is None else w.seqlen, num_splits=w.num_splits,
+                         logits_soft_cap=cap, block_table=table)
         base["eager_us"] = eager_time_cupy(eager, int(min(200, max(20, 2.5e5 / (med + 20)))))
         base["host_us"] = host_time_cupy(eager)
         base["plan_host_us"] = host_time_cupy(run_plan)

@@ -150,7 +150,7 @@ def repro_command(row: dict) -> str:
     if row["q_scale"] != 1.0:
         parts.append(f"--q-scale {row['q_scale']:g}")
     if row["logits_soft_cap"] is not None:
-        parts.append(f"--soft-cap {row['logits_soft_cap']:g}")
+        parts.append(f"--soft-cap {row['logits_soft_cap']!r}")
     if row["page_size"] is not None:
         parts.append(f"--page-size {row['page_size']}")
     return " ".join(parts)

@@ -122,8 +122,8 @@ def _dtype_callback(ctx, param, value):
 DTYPE_CHOICE = click.Choice([*DTYPES, *DTYPE_ALIASES], case_sensitive=False)
 MODEL_CHOICE = click.Choice(list(MODELS), case_sensitive=False)
 HEAD_DIM_CHOICE = click.Choice([str(d) for d in SUPPORTED_HEAD_DIMS])
-# logits_soft_cap from the command line: a finite c >= 0 (0: none); the library checks the rest
-SOFT_CAP_TYPE = click.FloatRange(min=0.0, max=1e30)
+# logits_soft_cap from the command line: 0 (none) to the library's most (_validate.MAX_SOFT_CAP)
+SOFT_CAP_TYPE = click.FloatRange(min=0.0, max=1000.0)
 
 
 # ---------------------------------------------------------------------------- output helpers

@@ -54,11 +54,14 @@ fi
 if has racecheck; then
   # shared-memory hazards of the split kernel (ring reuse, shared M-tile rings, epilogue) on a
   # few small cases (the M-tile layouts in both 16-bit types, both tensor-core paths in fp16,
-  # blocks of several KV heads in fp16 with one split and with the fused merge)
+  # blocks of several KV heads in fp16 with one split and with the fused merge, and the paged
+  # KV view's per-stage mask words)
   timeout 300 compute-sanitizer --tool racecheck --error-exitcode 3 \
     $PY -m pytest -q -p no:cacheprovider tests/test_gpu_plan.py tests/test_gpu_decode.py \
+    tests/test_gpu_paged.py \
     -k "merge_modes_agree or m_tile_layouts or (both_tensor_core_paths and not bfloat16) \
-    or (kv_groups and not bfloat16 and nhd and not kernel) or enable_pdl" 2>&1 \
+    or (kv_groups and not bfloat16 and nhd and not kernel) or enable_pdl or paged_kv_groups \
+    or (paged_matches_reference and float16 and 48-1-128)" 2>&1 \
     | tail -n 20 > "$OUT_DIR/racecheck.log"
   add_summary "racecheck: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT_DIR/racecheck.log" | tail -n 1) | $(grep -E 'passed|failed' "$OUT_DIR/racecheck.log" | tail -n 1)"
 fi

@@ -169,7 +169,7 @@ def test_soft_cap_from_the_model_or_the_option():
     assert cli._single_workload(*args, "llama-3-8b").logits_soft_cap is None
     w = cli._single_workload(*args, None, 30.0)
     assert w.logits_soft_cap == 30.0 and "cap=30" in cli._workload_label(w)
-    assert repro_command(_row_skeleton(w)).endswith("--soft-cap 30")
+    assert repro_command(_row_skeleton(w)).endswith("--soft-cap 30.0")
     assert "--soft-cap" not in repro_command(_row_skeleton(cli._single_workload(*args, None)))
     ctx = cli.check.make_context("check", ["--soft-cap", "50"])
     assert ctx.params["soft_cap"] == 50.0

@@ -115,7 +115,7 @@ def test_out_of_range_pages_count_for_nothing(cupy, rng, seed, dtype):
     table[0, 2] = -1
     table[1, 0] = num_pages
     table[1, 5] = 2**31 - 1
-    table[2, 4] = -7  # past the length of sequence 2: never read at all
+    table[2, 5] = -7  # tokens 320–383, past sequence 2's length of 300: never read (memcheck)
     ref_out, ref_lse = R.decode_attention(case.host[0], kp, vp, lens, block_table=table)
     dtable = cupy.asarray(table)
     for splits in (1, 3, None):
@@ -162,6 +162,7 @@ def test_paged_plan_in_a_graph_with_tables_changed_in_place(cupy, rng, seed):
         plan.run(case.q, case.k, case.v, case.seqlens, out=out, lse=lse, block_table=case.table)
         graph = stream.end_capture()
         out.fill(np.nan)
+        lse.fill(np.nan)
         graph.launch(stream)
     stream.synchronize()
     case.check(cupy, out, lse, "first replay")
@@ -186,6 +187,7 @@ def test_paged_plan_in_a_graph_with_tables_changed_in_place(cupy, rng, seed):
     case.lengths = new_lens
     case.ref_out, case.ref_lse = R.decode_attention(q, k2, v2, new_lens)
     out.fill(np.nan)
+    lse.fill(np.nan)
     with stream:
         graph.launch(stream)
     stream.synchronize()

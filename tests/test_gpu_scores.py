@@ -104,6 +104,7 @@ def test_soft_cap_in_a_graph(cupy, rng, seed):
         plan.run(case.q, case.k, case.v, case.seqlens, out=out, lse=lse)
         graph = stream.end_capture()
         out.fill(np.nan)
+        lse.fill(np.nan)
         graph.launch(stream)
     stream.synchronize()
     case.check(out, lse, "graph")
@@ -112,6 +113,7 @@ def test_soft_cap_in_a_graph(cupy, rng, seed):
     case.ref_out, case.ref_lse = R.decode_attention(q2, *case.host[1:], case.lengths,
                                                     logits_soft_cap=5.0)
     out.fill(np.nan)
+    lse.fill(np.nan)
     with stream:
         graph.launch(stream)
     stream.synchronize()

@@ -171,8 +171,8 @@ def test_plan_without_a_gpu_says_so_plainly(cupy_importable):
 
 @pytest.mark.parametrize("cap, exc", [(-1.0, ValueError), (float("inf"), ValueError),
                                       (float("nan"), ValueError), (1e-40, ValueError),
-                                      (1e39, ValueError), ("50", TypeError), (True, TypeError),
-                                      ([50.0], TypeError)])
+                                      (1e39, ValueError), (1001.0, ValueError), ("50", TypeError),
+                                      (True, TypeError), ([50.0], TypeError)])
 def test_soft_cap_errors_name_the_argument(cap, exc):
     with pytest.raises(exc, match=r"^logits_soft_cap: expected a"):
         V.check_soft_cap(cap)
@@ -187,6 +187,7 @@ def test_soft_cap_values():
 
     assert V.check_soft_cap(None) is None and V.check_soft_cap(0) is None
     assert V.check_soft_cap(0.0) is None and V.check_soft_cap(50) == 50.0
+    assert V.check_soft_cap(V.MAX_SOFT_CAP) == V.MAX_SOFT_CAP
     assert V.soft_cap_args(0.125, None) == (0.0, 0.0)
     cap_in, cap_out = V.soft_cap_args(0.125, 50.0)
     assert math.isclose(cap_in, 2 * LOG2E * 0.125 / 50) and math.isclose(cap_out, 50 * LOG2E)
@@ -196,3 +197,26 @@ def test_soft_cap_values():
     assert np.allclose(kernel, 50 * np.tanh(0.125 * qk / 50), atol=1e-9)
     with pytest.raises(ValueError, match=r"^softmax_scale/logits_soft_cap: expected"):
         V.soft_cap_args(1e38, 1e-30)
+
+
+@pytest.mark.parametrize("cap", [30.0, 50.0, 1000.0])
+def test_soft_cap_in_float32_is_accurate_up_to_the_largest_cap(cap):
+    """The kernel's formula evaluated in float32 (exact exp2; the GPU's ex2 adds ~2 ulp):
+    softmax outputs within 1e-4 relative of float64 c·tanh(s/c) for scores up to ±100, at
+    every accepted cap (float32's tolerance)."""
+    from cupydecode._policy import LOG2E
+
+    rng = np.random.default_rng(7)
+    v = rng.standard_normal((2048, 64))
+    cap_in, cap_out = (np.float32(x) for x in V.soft_cap_args(1.0, cap))
+    for spread in (1.0, 10.0, 100.0):
+        s = rng.standard_normal((16, 2048)) * spread
+        e = np.exp2(s.astype(np.float32) * cap_in)
+        got = (cap_out - np.float32(2) * cap_out / (e + np.float32(1))).astype(np.float64)
+        want = cap * np.tanh(s / cap) * LOG2E
+
+        def attend(x):
+            w = np.exp2(x - x.max(axis=1, keepdims=True))
+            return (w / w.sum(axis=1, keepdims=True)) @ v
+        o, ref = attend(got), attend(want)
+        assert np.linalg.norm(o - ref) / np.linalg.norm(ref) < 1e-4, (cap, spread)
