@@ -268,6 +268,18 @@ def split_kernel_configs(dtype: str, head_dim: int) -> list[SplitKernelConfig]:
     return list(dict.fromkeys(configs))
 
 
+def compile_check_configs() -> list[SplitKernelConfig]:
+    """What the compile checks build (tests/test_compile.py, scripts/sass_compare.py): every
+    block shape of every dtype and head_dim (:func:`split_kernel_configs`), and each shape with
+    the compile-time switches on — the soft-cap and the paged KV view together, the most
+    registers either can take (each alone is a subset of that code; their code is the same in
+    all shapes, the registers not)."""
+    configs = [c for dt in DTYPE_IDS for d in SUPPORTED_HEAD_DIMS
+               for c in split_kernel_configs(dt, d)]
+    return configs + [replace(c, soft_cap=True, paged=True) for c in configs
+                      if c.l2_evict_first]
+
+
 # The split kernel's K/V copies carry an L2 evict-first hint (kernels/decode_split.cu) only on
 # calls that read at most this many bytes of K and V (the plan's capacity: batch × max_seqlen).
 # In a decode step, L2 holds the other kernels' lines (weights, activations) when attention

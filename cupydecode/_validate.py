@@ -217,21 +217,16 @@ def layout_key(q, k_cache, v_cache):
     return None
 
 
-_NO_KEY = object()
-
-
-def check_decode_inputs(q, k_cache, v_cache, key=_NO_KEY, paged: bool = False):
+def check_decode_inputs(q, k_cache, v_cache, key, paged: bool = False):
     """Validate q, k_cache, v_cache; return (q, k, v, dtype, shape dict) as device arrays.
 
     Every property the checks depend on (shapes, strides, dtypes, pointer alignment, devices) is
     a key of a small cache, so a serving loop that passes the same layouts every step pays for a
-    dictionary lookup instead of the full checks. ``key``: the inputs' :func:`layout_key` where
-    the caller has it already. ``paged``: the caches are pools of pages, (num_pages, page_size,
+    dictionary lookup instead of the full checks. ``key``: the inputs' :func:`layout_key` (None:
+    not cached). ``paged``: the caches are pools of pages, (num_pages, page_size,
     num_kv_heads, head_dim); the shape dict then has ``page_size`` and ``num_pages`` instead of
     ``max_seqlen`` (which the block table sets: :func:`check_block_table`).
     """
-    if key is _NO_KEY:
-        key = layout_key(q, k_cache, v_cache)
     if key is not None:
         hit = _VALIDATED.get((key, paged))
         if hit is not None:

@@ -803,9 +803,8 @@ def bench_point(w: Workload, ceiling_gbps: float, l2_bytes: int, model: str = ""
         else:
             plan1 = DecodePlan(w.batch, w.num_heads, w.num_kv_heads, w.head_dim, w.seqlen,
                                w.dtype, num_splits=1, logits_soft_cap=cap, page_size=w.page_size)
-            base["split1_us"] = graph_time_cupy(
-                lambda i: plan1.run(*sets[i % nsets][:3], block_table=sets[i % nsets][4]),
-                first_calls, before=first_before, span=nsets)[0]
+            base["split1_us"] = graph_time_cupy(lambda i: run_plan(i, plan1), first_calls,
+                                                before=first_before, span=nsets)[0]
             del plan1
         base["speedup_vs_split1"] = base["split1_us"] / med
 

@@ -22,6 +22,7 @@ import click
 
 from . import __version__
 from ._policy import MAX_SPLITS, SUPPORTED_HEAD_DIMS
+from ._validate import MAX_SOFT_CAP
 from .workloads import DTYPES, MODELS, Workload, fresh_seed, random_lengths, workload_for_model
 
 EXIT_FAILED = 1
@@ -123,7 +124,7 @@ DTYPE_CHOICE = click.Choice([*DTYPES, *DTYPE_ALIASES], case_sensitive=False)
 MODEL_CHOICE = click.Choice(list(MODELS), case_sensitive=False)
 HEAD_DIM_CHOICE = click.Choice([str(d) for d in SUPPORTED_HEAD_DIMS])
 # logits_soft_cap from the command line: 0 (none) to the library's most (_validate.MAX_SOFT_CAP)
-SOFT_CAP_TYPE = click.FloatRange(min=0.0, max=1000.0)
+SOFT_CAP_TYPE = click.FloatRange(min=0.0, max=MAX_SOFT_CAP)
 
 
 # ---------------------------------------------------------------------------- output helpers

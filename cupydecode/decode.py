@@ -244,8 +244,7 @@ class DecodePlan:
         self._counter_ptr = 0 if self._counters is None else self._counters.data.ptr
         self._layouts: dict = {}  # layout_key of inputs that passed run's checks -> strides
         self._scale = V.check_scale(None, self.head_dim)
-        self._score_default = None
-        self._score_default = self._score_args(self._scale)
+        self._score_default = self._score_values(self._scale)
         self._split_launch = (None if self.batch == 0 else _kernels.StructLaunch(
             _split_function(self.config), self._grid, (self.config.threads, 1, 1),
             self.config.smem_bytes, _PARAMS,
@@ -263,13 +262,15 @@ class DecodePlan:
                 f"num_splits={self.num_splits}, chunk_tokens={self.chunk_tokens}, "
                 f"m_tiles={self.m_tiles}, kv_per_block={self.kv_per_block})")
 
-    def _score_args(self, scale: float) -> tuple:
+    def _score_values(self, scale: float) -> tuple:
         """The kernel's last parameters for softmax scale ``scale``, in the list's order:
-        (scale_log2, warps_in_step, soft_cap_in, soft_cap_out); the default scale's are kept."""
-        if scale == self._scale and self._score_default is not None:
-            return self._score_default
+        (scale_log2, warps_in_step, soft_cap_in, soft_cap_out)."""
         return (scale * _policy.LOG2E, self._in_step,
                 *V.soft_cap_args(scale, self.logits_soft_cap))
+
+    def _score_args(self, scale: float) -> tuple:
+        """``_score_values(scale)``, the default scale's computed once."""
+        return self._score_default if scale == self._scale else self._score_values(scale)
 
     @property
     def workspace_bytes(self) -> int:

@@ -21,6 +21,16 @@ summary=()
 : > "$OUT_DIR/0_summary.txt"
 add_summary() { summary+=("$1"); echo "$1" >> "$OUT_DIR/0_summary.txt"; }
 has() { [[ " $STEPS " == *" $1 "* ]]; }
+# merge_parts DEST PART...: the CSV parts as one file (one header), the parts removed (the
+# device machine returns few files); an empty DEST where a step wrote none
+merge_parts() {
+  local dest=$1; shift
+  if [ -e "$1" ]; then
+    awk 'FNR == 1 && NR != 1 { next } 1' "$@" > "$dest" && rm -f "$@"
+  else
+    : > "$dest"
+  fi
+}
 
 # Peers that are not installed on the machine can travel as wheels in .whl/ (never dependencies).
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -116,8 +126,7 @@ if has paged; then
         --csv "$OUT_DIR/paged_${page}_$2.csv" 2>>"$OUT_DIR/bench.err" | tee -a "$OUT_DIR/paged.txt"
     done
   done
-  parts=("$OUT_DIR"/paged_*_*.csv)
-  awk 'FNR == 1 && NR != 1 { next } 1' "${parts[@]}" > "$OUT_DIR/paged.csv" && rm -f "${parts[@]}"
+  merge_parts "$OUT_DIR/paged.csv" "$OUT_DIR"/paged_*_*.csv
   add_summary "paged: $($PY - "$OUT_DIR/paged.csv" <<'PYEOF'
 import csv, sys
 rows = list(csv.DictReader(open(sys.argv[1])))
@@ -145,12 +154,7 @@ if has layouts; then
         2>>"$OUT_DIR/bench.err" | tee -a "$OUT_DIR/layouts.txt"
     done
   done
-  parts=("$OUT_DIR"/layouts_*_*.csv)
-  if [ -e "${parts[0]}" ]; then  # one file: the device machine returns few
-    awk 'FNR == 1 && NR != 1 { next } 1' "${parts[@]}" > "$OUT_DIR/layouts.csv" && rm -f "${parts[@]}"
-  else
-    : > "$OUT_DIR/layouts.csv"
-  fi
+  merge_parts "$OUT_DIR/layouts.csv" "$OUT_DIR"/layouts_*_*.csv
   add_summary "layouts: $(awk 'FNR > 1' "$OUT_DIR/layouts.csv" | wc -l) rows in layouts.csv"
 fi
 

@@ -21,7 +21,6 @@ import subprocess
 import sys
 import tempfile
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import replace
 
 sys.path.insert(0, ".")
 from cupydecode import _kernels, _policy  # noqa: E402
@@ -80,11 +79,8 @@ def main():
     a = ap.parse_args()
     if not a.nvrtc or not a.nvdisasm:
         sys.exit("NVRTC or nvdisasm not found: pip install nvidia-cuda-nvrtc nvidia-cuda-nvdisasm")
-    cfgs = [c for dt in _policy.DTYPE_IDS for d in _policy.SUPPORTED_HEAD_DIMS
-            for c in _policy.split_kernel_configs(dt, d)]
-    # and with the compile-time switches on (the soft-cap and the paged KV view together)
-    cfgs += [replace(c, soft_cap=True, paged=True) for c in cfgs if c.l2_evict_first]
-    jobs = [(c.defines(), a.folder, a.nvrtc, a.nvdisasm, a.arch) for c in cfgs]
+    jobs = [(c.defines(), a.folder, a.nvrtc, a.nvdisasm, a.arch)
+            for c in _policy.compile_check_configs()]
     with ProcessPoolExecutor() as ex:
         rows = list(ex.map(compare, jobs))
     changed = [r for r in rows if r[3]]

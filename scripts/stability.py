@@ -18,7 +18,6 @@ import numpy as np
 sys.path.insert(0, ".")
 sys.path.insert(0, "scripts")
 import cupydecode as cd  # noqa: E402
-from cupydecode import _policy  # noqa: E402
 from cupydecode import bench as B  # noqa: E402
 from cupydecode.workloads import Workload, make_inputs  # noqa: E402
 from tune import policy_value  # noqa: E402
@@ -149,7 +148,6 @@ def main():
         del step
         cp.get_default_memory_pool().free_all_blocks()
     del keep
-    _ = _policy
 
 
 if __name__ == "__main__":

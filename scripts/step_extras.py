@@ -22,7 +22,6 @@ import sys
 import time
 
 import cupy as cp
-import numpy as np
 
 sys.path.insert(0, ".")
 sys.path.insert(0, "scripts")
@@ -124,7 +123,6 @@ def host_part():
         s = io.StringIO()
         pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(18)
         print(f"--- {label}\n" + "\n".join(s.getvalue().splitlines()[4:30]), flush=True)
-    _ = np
 
 
 def hint_part():

@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 import itertools
 import re
-from dataclasses import replace
 
 import pytest
 
@@ -33,13 +32,7 @@ def nvrtc():
         pytest.skip(reason)
 
 
-SPLIT_CASES = [cfg for dt in _policy.DTYPE_IDS for d in _policy.SUPPORTED_HEAD_DIMS
-               for cfg in _policy.split_kernel_configs(dt, d)]
-# every block shape with the compile-time switches on too (their code is the same in all shapes,
-# the registers not): the soft-cap and the paged KV view together, the most registers either
-# can take (each alone is a subset of that code)
-SPLIT_CASES += [replace(cfg, soft_cap=True, paged=True) for cfg in SPLIT_CASES
-                if cfg.l2_evict_first]
+SPLIT_CASES = _policy.compile_check_configs()
 MERGE_CASES = list(itertools.product(range(3), range(3), (1, 4)))
 
 

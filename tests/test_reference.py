@@ -16,28 +16,10 @@ from helpers import context, np_dtype, randn
 
 def direct_attention(q, k, v, lens, scale, soft_cap=None):
     """Softmax attention with plain loops and math.exp: (out, lse) in float64 (``soft_cap`` t:
-    each score s becomes t · tanh(s / t))."""
-    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
-    batch, num_heads, head_dim = q.shape
-    num_kv_heads = k.shape[2]
-    group = num_heads // num_kv_heads
-    out = np.zeros((batch, num_heads, head_dim))
-    lse = np.full((batch, num_heads), -math.inf)
-    for b in range(batch):
-        for h in range(num_heads):
-            kvh = h // group
-            scores = [scale * float(np.dot(q[b, h], k[b, j, kvh])) for j in range(lens[b])]
-            if soft_cap is not None:
-                scores = [soft_cap * math.tanh(x / soft_cap) for x in scores]
-            if not scores:
-                continue
-            m = max(scores)
-            weights = [math.exp(s - m) for s in scores]
-            total = sum(weights)
-            for j, w in enumerate(weights):
-                out[b, h] += (w / total) * v[b, j, kvh]
-            lse[b, h] = m + math.log(total)
-    return out, lse
+    each score s becomes t · tanh(s / t)); one query token per sequence (:func:`direct_general`
+    with q_len 1)."""
+    out, lse = direct_general(np.asarray(q)[:, None], k, v, lens, scale, soft_cap)
+    return out[:, 0], lse[:, 0]
 
 
 def direct_row(scores, values):
