@@ -379,6 +379,67 @@ def check_seqlens(cache_seqlens, batch: int, max_seqlen: int, allow_host_array: 
     return arr, max_seqlen
 
 
+def new_key(x):
+    """Every property of a new-token array that :func:`check_new_tokens` checks (shape, strides,
+    dtype, pointer alignment, device), as a hashable key; None unless a ``cupy.ndarray``."""
+    import cupy
+
+    if type(x) is cupy.ndarray:
+        return (x.shape, x.strides, x.dtype, x.data.ptr & 15, x.data.device_id)
+    return None
+
+
+_NEW_CHECKED: dict = {}
+
+
+def new_token_strides(x) -> tuple[int, int]:
+    """The append kernel's batch and head strides of a k_new/v_new array (3 or 4 dims), in
+    16-byte units."""
+    return x.strides[0] // 16, x.strides[-2] // 16
+
+
+def check_new_tokens(k_new, v_new, batch: int, num_kv_heads: int, head_dim: int, dtype: str):
+    """``k_new``, ``v_new``: the new token of each sequence, to be written into the cache at
+    position cache_seqlens[b] and attended (kernels/append_kv.cu). Each is (batch, 1,
+    num_kv_heads, head_dim) or (batch, num_kv_heads, head_dim), of the cache's ``dtype``, on the
+    current device, last dimension contiguous, base pointer and batch/head strides 16-byte aligned
+    (rows are copied as 16-byte vectors); nothing is ever copied to make them so. Returns
+    ``(k_new, v_new, (kn_sb, kn_sh, vn_sb, vn_sh))`` with the strides in 16-byte units. Inputs
+    that passed are remembered by their :func:`new_key` (and the current device)."""
+    if (k_new is None) != (v_new is None):
+        given, missing = ("k_new", "v_new") if v_new is None else ("v_new", "k_new")
+        fail(ValueError, missing, f"a GPU array like {given} (appending takes both k_new and "
+             "v_new, or neither)", "None")
+    import cupy
+
+    kk, vk = new_key(k_new), new_key(v_new)
+    key = None
+    if kk is not None and vk is not None:
+        key = (kk, vk, batch, num_kv_heads, head_dim, dtype, cupy.cuda.runtime.getDevice())
+        hit = _NEW_CHECKED.get(key)
+        if hit is not None:
+            return k_new, v_new, hit
+    shapes = ((batch, 1, num_kv_heads, head_dim), (batch, num_kv_heads, head_dim))
+    layout = (f"(batch={batch}, 1, num_kv_heads={num_kv_heads}, head_dim={head_dim}) or "
+              f"({batch}, {num_kv_heads}, {head_dim}) (one new token per sequence)")
+    arrays, strides = [], []
+    for name, x in (("k_new", k_new), ("v_new", v_new)):
+        x = as_device_array(x, name)
+        dt = dtype_name(x.dtype)
+        if dt != dtype:
+            fail(TypeError, name, f"dtype {dtype} (the cache's)", dt)
+        if tuple(x.shape) not in shapes:
+            fail(ValueError, name, f"shape {layout}", tuple(x.shape))
+        check_vector_layout(x, name, (0, x.ndim - 2))
+        check_same_device({name: x})
+        arrays.append(x)
+        strides += new_token_strides(x)
+    strides = tuple(strides)
+    if key is not None and len(_NEW_CHECKED) < 64:
+        _NEW_CHECKED[key] = strides
+    return arrays[0], arrays[1], strides
+
+
 def check_out(out, name: str, shape: tuple, dtype: str):
     """A caller-provided output: right shape and dtype, C-contiguous, on the current device."""
     out = as_device_array(out, name)

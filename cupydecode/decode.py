@@ -26,6 +26,7 @@ ArrayLike = Any
 
 _SPLIT_FILE, _SPLIT_KERNEL = "decode_split.cu", "cd_decode_split"
 _MERGE_FILE, _MERGE_KERNEL = "merge_states.cu", "cd_merge_states"
+_APPEND_FILE, _APPEND_KERNEL = "append_kv.cu", "cd_append_kv"
 
 
 @functools.lru_cache(maxsize=None)
@@ -48,6 +49,14 @@ def _split_function(cfg: _policy.SplitKernelConfig):
         raise RuntimeError("a kernel variant (kernel_sources) with another parameter list than "
                            "the shipped kernels/decode_params.cuh: the host packs the shipped one")
     return _kernels.get_function(_SPLIT_FILE, _SPLIT_KERNEL, cfg.defines())
+
+
+def _append_function():
+    if (_kernels._SOURCE_DIRS
+            and _kernels.param_list(_APPEND_FILE, _APPEND_MACRO) != _APPEND_LIST):
+        raise RuntimeError("a kernel variant (kernel_sources) with another parameter list than "
+                           "the shipped kernels/append_kv.cu: the host packs the shipped one")
+    return _kernels.get_function(_APPEND_FILE, _APPEND_KERNEL, {})
 
 
 @functools.lru_cache(maxsize=None)
@@ -117,6 +126,12 @@ class DecodePlan:
     ceil(max_seqlen / P)) whose row b lists sequence b's pages in order; ``max_seqlen`` is then
     the most tokens a sequence may hold. Any P ≥ 1 works; a page index outside [0, num_pages)
     reads nothing and its tokens count for nothing.
+
+    ``run(..., k_new=, v_new=)`` appends each sequence's new token first: its K and V rows are
+    written into the cache at position cache_seqlens[b] (through the block table when paged; a
+    full sequence, or a page index outside [0, num_pages), writes nothing) by a small kernel on the
+    same stream (kernels/append_kv.cu, built with the plan), and attention then runs over
+    cache_seqlens[b] + 1 tokens, clamped to max_seqlen. The caller advances cache_seqlens.
 
     A plan's workspace (partials and the fused merge's arrival counters) is shared by its runs:
     run one plan on one stream at a time, and make one plan per stream for concurrent decoding
@@ -249,6 +264,13 @@ class DecodePlan:
             _split_function(self.config), self._grid, (self.config.threads, 1, 1),
             self.config.smem_bytes, _PARAMS,
             programmatic=programmatic and self.enable_pdl))
+        # run(k_new=, v_new=): the append kernel, one block per (KV head, sequence), one thread
+        # per 16-byte chunk of a row; built here, so that no run compiles or loads (a capture)
+        self._row_chunks = self.head_dim * _policy.ITEMSIZE[self.dtype] // 16
+        self._append_launch = (None if self.batch == 0 else _kernels.StructLaunch(
+            _append_function(), (self.num_kv_heads, self.batch, 1), (self._row_chunks, 1, 1), 0,
+            _APPEND_PARAMS))
+        self._append_static = (self.max_seqlen, self.page_size or 0)
         self._shape = dict(batch=self.batch, num_heads=self.num_heads,
                            num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
                            max_seqlen=self.max_seqlen)
@@ -280,13 +302,18 @@ class DecodePlan:
     def run(self, q: ArrayLike, k_cache: ArrayLike, v_cache: ArrayLike,
             cache_seqlens: int | ArrayLike | None = None, out: ArrayLike | None = None,
             lse: ArrayLike | None = None, *, softmax_scale: float | None = None,
-            block_table: ArrayLike | None = None) -> tuple[cupy.ndarray, cupy.ndarray]:
+            block_table: ArrayLike | None = None, k_new: ArrayLike | None = None,
+            v_new: ArrayLike | None = None) -> tuple[cupy.ndarray, cupy.ndarray]:
         """Decode attention for this plan's shape; returns ``(out, lse)`` (the plan's own
         buffers unless ``out``/``lse`` are given). ``cache_seqlens``: None, an int or an int32
         device array (a plan never copies from the host). A plan built with ``page_size`` takes
         paged caches (num_pages, page_size, num_kv_heads, head_dim) and their ``block_table``,
         an int32 device array (batch, ≥ ceil(max_seqlen / page_size)), whose values may change
-        between graph replays.
+        between graph replays. ``k_new``, ``v_new`` (batch, 1, num_kv_heads, head_dim) or
+        (batch, num_kv_heads, head_dim) device arrays of the cache's dtype: each sequence's new
+        token, written into the cache at position cache_seqlens[b] and attended with the rest
+        (nothing is written past max_seqlen; the class docstring); their values, too, may change
+        between replays.
 
         Raises:
             TypeError, ValueError: inputs that do not match the plan (shape, dtype, device) or
@@ -308,8 +335,10 @@ class DecodePlan:
                                                                         self.head_dim)
         out = self.out if out is None else V.check_out(out, "out", self.out.shape, self.dtype)
         lse = self.lse if lse is None else V.check_out(lse, "lse", self.lse.shape, "float32")
+        new = (None if k_new is None and v_new is None else V.check_new_tokens(
+            k_new, v_new, self.batch, self.num_kv_heads, self.head_dim, self.dtype))
         self._launch(q, k_cache, v_cache, seqlens, seqlen_all, scale, out, lse, None, strides,
-                     block_table)
+                     block_table, new)
         return out, lse
 
     def _check_layout(self, q, k_cache, v_cache, block_table, layout):
@@ -361,10 +390,11 @@ class DecodePlan:
                 self.num_heads * self.head_dim, self.head_dim, bt_sb, num_pages)
 
     def _launch(self, q, k, v, seqlens, seqlen_all, scale, out, lse, stream, strides,
-                table=None) -> None:
-        """Everything after validation: the split kernel, then (if split) the merge kernel, on
-        ``stream`` (None: the current stream); ``strides``: ``_element_strides(...)``;
-        ``table``: the block table of a paged plan."""
+                table=None, new=None) -> None:
+        """Everything after validation: the append kernel (with ``new``), the split kernel, then
+        (if split) the merge kernel, on ``stream`` (None: the current stream); ``strides``:
+        ``_element_strides(...)``; ``table``: the block table of a paged plan; ``new``:
+        ``_validate.check_new_tokens(...)``'s (k_new, v_new, their strides in 16-byte units)."""
         import cupy
 
         if self.batch == 0:
@@ -379,12 +409,22 @@ class DecodePlan:
             self._counters_wait, self._counters_refill = None, False
         # Raw pointers in the struct are as safe as array arguments: the arrays are alive during
         # this call, and CuPy's pool hands freed memory out again only in stream order.
+        seqlens_ptr = 0 if seqlens is None else seqlens.data.ptr
+        table_ptr = 0 if table is None else table.data.ptr
+        seqlen_add = 0
+        if new is not None:  # the new rows first, then attention over one more token each
+            k_new, v_new, new_strides = new
+            epc = 16 // q.itemsize  # elements per 16-byte unit (strides are whole units)
+            self._append_launch(
+                stream.ptr, k.data.ptr, v.data.ptr, k_new.data.ptr, v_new.data.ptr, seqlens_ptr,
+                table_ptr, *(s // epc for s in strides[2:8]), *new_strides, strides[10],
+                seqlen_all, *self._append_static, strides[11], self._row_chunks)
+            seqlen_add = 1
         self._split_launch(
             stream.ptr,
-            q.data.ptr, k.data.ptr, v.data.ptr, 0 if seqlens is None else seqlens.data.ptr,
+            q.data.ptr, k.data.ptr, v.data.ptr, seqlens_ptr,
             *self._part_ptrs, out.data.ptr, 0 if lse is None else lse.data.ptr, self._counter_ptr,
-            0 if table is None else table.data.ptr,
-            *strides, seqlen_all, *self._static, *self._score_args(scale))
+            table_ptr, *strides, seqlen_all, *self._static, *self._score_args(scale), seqlen_add)
         if self._merge_call is not None:
             self._merge_call(stream.ptr, *self._part_ptrs, out.data.ptr,
                              0 if lse is None else lse.data.ptr, *self._merge_static)
@@ -404,10 +444,25 @@ _LAUNCH_ORDER = ("q", "k", "v", "seqlens", "o_part", "lse_part", "out", "lse_out
                  "block_table", "q_sb", "q_sh", "k_sb", "k_ss", "k_sh", "v_sb", "v_ss", "v_sh",
                  "out_sb", "out_sh", "bt_sb", "num_pages", "seqlen_all", "max_seqlen",
                  "num_heads", "group", "head_tiles", "chunk_tokens", "page_size", "scale_log2",
-                 "warps_in_step", "soft_cap_in", "soft_cap_out")
+                 "warps_in_step", "soft_cap_in", "soft_cap_out", "seqlen_add")
 if _PARAM_LIST and tuple(name for _, name in _PARAM_LIST) != _LAUNCH_ORDER:
     raise ImportError("kernels/decode_params.cuh and DecodePlan._launch disagree on the split "
                       f"kernel's parameters: {[n for _, n in _PARAM_LIST]} vs {list(_LAUNCH_ORDER)}")
+
+# struct cd_append_params of kernels/append_kv.cu, declared there the same way, and the order in
+# which DecodePlan._launch passes its values (strides in 16-byte units).
+_APPEND_MACRO = "CD_APPEND_PARAMS"
+try:
+    _APPEND_LIST = _kernels.param_list(_APPEND_FILE, _APPEND_MACRO)
+except FileNotFoundError:  # (as above)
+    _APPEND_LIST = ()
+_APPEND_PARAMS = struct.Struct("<" + "".join(_PARAM_CODES[kind] for kind, _ in _APPEND_LIST))
+_APPEND_ORDER = ("k", "v", "k_new", "v_new", "seqlens", "block_table", "k_sb", "k_ss", "k_sh",
+                 "v_sb", "v_ss", "v_sh", "kn_sb", "kn_sh", "vn_sb", "vn_sh", "bt_sb",
+                 "seqlen_all", "max_seqlen", "page_size", "num_pages", "row_chunks")
+if _APPEND_LIST and tuple(name for _, name in _APPEND_LIST) != _APPEND_ORDER:
+    raise ImportError("kernels/append_kv.cu and DecodePlan._launch disagree on the append "
+                      f"kernel's parameters: {[n for _, n in _APPEND_LIST]} vs {list(_APPEND_ORDER)}")
 
 # Parameters of cd_merge_states in kernels/merge_states.cu, packed for a plan's prepared launch:
 # o_parts, lse_parts, out, lse_out (pointers), num_states (int32), rows (int64), head_dim and
@@ -470,7 +525,8 @@ def flash_decode(q: ArrayLike, k_cache: ArrayLike, v_cache: ArrayLike,
                  softmax_scale: float | None = None, logits_soft_cap: float | None = None,
                  num_splits: int | None = None, return_lse: bool = False,
                  out: ArrayLike | None = None, split_size: int | None = None,
-                 block_table: ArrayLike | None = None
+                 block_table: ArrayLike | None = None, k_new: ArrayLike | None = None,
+                 v_new: ArrayLike | None = None
                  ) -> cupy.ndarray | tuple[cupy.ndarray, cupy.ndarray]:
     """Decode attention of one query token per sequence against its KV cache.
 
@@ -493,6 +549,14 @@ def flash_decode(q: ArrayLike, k_cache: ArrayLike, v_cache: ArrayLike,
             page_size ≥ 1, pages in any order. A device table is never read on the host (an
             index outside [0, num_pages) reads nothing, its tokens count for nothing); a host
             table is range-checked and copied. max_seqlen is max_pages_per_seq × page_size.
+        k_new, v_new: (batch, 1, num_kv_heads, head_dim) or (batch, num_kv_heads, head_dim) GPU
+            arrays of the cache's dtype (last dim contiguous, 16-byte aligned), both or neither:
+            each sequence's new token, written into the cache at position cache_seqlens[b]
+            (through block_table when paged) before the attention, which then runs over
+            cache_seqlens[b] + 1 tokens. Positions at or past max_seqlen are not written and the
+            length stays max_seqlen; a page index outside [0, num_pages) is not written.
+            cache_seqlens=None (every sequence full) writes nothing. The caller advances
+            cache_seqlens.
 
     Returns:
         out, or (out, lse) with ``return_lse=True``. A sequence of length 0 gives out = 0 and
@@ -538,6 +602,8 @@ def flash_decode(q: ArrayLike, k_cache: ArrayLike, v_cache: ArrayLike,
     seqlens, seqlen_all = V.check_seqlens(cache_seqlens, shape["batch"], shape["max_seqlen"])
     scale = V.check_scale(softmax_scale, shape["head_dim"])
     num_splits, split_size = V.check_splits(num_splits, split_size)
+    new = (None if k_new is None and v_new is None else V.check_new_tokens(
+        k_new, v_new, shape["batch"], shape["num_kv_heads"], shape["head_dim"], dt))
     out_shape = (shape["batch"], shape["num_heads"], shape["head_dim"])
     # dtype objects, not names: CuPy parses a name on every call
     out = cupy.empty(out_shape, q.dtype) if out is None else V.check_out(out, "out", out_shape, dt)
@@ -553,7 +619,7 @@ def flash_decode(q: ArrayLike, k_cache: ArrayLike, v_cache: ArrayLike,
             if len(_EAGER) >= _EAGER_SIZE:
                 _EAGER.clear()
             _EAGER[key] = (dt, shape, plan, strides)
-    plan._launch(q, k, v, seqlens, seqlen_all, scale, out, lse, stream, strides, table)
+    plan._launch(q, k, v, seqlens, seqlen_all, scale, out, lse, stream, strides, table, new)
     return (out, lse) if return_lse else out
 
 

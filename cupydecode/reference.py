@@ -169,14 +169,19 @@ def _rows(cache, b: int, n: int, rows):
     return cache[b, :n] if rows is None else cache[rows[0], rows[1]]
 
 
-def append_kv(k_cache, v_cache, cache_seqlens, k_new, v_new, block_table=None):
+def append_kv(k_cache, v_cache, cache_seqlens, k_new, v_new, block_table=None, xp=np):
     """The caches after appending ``k_new``/``v_new`` (batch, q_len, num_kv_heads, head_dim) at
     positions cache_seqlens[b] … cache_seqlens[b] + q_len − 1 of each sequence, through
     ``block_table`` for a paged cache: ``(k, v, lengths)`` as new host arrays (the inputs are not
     changed), lengths = cache_seqlens + q_len clamped to the capacity. Positions past the
-    capacity, and rows of pages whose index is outside [0, num_pages), are not written."""
-    k, v = _host(k_cache).copy(), _host(v_cache).copy()
-    k_new, v_new = _host(k_new), _host(v_new)
+    capacity, and rows of pages whose index is outside [0, num_pages), are not written.
+    ``xp=cupy``: the copies are made on the GPU instead (CuPy inputs; caches too large for the
+    host), lengths and the table still on the host."""
+    if xp is np:
+        k, v = _host(k_cache).copy(), _host(v_cache).copy()
+        k_new, v_new = _host(k_new), _host(v_new)
+    else:
+        k, v = k_cache.copy(), v_cache.copy()
     table = None if block_table is None else _host(block_table).astype(np.int64)
     batch, q_len = k_new.shape[0], k_new.shape[1]
     capacity = k.shape[1] * (1 if table is None else table.shape[1])

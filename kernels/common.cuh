@@ -61,6 +61,20 @@ template <> struct cd_elem<2> {
     static __device__ __forceinline__ float from_float(float x) { return x; }
 };
 
+// Parameter structs declared as X-macro lists of X(kind, C type, name) entries
+// (decode_params.cuh, append_kv.cu) are packed by the host field after field, with no padding.
+// A list in falling alignment (pointers, then 8-byte, then 4-byte fields) pads no field: only the
+// struct's tail, to its 8-byte alignment, which the host's buffer of whole 8-byte words covers
+// (cupydecode/_kernels.py, StructLaunch). static_assert(cd_falling_alignment({LIST(CD_PARAM_ALIGN)}))
+// says so at compile time.
+#define CD_PARAM_ALIGN(kind, type, name) (int)alignof(type),
+template <int N>
+__host__ __device__ constexpr bool cd_falling_alignment(const int (&align)[N]) {
+    for (int i = 1; i < N; ++i)
+        if (align[i] > align[i - 1]) return false;
+    return true;
+}
+
 // Merge of two softmax states written in the log2 domain (see docs/DESIGN.md; m in log2 units).
 // A state is (m, l, acc) with l = Σ 2^(s2_j − m) and acc = Σ 2^(s2_j − m) v_j. The empty state
 // is (−inf, 0, 0). Returns the scale each side must be multiplied by after moving to the new

@@ -5,6 +5,8 @@
 // list from this file to pack the same fields in the same order (little-endian, no padding: the
 // list keeps falling alignment). A new parameter is one entry here, and its value in
 // DecodePlan._launch, whose order decode.py checks against this list when it is imported.
+// (The struct's tail may be padded to its 8-byte alignment: CD_PARAM_ALIGN in common.cuh. A new
+// 4-byte field goes last, where it moves no other field: seqlen_add did.)
 // (q_t, kv_t, out_t: the element types, defined by the file that includes this one.) A paged
 // cache (PAGED) is (num_pages, page_size, num_kv_heads, head_dim): k_sb/v_sb are then the page
 // strides and k_ss/v_ss the token strides within a page.
@@ -43,7 +45,8 @@
     X(F32, float, scale_log2)        /* softmax scale · log2(e) */                            \
     X(I32, int, warps_in_step)       /* 1: the block's warps take their tiles in step */     \
     X(F32, float, soft_cap_in)       /* SOFT_CAP: 2·log2(e) · scale / cap (else unused) */   \
-    X(F32, float, soft_cap_out)      /* SOFT_CAP: cap · log2(e) */
+    X(F32, float, soft_cap_out)      /* SOFT_CAP: cap · log2(e) */                           \
+    X(I32, int, seqlen_add)          /* added to every clamped length (1: append_kv.cu ran) */
 
 #define CD_PARAM_FIELD(kind, type, name) type name;
 #define CD_PARAM_SIZE(kind, type, name) +sizeof(type)

@@ -377,8 +377,10 @@ struct cd_f32_state {
 struct cd_decode_params {
     CD_DECODE_PARAMS(CD_PARAM_FIELD)
 };
-// The host packs the fields back to back: interior padding would shift every field after it.
-static_assert(sizeof(cd_decode_params) == 0 CD_DECODE_PARAMS(CD_PARAM_SIZE),
+// The host packs the fields back to back: interior padding would shift every field after it
+// (the tail may be padded to the struct's 8-byte alignment: common.cuh, CD_PARAM_ALIGN).
+static_assert(cd_falling_alignment({CD_DECODE_PARAMS(CD_PARAM_ALIGN)}) &&
+                  sizeof(cd_decode_params) == (0 CD_DECODE_PARAMS(CD_PARAM_SIZE) + 7) / 8 * 8,
               "cd_decode_params: the list must keep falling alignment (no padding)");
 
 // One block per SM by design for G ≤ 16 (its shared memory alone fills most of an SM), so the
@@ -439,9 +441,14 @@ cd_decode_split(const cd_decode_params p) {
         if (dyn < SMEM_BYTES) __trap();
     }
 
-    // Clamp device-provided lengths: nothing is ever read outside [0, max_seqlen).
+    // Clamp device-provided lengths: nothing is ever read outside [0, max_seqlen). With new
+    // tokens appended right before this kernel (append_kv.cu, which clamps the same way and
+    // writes at the clamped length), seqlen_add = 1 counts the new one, within the capacity:
+    // clamped first, so a length below 0 attends the token written at 0 and one near 2³¹ cannot
+    // overflow (reference.append_kv's order).
     int seqlen = seqlens ? seqlens[b] : seqlen_all;
     seqlen = max(0, min(seqlen, max_seqlen));
+    seqlen = min(seqlen + p.seqlen_add, max_seqlen);
     const int chunk_start = split * chunk_tokens;
     const int chunk_end = min(chunk_start + chunk_tokens, seqlen);
     const cd_score_params score_params{scale_log2, chunk_end, p.soft_cap_in, p.soft_cap_out};

@@ -319,3 +319,54 @@ def test_first_call_computes_the_layout_key_once(cupy, good, monkeypatch):
     for n in (1, 2):
         assert_out_close(cupydecode.flash_decode(q, k, v), ref, OUT_TOL["float16"], f"call {n}")
         assert len(calls) == n, f"call {n}: layout_key computed {len(calls)} times in all"
+
+
+def test_new_token_errors(cupy, good):
+    """k_new/v_new: both or neither, on the GPU, the cache's dtype, one token per sequence, the
+    last dim contiguous, 16-byte aligned; refused by name before anything is launched (the
+    cache is unchanged), by flash_decode and by a plan, which never copies them."""
+    (q, k, v), _ = good
+    f = cupydecode.flash_decode
+    kn = cupy.ones((B, 1, HKV, D), cupy.float16)
+    vn = cupy.ones((B, HKV, D), cupy.float16)  # 3 dims are fine too
+    k0, v0 = k.copy(), v.copy()
+    lens = cupy.asarray(np.array([3, 0], np.int32))
+    expected = f"(batch={B}, 1, num_kv_heads={HKV}, head_dim={D}) or ({B}, {HKV}, {D})"
+    wide = cupy.zeros((B, 1, HKV, 2 * D), cupy.float16)
+    padded = cupy.zeros((B, 1, HKV, D + 4), cupy.float16)[..., :D]  # head stride 264 bytes
+    plan = cupydecode.DecodePlan(B, H, HKV, D, L, "float16")
+    for call in (lambda **kw: f(q, k, v, lens, **kw),
+                 lambda **kw: plan.run(q, k, v, lens, **kw)):
+        with raises(ValueError, "v_new:", "a GPU array like k_new", "got None"):
+            call(k_new=kn)
+        with raises(ValueError, "k_new:", "a GPU array like v_new", "got None"):
+            call(v_new=vn)
+        with raises(TypeError, "k_new:", "move it to the GPU"):
+            call(k_new=kn.get(), v_new=vn)
+        with raises(TypeError, "v_new:", "move it to the GPU"):
+            call(k_new=kn, v_new=vn.get().tolist())
+        with raises(TypeError, "k_new:", "dtype float16 (the cache's)", "float32"):
+            call(k_new=kn.astype(cupy.float32), v_new=vn)
+        with raises(TypeError, "v_new:", "dtype float16 (the cache's)", "float32"):
+            call(k_new=kn, v_new=vn.astype(cupy.float32))
+        with raises(ValueError, "k_new:", expected, f"({B}, 2, {HKV}, {D})"):  # 2 tokens
+            call(k_new=cupy.ones((B, 2, HKV, D), cupy.float16), v_new=vn)
+        with raises(ValueError, "v_new:", expected, f"(1, {HKV}, {D})"):       # batch
+            call(k_new=kn, v_new=vn[:1])
+        with raises(ValueError, "k_new:", expected, f"({B}, 1, 1, {D})"):      # KV heads
+            call(k_new=kn[:, :, :1], v_new=vn)
+        with raises(ValueError, "k_new:", "last dimension contiguous"):
+            call(k_new=wide[..., ::2], v_new=vn)
+        with raises(ValueError, "k_new:", "16-byte aligned"):
+            call(k_new=misaligned(cupy, kn.shape, cupy.float16), v_new=vn)
+        with raises(ValueError, "v_new:", "16-byte aligned"):
+            call(k_new=kn, v_new=padded)
+    cupy.cuda.Device().synchronize()
+    assert bool(cupy.all(k.view(cupy.uint16) == k0.view(cupy.uint16)))  # nothing launched
+    assert bool(cupy.all(v.view(cupy.uint16) == v0.view(cupy.uint16)))
+    # after a valid call of the same layout, the same checks still run
+    f(q, k, v, lens, k_new=kn, v_new=vn)
+    with raises(ValueError, "k_new:", "16-byte aligned"):
+        f(q, k, v, lens, k_new=misaligned(cupy, kn.shape, cupy.float16), v_new=vn)
+    with raises(ValueError, "v_new:", "a GPU array like k_new"):
+        f(q, k, v, lens, k_new=kn)

@@ -220,3 +220,37 @@ def test_soft_cap_in_float32_is_accurate_up_to_the_largest_cap(cap):
             return (w / w.sum(axis=1, keepdims=True)) @ v
         o, ref = attend(got), attend(want)
         assert np.linalg.norm(o - ref) / np.linalg.norm(ref) < 1e-4, (cap, spread)
+
+
+def test_new_tokens_both_or_neither(cupy_importable):
+    """k_new without v_new (or the reverse) is refused by name, before anything else."""
+    k_new = np.zeros((2, 1, 2, 128), np.float16)
+    with pytest.raises(ValueError, match=r"^v_new: expected a GPU array like k_new \(appending "
+                                         r"takes both k_new and v_new, or neither\), got None$"):
+        V.check_new_tokens(k_new, None, 2, 2, 128, "float16")
+    with pytest.raises(ValueError, match=r"^k_new: expected a GPU array like v_new .*got None$"):
+        V.check_new_tokens(None, k_new, 2, 2, 128, "float16")
+
+
+@pytest.mark.parametrize("form", ["ndarray", "list"])
+def test_new_tokens_on_the_host_are_refused(cupy_importable, form):
+    """Host k_new/v_new are refused (a plan never copies): the first one named."""
+    k_new = np.zeros((2, 1, 2, 128), np.float16)
+    k_new = k_new if form == "ndarray" else k_new.tolist()
+    with pytest.raises(TypeError, match=r"^k_new: expected a GPU array .*move it to the GPU"):
+        V.check_new_tokens(k_new, k_new, 2, 2, 128, "float16")
+
+
+def test_flash_decode_with_new_tokens_refuses_host_arrays(cupy_importable):
+    q, k, v = _decode_args()
+    k_new = np.zeros((2, 1, 2, 128), np.float16)
+    with pytest.raises(TypeError, match=r"^q: .*move it to the GPU"):
+        cupydecode.flash_decode(q, k, v, [3, 4], k_new=k_new, v_new=k_new)
+
+
+def test_new_token_strides_are_in_16_byte_units():
+    x = np.zeros((3, 1, 4, 64), np.float16)  # rows of 128 bytes
+    assert V.new_token_strides(x) == (4 * 128 // 16, 128 // 16)
+    assert V.new_token_strides(x[:, 0]) == (4 * 128 // 16, 128 // 16)
+    assert V.new_token_strides(np.zeros((3, 8, 2, 64), np.float32)[:, 0, ::2]) == (
+        8 * 2 * 256 // 16, 2 * 256 // 16)
