@@ -19,6 +19,9 @@ Protocol (see docs/PERFORMANCE.md):
   * Data is fresh random data (seed recorded in the row); the timed configuration's output is
     checked once against float64 (a few heads, on the GPU). The GPU idles for SETTLE_S after
     the data is made and before anything is timed (see :func:`settle`).
+  * With ``--append`` each timed call also appends a new token per sequence (k_new, v_new; every
+    sequence holds seqlen − 1 tokens, the new one fills it), and the same call without the
+    append, over the same seqlen tokens, is timed in every protocol too (``no_append_us``).
   * Baselines: the same kernels forced to num_splits=1; a naive CuPy version (cuBLAS matmul,
     softmax in float32; timed by events over back-to-back calls, because CuPy refuses cuBLAS
     calls inside a graph capture); optionally torch SDPA (cuDNN, FlashAttention-2) and
@@ -39,7 +42,7 @@ import numpy as np
 
 from .check import REL_TOL, reference_gpu, select_rows
 from . import reference as R
-from .workloads import Workload, fresh_seed, make_inputs, page_inputs
+from .workloads import Workload, fresh_seed, make_inputs, new_tokens, page_inputs
 
 GRAPH_TRIALS = 20          # graph replays per measurement
 MIN_GRAPH_CALLS = 10       # calls captured per graph (more if there are more buffer sets)
@@ -685,13 +688,14 @@ def empty_row(w: Workload, model: str) -> dict:
     return {
         "model": model, "dtype": w.dtype, "batch": w.batch, "seqlen": w.seqlen,
         "num_heads": w.num_heads, "num_kv_heads": w.num_kv_heads, "head_dim": w.head_dim,
-        "logits_soft_cap": w.logits_soft_cap, "page_size": w.page_size,
+        "logits_soft_cap": w.logits_soft_cap, "page_size": w.page_size, "append": w.append,
         "splits_requested": w.splits_label, "num_splits": None, "chunk_tokens": None,
         "kv_per_block": None, "kv_bytes": w.kv_bytes(), "buffer_sets": None, "ceiling_gbps": None,
         "floor_us": None, "protocol": None, "graph_calls": None,
         "eager_us": None, "host_us": None, "plan_host_us": None, "launch_host_us": None,
         "gpu_us": None, "gpu_us_p20": None, "gpu_us_p80": None, "gbps": None,
-        "pct_of_floor": None, "split1_us": None, "speedup_vs_split1": None, "naive_us": None,
+        "pct_of_floor": None, "no_append_us": None, "append_cost_us": None,
+        "split1_us": None, "speedup_vs_split1": None, "naive_us": None,
         "speedup_vs_naive": None,
         **{col: None for _, _, cols in PEERS.values() for col in cols},
         "best_peer_us": None, "speedup_vs_best_peer": None,
@@ -709,12 +713,23 @@ def empty_launch_host_us() -> float:
     return host_time_cupy(lambda i: kernel((1,), (1,), ()))
 
 
-def _subset_checker(w: Workload, q, k, v):
-    """A function out → relative error on two sequences × two KV heads (float64 on the GPU)."""
+def _subset_checker(w: Workload, q, k, v, new=None):
+    """A function out → relative error on two sequences × two KV heads (float64 on the GPU);
+    ``new``: the (k_new, v_new) an append workload's call appends first."""
     b_ids = sorted({0, w.batch - 1})
     h_ids = sorted({0, w.num_kv_heads - 1})
-    ref_out, _ = reference_gpu(q, k, v, None, None, b_ids, h_ids,
-                               logits_soft_cap=w.logits_soft_cap)
+    if new is None:
+        ref_out, _ = reference_gpu(q, k, v, None, None, b_ids, h_ids,
+                                   logits_soft_cap=w.logits_soft_cap)
+    else:  # those sequences' caches (copies) with their new tokens appended
+        import cupy
+
+        lens = None if w.lengths is None else np.asarray(w.lengths)[b_ids]
+        ks, vs, lens = R.append_kv(k[b_ids], v[b_ids], lens, new[0][b_ids], new[1][b_ids],
+                                   xp=cupy)
+        ref_out, _ = reference_gpu(q[b_ids], ks, vs, lens, None, None, h_ids,
+                                   logits_soft_cap=w.logits_soft_cap)
+        del ks, vs
 
     def check(out) -> float:
         return R.relative_error(select_rows(out, w.num_kv_heads, b_ids, h_ids), ref_out)
@@ -750,16 +765,19 @@ def bench_point(w: Workload, ceiling_gbps: float, l2_bytes: int, model: str = ""
                f"{w.cache_bytes() / 1e9:.2f} GB + margin), {free / 1e9:.1f} GB free")
         return [dict(r, skipped=why) for r in rows]
     notes = []
-    # (q, k, v, lengths, block table or None) per buffer set; paged: k, v are pools of pages
+    # (q, k, v, lengths, block table or None, (k_new, v_new) or None) per buffer set; paged: k, v
+    # are pools of pages
     sets = []
     for i in range(nsets):
-        inputs = make_inputs(dataclasses.replace(w, seed=(w.seed + i) % 2**32))
+        wi = dataclasses.replace(w, seed=(w.seed + i) % 2**32)
+        inputs = make_inputs(wi)
+        new = new_tokens(wi) if w.append else None
         if i == 0:  # the float64 check's reference, from the contiguous cache
-            check = _subset_checker(w, *inputs[:3])
+            check = _subset_checker(w, *inputs[:3], new)
         # paged: one page order (and block table) for every set, as a peer's plan fixes it
-        sets.append(page_inputs(inputs, w.page_size, w.seed) if w.page_size
-                    else (*inputs, None))
-        del inputs
+        sets.append((*(page_inputs(inputs, w.page_size, w.seed) if w.page_size
+                       else (*inputs, None)), new))
+        del inputs, new
     step = StepTraffic(w, l2_bytes) if any(n == "step" for n, _ in protocols) else None
     settle()
     try:
@@ -769,32 +787,52 @@ def bench_point(w: Workload, ceiling_gbps: float, l2_bytes: int, model: str = ""
                           num_splits=w.num_splits, logits_soft_cap=cap, page_size=w.page_size)
         base.update(num_splits=plan.num_splits, chunk_tokens=plan.chunk_tokens,
                     kv_per_block=plan.kv_per_block)
-        q0, k0, v0, _, t0 = sets[0]
 
-        def run_plan(i, _plan=plan):
-            q, k, v, _, table = sets[i % nsets]
-            _plan.run(q, k, v, block_table=table)
+        def runner(p, append: bool):
+            """The timed call of plan ``p`` on buffer set i: with the append or without."""
+            if append:
+                def run(i):
+                    q, k, v, lens, table, (k_new, v_new) = sets[i % nsets]
+                    p.run(q, k, v, lens, block_table=table, k_new=k_new, v_new=v_new)
+            else:
+                def run(i):
+                    q, k, v, _, table, _ = sets[i % nsets]
+                    p.run(q, k, v, block_table=table)
+            return run
+        run_plan = runner(plan, w.append)
         timing = [(calls or max(MIN_GRAPH_CALLS, nsets), step if name == "step" else None)
                   for name, calls in protocols]  # (calls per graph, other kernels) per protocol
         for row, (n_calls, before) in zip(rows, timing):
             med, p20, p80 = graph_time_cupy(run_plan, n_calls, before=before, span=nsets)
             row.update(graph_calls=n_calls, gpu_us=med, gpu_us_p20=p20, gpu_us_p80=p80,
                        gbps=w.kv_bytes() / (med * 1e3), pct_of_floor=100.0 * base["floor_us"] / med)
+        if w.append:  # the same call without the append, over the same tokens (the rows written)
+            for row, (n_calls, before) in zip(rows, timing):
+                us = graph_time_cupy(runner(plan, False), n_calls, before=before, span=nsets)[0]
+                row.update(no_append_us=us, append_cost_us=row["gpu_us"] - us)
         # the point's own baselines are timed in the first protocol
         med = rows[0]["gpu_us"]
         first_calls, first_before = timing[0]
 
-        def eager(i):
-            q, k, v, _, table = sets[i % nsets]
-            # paged: the capacity may exceed seqlen (whole pages); attend seqlen, as the plan does
-            flash_decode(q, k, v, None if table is None else w.seqlen, num_splits=w.num_splits,
-                         logits_soft_cap=cap, block_table=table)
+        if w.append:
+            def eager(i):
+                q, k, v, lens, table, (k_new, v_new) = sets[i % nsets]
+                flash_decode(q, k, v, lens, num_splits=w.num_splits, logits_soft_cap=cap,
+                             block_table=table, k_new=k_new, v_new=v_new)
+        else:
+            def eager(i):
+                q, k, v, _, table, _ = sets[i % nsets]
+                # paged: the capacity may exceed seqlen (whole pages); attend seqlen, as the
+                # plan does
+                flash_decode(q, k, v, None if table is None else w.seqlen,
+                             num_splits=w.num_splits, logits_soft_cap=cap, block_table=table)
         base["eager_us"] = eager_time_cupy(eager, int(min(200, max(20, 2.5e5 / (med + 20)))))
         base["host_us"] = host_time_cupy(eager)
         base["plan_host_us"] = host_time_cupy(run_plan)
         base["launch_host_us"] = empty_launch_host_us()
 
-        out, _ = plan.run(q0, k0, v0, block_table=t0)
+        run_plan(0)
+        out = plan.out
         base["rel_err"] = check(out)
         base["check"] = "ok" if base["rel_err"] <= REL_TOL[w.dtype] else "FAIL"
 
@@ -803,11 +841,13 @@ def bench_point(w: Workload, ceiling_gbps: float, l2_bytes: int, model: str = ""
         else:
             plan1 = DecodePlan(w.batch, w.num_heads, w.num_kv_heads, w.head_dim, w.seqlen,
                                w.dtype, num_splits=1, logits_soft_cap=cap, page_size=w.page_size)
-            base["split1_us"] = graph_time_cupy(lambda i: run_plan(i, plan1), first_calls,
+            base["split1_us"] = graph_time_cupy(runner(plan1, w.append), first_calls,
                                                 before=first_before, span=nsets)[0]
             del plan1
         base["speedup_vs_split1"] = base["split1_us"] / med
 
+        if w.append:
+            notes.append("naive and peers: attention alone, without the append")
         _naive(base, w, sets, first_calls, scale, check, notes)
         if base["naive_us"]:
             base["speedup_vs_naive"] = base["naive_us"] / med
@@ -843,6 +883,7 @@ def bench_point(w: Workload, ceiling_gbps: float, l2_bytes: int, model: str = ""
 # Row fields that each protocol measures for itself (everything else is the point's).
 _PER_PROTOCOL = frozenset({"protocol", "graph_calls", "gpu_us", "gpu_us_p20", "gpu_us_p80",
                            "gbps", "pct_of_floor", "best_peer_us", "speedup_vs_best_peer",
+                           "no_append_us", "append_cost_us",
                            *(c for _, _, cols in PEERS.values() for c in cols)})
 
 
@@ -876,15 +917,20 @@ def _naive(row: dict, w: Workload, sets, n_calls: int, scale: float, check, note
 
 
 def sweep(model: str, dtype: str, seqlens, batches, num_splits=None,
-          soft_cap: float | None = None, page_size: int | None = None) -> list[Workload]:
+          soft_cap: float | None = None, page_size: int | None = None,
+          append: bool = False) -> list[Workload]:
     """The points of a bench run, batch-major, each with a fresh seed; ``soft_cap`` None: the
-    model's logits_soft_cap, 0: none, else that cap; ``page_size``: paged caches."""
+    model's logits_soft_cap, 0: none, else that cap; ``page_size``: paged caches; ``append``:
+    every sequence holds seqlen − 1 tokens and each call appends the last one."""
     from .workloads import workload_for_model
 
     opts = {} if soft_cap is None else {"logits_soft_cap": soft_cap or None}
     opts["page_size"] = page_size
+
+    def appended(L: int, b: int) -> dict:
+        return {"lengths": (L - 1,) * b, "append": True} if append else {}
     return [workload_for_model(model, b, L, dtype, num_splits=num_splits, seed=fresh_seed(),
-                               **opts) for b in batches for L in seqlens]
+                               **opts, **appended(L, b)) for b in batches for L in seqlens]
 
 
 # ---------------------------------------------------------------------------- plot

@@ -6,6 +6,11 @@ errors against float64. The reference is ``cupydecode.reference.decode_attention
 small caches and the same math in float64 on the GPU (:func:`reference_gpu`) where NumPy would
 be slow.
 
+With ``Workload.append`` the call also appends a new token per sequence (k_new, v_new): the
+reference appends it first (``reference.decode_attention(..., k_new=, v_new=)``, or
+``reference.append_kv`` on the GPU for large caches), and the cache after the call must equal
+the cache with exactly the addressed rows replaced, bit for bit.
+
 Tolerances: relative L2 error of the output ≤ 2e-3 (fp16), 1e-2 (bf16), 1e-4 (fp32); max abs
 LSE error ≤ 1e-3, widened for huge logits by the rounding an fp32 LSE cannot avoid (see
 :func:`lse_tolerance`). Rows of empty sequences must give LSE = −inf exactly and out = 0.
@@ -18,7 +23,7 @@ import math
 import numpy as np
 
 from . import reference as R
-from .workloads import Workload, make_inputs, page_inputs
+from .workloads import Workload, make_inputs, new_tokens, page_inputs
 
 REL_TOL = {"float16": 2e-3, "bfloat16": 1e-2, "float32": 1e-4}
 LSE_ATOL = 1e-3
@@ -64,14 +69,21 @@ def select_rows(x, num_kv_heads: int, batch_ids=None, kv_heads=None):
     return y
 
 
-def reference_for(w: Workload, q, k, v):
-    """Float64 ``(out, lse, kind)`` for the whole workload; out (B, H, D), lse (B, H)."""
+def reference_for(w: Workload, q, k, v, new=None):
+    """Float64 ``(out, lse, kind)`` for the whole workload; out (B, H, D), lse (B, H); ``new``:
+    the appended tokens (k_new, v_new) of an append workload, None otherwise."""
     options = {"logits_soft_cap": w.logits_soft_cap}
+    lens = None if w.lengths is None else np.asarray(w.lengths)
     if k[0].size * w.batch <= NUMPY_REFERENCE_MAX_ELEMENTS:
-        lens = None if w.lengths is None else np.asarray(w.lengths)
+        if new is not None:
+            options.update(k_new=new[0], v_new=new[1])
         out, lse = R.decode_attention(q, k, v, lens, **options)
         return out, lse, "numpy f64"
-    out, lse = reference_gpu(q, k, v, w.lengths, **options)
+    if new is not None:
+        import cupy
+
+        k, v, lens = R.append_kv(k, v, lens, *new, xp=cupy)
+    out, lse = reference_gpu(q, k, v, lens, **options)
     return (out.reshape(w.batch, w.num_heads, w.head_dim).get(),
             lse.reshape(w.batch, w.num_heads).get(), "gpu f64")
 
@@ -89,8 +101,9 @@ def _row_skeleton(w: Workload) -> dict:
         "name": w.name, "dtype": w.dtype, "batch": w.batch, "seqlen": w.seqlen,
         "num_heads": w.num_heads, "num_kv_heads": w.num_kv_heads, "head_dim": w.head_dim,
         "lengths": None if w.lengths is None else list(w.lengths), "q_scale": w.q_scale,
-        "logits_soft_cap": w.logits_soft_cap, "page_size": w.page_size,
-        "splits_requested": w.splits_label, "splits": None, "chunk_tokens": None,
+        "logits_soft_cap": w.logits_soft_cap, "page_size": w.page_size, "append": w.append,
+        "cache_rows_wrong": None, "splits_requested": w.splits_label, "splits": None,
+        "chunk_tokens": None,
         "seed": w.seed, "reference": None, "max_abs_err": None, "rel_err": None,
         "lse_err": None, "rel_tol": REL_TOL[w.dtype], "lse_tol": None, "max_abs_lse": None,
         "passed": False, "error": "",
@@ -114,14 +127,19 @@ def run_check(w: Workload) -> dict:
         # Poisoned outputs: a row the kernels forget to write stays NaN and fails the check.
         out = cupy.full((w.batch, w.num_heads, w.head_dim), math.nan, w.dtype)
         lse = cupy.full((w.batch, w.num_heads), math.nan, cupy.float32)
+        new = new_tokens(w) if w.append else None
+        appended = {} if new is None else {"k_new": new[0], "v_new": new[1]}
         if w.page_size:  # the same tokens in pages (random order); the reference reads k, v
-            _, kp, vp, _, table = page_inputs((q, k, v, seqlens), w.page_size, w.seed)
-            plan.run(q, kp, vp, seqlens, out=out, lse=lse, block_table=table)
-            del kp, vp
-        else:
-            plan.run(q, k, v, seqlens, out=out, lse=lse)
+            _, kc, vc, _, table = page_inputs((q, k, v, seqlens), w.page_size, w.seed)
+            plan.run(q, kc, vc, seqlens, out=out, lse=lse, block_table=table, **appended)
+        else:  # an append writes into the cache: into a copy, k and v stay for the reference
+            kc, vc = (k.copy(), v.copy()) if new is not None else (k, v)
+            plan.run(q, kc, vc, seqlens, out=out, lse=lse, **appended)
         cupy.cuda.get_current_stream().synchronize()
-        ref_out, ref_lse, kind = reference_for(w, q, k, v)
+        if new is not None:
+            row["cache_rows_wrong"] = wrong_cache_rows(w, q, k, v, seqlens, new, kc, vc)
+        del kc, vc
+        ref_out, ref_lse, kind = reference_for(w, q, k, v, new)
         row["reference"] = kind
         row["max_abs_err"] = max_abs_error(out, ref_out)
         row["rel_err"] = R.relative_error(out, ref_out)
@@ -129,13 +147,35 @@ def run_check(w: Workload) -> dict:
         row["lse_tol"] = lse_tolerance(ref_lse, w.head_dim)
         live = ref_lse[np.isfinite(ref_lse)]
         row["max_abs_lse"] = float(np.abs(live).max()) if live.size else 0.0
-        row["passed"] = bool(row["rel_err"] <= row["rel_tol"] and row["lse_err"] <= row["lse_tol"])
+        row["passed"] = bool(row["rel_err"] <= row["rel_tol"] and row["lse_err"] <= row["lse_tol"]
+                             and not row["cache_rows_wrong"])
+        if row["cache_rows_wrong"]:
+            row["error"] = (f"the cache after the append differs from reference.append_kv's in "
+                            f"{row['cache_rows_wrong']} token row(s) of K and V")
     except Exception as exc:  # a crash is a failed row, not a crashed run
         row["error"] = f"{type(exc).__name__}: {exc}"
         row["passed"] = False
     finally:
         cupy.get_default_memory_pool().free_all_blocks()
     return row
+
+
+def wrong_cache_rows(w: Workload, q, k, v, seqlens, new, k_after, v_after) -> int:
+    """Token rows (of K and of V) in which the cache after an append call (``k_after``,
+    ``v_after``: contiguous, or the pages of :func:`page_inputs` with the workload's seed)
+    differs in any bit from the cache before it (``k``, ``v``) with exactly the addressed rows
+    replaced (``reference.append_kv``, on the GPU)."""
+    import cupy
+
+    k_exp, v_exp, _ = R.append_kv(k, v, None if w.lengths is None else np.asarray(w.lengths),
+                                  *new, xp=cupy)
+    if w.page_size:
+        _, k_exp, v_exp, _, _ = page_inputs((q, k_exp, v_exp, seqlens), w.page_size, w.seed)
+    wrong = 0
+    for got, exp in ((k_after, k_exp), (v_after, v_exp)):
+        diff = got.view(cupy.uint8) != exp.view(cupy.uint8)
+        wrong += int(diff.reshape(diff.shape[0] * diff.shape[1], -1).any(axis=1).sum())
+    return wrong
 
 
 def repro_command(row: dict) -> str:
@@ -152,4 +192,6 @@ def repro_command(row: dict) -> str:
         parts.append(f"--soft-cap {row['logits_soft_cap']!r}")
     if row["page_size"] is not None:
         parts.append(f"--page-size {row['page_size']}")
+    if row["append"]:
+        parts.append("--append")
     return " ".join(parts)

@@ -202,9 +202,11 @@ def main():
 # ---------------------------------------------------------------------------- check
 
 def _single_workload(batch, seqlen, heads, kv_heads, head_dim, dtype, splits, seed, varlen,
-                     lengths, q_scale, model, soft_cap=None, page_size=None) -> Workload:
+                     lengths, q_scale, model, soft_cap=None, page_size=None,
+                     append=False) -> Workload:
     """One workload from ``check``'s options (raises click.BadParameter on bad combinations).
-    ``soft_cap`` None: the model's (none without --model); 0: none."""
+    ``soft_cap`` None: the model's (none without --model); 0: none. ``append`` without lengths:
+    every sequence holds seqlen − 1 tokens, so that the new one fills it."""
     preset = MODELS[(model or "llama-3-8b").lower()]
     if soft_cap is None:
         soft_cap = preset.logits_soft_cap if model else None
@@ -232,9 +234,11 @@ def _single_workload(batch, seqlen, heads, kv_heads, head_dim, dtype, splits, se
     if varlen and lengths is None:
         lengths = random_lengths(batch, seqlen, seed)
     name = (model or "custom") + (" varlen" if lengths is not None else "")
+    if append and lengths is None:
+        lengths = (seqlen - 1,) * batch
     return Workload(batch, seqlen, heads, kv_heads, head_dim, dtype or "float16",
                     None if splits in (None, "auto") else splits, lengths, q_scale, seed, name,
-                    logits_soft_cap=soft_cap or None, page_size=page_size)
+                    logits_soft_cap=soft_cap or None, page_size=page_size, append=append)
 
 
 def _workload_label(w: Workload) -> str:
@@ -277,18 +281,22 @@ def _check_header(width: int) -> str:
                    "50 for gemma-2; 0: none).")
 @click.option("--page-size", "page_size", type=click.IntRange(min=1),
               help="Run on a paged copy of the cache: pages of this many tokens, random order.")
+@click.option("--append", is_flag=True,
+              help="Append a new token per sequence in the call (k_new, v_new) at its length "
+                   "(default lengths: seqlen − 1); the cache after it is checked bit for bit.")
 @click.option("--model", type=MODEL_CHOICE,
               help="Take heads/kv-heads/head-dim (and the soft-cap) from a preset.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), callback=_output_path,
               help="Write the result rows to this JSON file.")
 @click.pass_context
 def check(ctx, batch, seqlen, heads, kv_heads, head_dim, dtype, splits, seed, varlen, lengths,
-          q_scale, soft_cap, page_size, model, json_path):
+          q_scale, soft_cap, page_size, append, model, json_path):
     """Compare flash_decode with a float64 reference; one row per workload.
 
     Without shape options, runs the built-in matrix (fp16/bf16/fp32, head_dim 64/128/256,
     MHA to MQA, lengths 1 to 65536, variable lengths with an empty sequence, forced and
-    automatic splits, logits of ±1e4, the soft-cap, paged caches). Outputs are filled with NaN before each call.
+    automatic splits, logits of ±1e4, the soft-cap, paged caches, appended tokens). Outputs are
+    filled with NaN before each call.
     Tolerances: relative L2 error 2e-3 (fp16), 1e-2 (bf16), 1e-4 (fp32); LSE 1e-3.
     Exit status 0 if all pass, 1 if any fails, 2 on bad usage or without a GPU.
 
@@ -299,15 +307,18 @@ def check(ctx, batch, seqlen, heads, kv_heads, head_dim, dtype, splits, seed, va
       cupydecode check --heads 28 --kv-heads 4 --seqlen 4097 --dtype bf16 --splits 3
       cupydecode check --model gemma-2-9b --q-scale 60        (its soft-cap 50, logits past it)
       cupydecode check --model llama-3-8b --seqlen 5000 --page-size 16 --varlen
+      cupydecode check --append --page-size 16 --varlen
       cupydecode check --json check.json
     """
     from .workloads import default_check_matrix
 
     single = any(x is not None for x in (batch, seqlen, heads, kv_heads, head_dim, dtype, splits,
                                          lengths, model, soft_cap, page_size)) or varlen or q_scale != 1.0
+    single = single or append
     if single:
         workloads = [_single_workload(batch, seqlen, heads, kv_heads, head_dim, dtype, splits,
-                                      seed, varlen, lengths, q_scale, model, soft_cap, page_size)]
+                                      seed, varlen, lengths, q_scale, model, soft_cap, page_size,
+                                      append)]
     else:
         workloads = default_check_matrix()
         base = fresh_seed() if seed is None else seed
@@ -344,15 +355,20 @@ def check(ctx, batch, seqlen, heads, kv_heads, head_dim, dtype, splits, seed, va
 
 # ---------------------------------------------------------------------------- bench
 
-def _bench_columns(peer_cols: dict, processes: bool = False) -> list[tuple[str, str, str]]:
-    """Table columns (label, row key, format); ``peer_cols`` maps peer columns to labels."""
+def _bench_columns(peer_cols: dict, processes: bool = False,
+                   append: bool = False) -> list[tuple[str, str, str]]:
+    """Table columns (label, row key, format); ``peer_cols`` maps peer columns to labels;
+    ``append``: the same call without the append, and the difference."""
     cols = [("batch", "batch", "d"), ("seqlen", "seqlen", "d"), ("KV MB", "kv_mb", ".1f"),
             ("splits", "num_splits", "d"), ("protocol", "protocol_label", "s")]
     if processes:
         cols.append(("proc", "process", "d"))
     cols += [("floor µs", "floor_us", ".1f"), ("GPU µs", "gpu_us", ".1f"),
-             ("p20–p80", "spread", "s"), ("GB/s", "gbps", ".0f"), ("% floor", "pct_of_floor", ".0f"),
-             ("eager µs", "eager_us", ".1f"), ("host µs", "host_us", ".1f"),
+             ("p20–p80", "spread", "s"), ("GB/s", "gbps", ".0f"),
+             ("% floor", "pct_of_floor", ".0f")]
+    if append:
+        cols += [("no-append µs", "no_append_us", ".1f"), ("+append µs", "append_cost_us", ".2f")]
+    cols += [("eager µs", "eager_us", ".1f"), ("host µs", "host_us", ".1f"),
              ("run µs", "plan_host_us", ".1f"), ("launch µs", "launch_host_us", ".1f"),
              ("×split1", "speedup_vs_split1", ".2f"), ("naive µs", "naive_us", ".1f"),
              ("×naive", "speedup_vs_naive", ".1f")]
@@ -444,7 +460,7 @@ def _bench_in_processes(n: int, argv: list[str]) -> list[dict]:
 
 
 def _forwarded_bench_args(model, dtype, seqlens, batches, splits, protocols, baselines,
-                          soft_cap=None, page_size=None) -> list[str]:
+                          soft_cap=None, page_size=None, append=False) -> list[str]:
     """The options of this bench run, for the processes of --processes (outputs stay here)."""
     argv = ["--model", model, "--dtype", dtype, "--seqlens", ",".join(map(str, seqlens)),
             "--batch", ",".join(map(str, batches)), "--splits", str(splits),
@@ -453,6 +469,8 @@ def _forwarded_bench_args(model, dtype, seqlens, batches, splits, protocols, bas
         argv += ["--soft-cap", repr(float(soft_cap))]
     if page_size is not None:
         argv += ["--page-size", str(page_size)]
+    if append:
+        argv.append("--append")
     for name in baselines:
         argv += ["--baseline", name]
     return argv
@@ -483,6 +501,9 @@ def _forwarded_bench_args(model, dtype, seqlens, batches, splits, protocols, bas
 @click.option("--page-size", "page_size", type=click.IntRange(min=1),
               help="Time a paged cache: pages of this many tokens in random order (FlashInfer "
                    "reads the same pages; torch SDPA and the naive version have no paging).")
+@click.option("--append", is_flag=True,
+              help="Each call also appends a new token per sequence (k_new, v_new; the cache "
+                   "holds seqlen − 1 tokens); the same call without the append is timed too.")
 @click.option("--baseline", "baselines", type=click.Choice(["torch", "flashinfer"]),
               multiple=True, help="Also time a peer (repeatable); needs torch / flashinfer.")
 @click.option("--csv", "csv_path", type=click.Path(dir_okay=False), callback=_output_path,
@@ -493,7 +514,7 @@ def _forwarded_bench_args(model, dtype, seqlens, batches, splits, protocols, bas
               help="Plot µs and % of floor vs seqlen to this PNG (needs matplotlib).")
 @click.pass_context
 def bench(ctx, model, dtype, seqlens, batches, splits, protocols, processes, soft_cap, page_size,
-          baselines, csv_path, json_path, plot_path):
+          append, baselines, csv_path, json_path, plot_path):
     """Time flash_decode against the HBM read floor and against baselines.
 
     Per point: floor = bytes(K+V) / read ceiling measured in this run; GPU µs per call from a
@@ -512,6 +533,7 @@ def bench(ctx, model, dtype, seqlens, batches, splits, protocols, processes, sof
       cupydecode bench --model qwen2.5-7b --dtype bf16 --baseline torch
       cupydecode bench --model gemma-2-9b --baseline flashinfer     (soft-cap 50, the model's)
       cupydecode bench --page-size 16 --baseline flashinfer
+      cupydecode bench --append --page-size 16
       cupydecode bench --protocol step,back-to-back:2,back-to-back:10 --processes 3
     """
     from . import bench as B
@@ -534,20 +556,24 @@ def bench(ctx, model, dtype, seqlens, batches, splits, protocols, processes, sof
                    f"{p.head_dim}, {dtype}, splits {splits}; {processes} processes, protocols "
                    f"{', '.join(protocols)}")
         rows = _bench_in_processes(processes, _forwarded_bench_args(
-            model, dtype, seqlens, batches, splits, protocols, peers, soft_cap, page_size))
+            model, dtype, seqlens, batches, splits, protocols, peers, soft_cap, page_size,
+            append))
         ceiling = {"gbps": [r["ceiling_gbps"] for r in rows if r["ceiling_gbps"]]}
     else:
         ceiling = B.measure_read_ceiling()
         click.echo(f"HBM read ceiling: {ceiling['gbps']:.0f} GB/s (read-only kernel over "
                    f"{ceiling['nbytes'] / 1e9:.2f} GB, {ceiling['us']:.0f} µs)")
         points = B.sweep(model, dtype, seqlens, batches, None if splits == "auto" else splits,
-                         soft_cap, page_size)
+                         soft_cap, page_size, append)
         cap = points[0].logits_soft_cap if points else None
         click.echo(f"{model}: {p.num_heads} query heads, {p.num_kv_heads} KV heads, head_dim "
                    f"{p.head_dim}, {dtype}, splits {splits}"
                    + ("" if cap is None else f", logits_soft_cap {cap:g}")
                    + ("" if page_size is None else f", paged: {page_size} tokens per page, "
-                      "random page order"))
+                      "random page order")
+                   + ("" if not append else ", each call appends a new token per sequence (the "
+                      "cache holds seqlen − 1); no-append µs: the same call over the same seqlen "
+                      "tokens without it"))
         click.echo(f"bytes per point: {B.napkin(points[0], symbolic=True)} "
                    f"(e.g. {B.napkin(points[0])})")
         click.echo(f"GPU µs: {B.GRAPH_TRIALS} replays of a graph per protocol; floor µs = KV "
@@ -570,7 +596,7 @@ def bench(ctx, model, dtype, seqlens, batches, splits, protocols, processes, sof
     done = [r for r in rows if not r["skipped"]]
     if done:
         for line in format_table([_bench_display(r) for r in done],
-                                 _bench_columns(peer_cols, processes > 1)):
+                                 _bench_columns(peer_cols, processes > 1, append)):
             click.echo(line)
     for r in rows:
         if r["skipped"]:
@@ -714,9 +740,11 @@ def info(ctx, compile_all):
 
 def _compile_all() -> None:
     """Build the split kernels (every block shape a plan can pick) and the merge kernel that
-    a split plan uses, for every dtype × head_dim."""
+    a split plan uses, for every dtype × head_dim, and the append kernel (one for all)."""
     from . import _policy
-    from .decode import _merge_function, _split_function
+    from .decode import _append_function, _merge_function, _split_function
+
+    _append_function()
 
     for dt in DTYPES:
         for d in SUPPORTED_HEAD_DIMS:
@@ -740,9 +768,11 @@ def _compile_all_nvrtc(arch: str = "sm_90") -> None:
         click.echo(f"--compile: not compiled: NVRTC is not available ({type(exc).__name__}: {exc})")
         return
     t0, count, worst = time.perf_counter(), 0, 0
-    for dt in DTYPES:
-        for d in SUPPORTED_HEAD_DIMS:
+    for i, dt in enumerate(DTYPES):
+        for j, d in enumerate(SUPPORTED_HEAD_DIMS):
             builds = [("decode_split.cu", c.defines()) for c in _policy.split_kernel_configs(dt, d)]
+            if i == j == 0:  # the append kernel serves every dtype and head_dim
+                builds.append(("append_kv.cu", {}))
             builds.append(("merge_states.cu", {"IN_DTYPE": _policy.DTYPE_IDS["float32"],
                                                "OUT_DTYPE": _policy.DTYPE_IDS[dt],
                                                "VEC": _policy.merge_vec(d)}))

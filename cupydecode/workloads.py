@@ -69,6 +69,9 @@ class Workload:
     ``seed`` None means "draw a fresh one": :func:`make_inputs` records it here.
     ``logits_soft_cap``: the score cap c (s ← c·tanh(s/c)), None for none. ``page_size``: run
     on a paged copy of the cache (:func:`page_inputs`), None for the contiguous cache.
+    ``append``: the call appends one new token per sequence (:func:`new_tokens`) at position
+    lengths[b] and attends it too, min(lengths[b] + 1, seqlen) tokens (lengths None: every
+    sequence is full, so nothing is written).
     """
 
     batch: int
@@ -84,6 +87,7 @@ class Workload:
     name: str = ""
     logits_soft_cap: float | None = None
     page_size: int | None = None
+    append: bool = False
 
     def __post_init__(self) -> None:
         if self.lengths is not None:
@@ -104,8 +108,11 @@ class Workload:
         return "auto" if self.num_splits is None else str(self.num_splits)
 
     def live_tokens(self) -> int:
-        """Σ_b live length: the tokens whose K and V must be read."""
-        return self.batch * self.seqlen if self.lengths is None else sum(self.lengths)
+        """Σ_b live length: the tokens whose K and V must be read (with ``append``, the new one
+        of each sequence with room for it included)."""
+        if self.lengths is None:
+            return self.batch * self.seqlen
+        return sum(min(n + 1, self.seqlen) if self.append else n for n in self.lengths)
 
     def kv_bytes(self) -> int:
         """Bytes of K and V that one call must read (live tokens only)."""
@@ -120,6 +127,7 @@ class Workload:
     def shape_label(self) -> str:
         cap = "" if self.logits_soft_cap is None else f" cap={self.logits_soft_cap:g}"
         cap += "" if self.page_size is None else f" page={self.page_size}"
+        cap += " append" if self.append else ""
         return (f"B={self.batch} L={self.seqlen} H={self.num_heads}/{self.num_kv_heads} "
                 f"D={self.head_dim}{cap}")
 
@@ -194,6 +202,22 @@ def make_inputs(workload: Workload):
     return q, k, v, seqlens
 
 
+def new_tokens(workload: Workload):
+    """Fresh random ``(k_new, v_new)`` GPU arrays (batch, 1, num_kv_heads, head_dim) ~ N(0, 1)
+    in the workload's dtype: the token each sequence appends (``workload.append``), drawn from
+    the workload's seed (which :func:`make_inputs` records first)."""
+    import cupy
+
+    w = workload
+    rs = cupy.random.RandomState((w.seed ^ 0x5EED1E5) % 2**32)
+    out = []
+    for _ in range(2):
+        x = cupy.empty((w.batch, 1, w.num_kv_heads, w.head_dim), w.dtype)
+        _fill_normal(rs, x)
+        out.append(x)
+    return out[0], out[1]
+
+
 def page_inputs(inputs, page_size: int, seed: int):
     """``make_inputs``' (q, k, v, cache_seqlens) with the cache moved into pages:
     (q, k_pages, v_pages, cache_seqlens, block_table). Pages of ``page_size`` tokens, each
@@ -230,7 +254,9 @@ def default_check_matrix() -> list[Workload]:
     Covers fp16 / bf16 / fp32; head_dim 64, 128, 256; GQA groups 1 (MHA), 2, 4, 7, 8 and MQA
     (71 or 48 query heads on one KV head, also with blocks of several M-tiles); lengths 1, 17, 255, 257, 4097 and 65536; variable lengths
     with an empty sequence; forced 1 and 3 splits and automatic splits; logits of ±1e4; the
-    soft-cap on every math path; paged caches of 1 to 256 tokens per page.
+    soft-cap on every math path; paged caches of 1 to 256 tokens per page; a new token appended
+    in the call (contiguous and paged, every math path, a sequence at full capacity and an
+    empty one).
     Sizes are kept small enough that the float64 reference stays cheap (the whole list runs
     in seconds on an H200, most of it compilation on the first run).
     """
@@ -302,5 +328,23 @@ def default_check_matrix() -> list[Workload]:
         W(1, 65536, 32, 8, 128, "bfloat16", None, name="paged 256", page_size=256),
         W(2, 4097, 16, 8, 256, "float16", None, q_scale=60.0, name="paged 64, soft-cap 50",
           page_size=64, **cap),
+    ]
+    # a new token appended in the call (k_new, v_new): written at each length, then attended;
+    # an empty sequence (written at 0), a full one (nothing written, the length stays), page
+    # boundaries (the new token in a page's last row, in a new page's first); each math path
+    new = {"append": True}
+    m += [
+        W(4, 300, 32, 8, 128, "float16", None, (299, 0, 17, 300), name="append, varlen", **new),
+        W(2, 4097, 28, 4, 128, "bfloat16", 3, (4096, 1000), name="append, GQA 7", **new),
+        W(2, 2000, 48, 1, 128, "float16", 1, (1999, 2000), name="append, M-tiles", **new),
+        W(3, 257, 16, 8, 256, "float32", None, (256, 0, 100), name="append, varlen", **new),
+        W(4, 300, 32, 8, 128, "bfloat16", None, (299, 15, 16, 0), name="append, paged 16",
+          page_size=16, **new),
+        W(3, 5000, 32, 8, 128, "float16", 3, (4999, 99, 5000), name="append, paged 100",
+          page_size=100, **new),
+        W(2, 257, 8, 1, 64, "float32", None, (256, 0), name="append, paged 1", page_size=1,
+          **new),
+        W(3, 257, 32, 2, 128, "float16", 3, (256, 100, 0), name="append, soft-cap 50",
+          **new, **cap),
     ]
     return m

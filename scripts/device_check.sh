@@ -59,6 +59,14 @@ if has sanitizer; then
     2>&1 \
     | tail -n 40 > "$OUT_DIR/sanitizer.log"
   add_summary "memcheck: $(grep -E 'ERROR SUMMARY' "$OUT_DIR/sanitizer.log" | tail -n 1) | $(grep -E 'passed|failed' "$OUT_DIR/sanitizer.log" | tail -n 1)"
+  # the append kernel's writes (and the split kernel over the grown sequences): out-of-range
+  # lengths and pages, page boundaries, strided new tokens, HND pages, a graph
+  timeout 300 compute-sanitizer --tool memcheck --error-exitcode 3 \
+    $PY -m pytest -q -p no:cacheprovider tests/test_gpu_append.py \
+    -k "(append_matches_reference and float16 and not bfloat16) or clamped or out_of_range_page \
+    or graph or host_lengths or hnd" 2>&1 \
+    | tail -n 40 > "$OUT_DIR/sanitizer_append.log"
+  add_summary "memcheck (append): $(grep -E 'ERROR SUMMARY' "$OUT_DIR/sanitizer_append.log" | tail -n 1) | $(grep -E 'passed|failed' "$OUT_DIR/sanitizer_append.log" | tail -n 1)"
 fi
 
 if has racecheck; then

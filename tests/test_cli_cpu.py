@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import numpy as np
@@ -196,6 +197,37 @@ def test_page_size_option():
     assert any(w.page_size == 1 for w in default_check_matrix())
 
 
+def test_append_option():
+    """--append reaches the workloads of check (lengths seqlen − 1 unless given; the replay
+    command) and bench (every sequence one short of seqlen), and the forwarded options."""
+    from cupydecode.check import _row_skeleton, repro_command
+
+    args = (2, 300, None, None, None, None, None, 7, False, None, 1.0, None, None, None)
+    w = cli._single_workload(*args, True)
+    assert w.append and w.lengths == (299, 299) and "append" in cli._workload_label(w)
+    assert w.live_tokens() == 600 and w.kv_bytes() == Workload(2, 300, 32, 8, 128).kv_bytes()
+    assert repro_command(_row_skeleton(w)).endswith("--lengths 299,299 --append")
+    assert not cli._single_workload(*args).append
+    w = cli._single_workload(2, 300, None, None, None, None, None, 7, True, None, 1.0, None,
+                             None, 16, True)
+    assert w.lengths == random_lengths(2, 300, 7) and w.page_size == 16 and w.append
+    assert cli.check.make_context("check", ["--append"]).params["append"] is True
+    assert cli.check.make_context("check", []).params["append"] is False
+    points = B.sweep("llama-3-8b", "float16", [1024, 17], [1, 3], None, None, 16, True)
+    assert all(w.append and w.lengths == (w.seqlen - 1,) * w.batch for w in points)
+    assert all(w.kv_bytes() == dataclasses.replace(w, lengths=None, append=False).kv_bytes()
+               for w in points)
+    assert not any(w.append for w in B.sweep("llama-3-8b", "float16", [1024], [1]))
+    argv = cli._forwarded_bench_args("llama-3-8b", "float16", [1024], [1], "auto", ["step"], [],
+                                     None, None, True)
+    assert cli.bench.make_context("bench", argv).params["append"] is True
+    labels = [c[1] for c in cli._bench_columns({}, False, True)]
+    assert "no_append_us" in labels and "append_cost_us" in labels
+    assert "no_append_us" not in [c[1] for c in cli._bench_columns({})]
+    # a full sequence appends nothing: it attends seqlen tokens, no more
+    assert Workload(2, 10, 8, 2, 64, lengths=(10, 0), append=True).live_tokens() == 11
+
+
 def test_default_matrix_covers_the_contract():
     m = default_check_matrix()
     assert {w.dtype for w in m} == {"float16", "bfloat16", "float32"}
@@ -215,6 +247,17 @@ def test_default_matrix_covers_the_contract():
     assert {w.dtype for w in m if w.num_splits
             and P.m_tiles(w.dtype, w.head_dim, w.group) > 1
             and P.chunk_for_splits(w.seqlen, w.num_splits) >= P.MTILE_MIN_CHUNK} == {"float16", "bfloat16"}
+    # appended tokens: every math path, contiguous and paged (pages of 1, 16 and 100), a full
+    # sequence (nothing written) and an empty one (written at 0)
+    appended = [w for w in m if w.append]
+    assert {w.dtype for w in appended} == {"float16", "bfloat16", "float32"}
+    assert {None, 1, 16, 100} <= {w.page_size for w in appended}
+    assert {4, 16, 48} <= {w.group for w in appended}  # heads as N, 16 rows, M-tiles
+    assert any(w.logits_soft_cap for w in appended)
+    assert all(w.lengths is not None for w in appended)
+    assert any(w.seqlen in w.lengths for w in appended) and any(0 in w.lengths for w in appended)
+    assert any(w.page_size and any(n % w.page_size == 0 and 0 < n < w.seqlen for n in w.lengths)
+               for w in appended)  # the new token opens a page
     # keep the float64 reference cheap: no cache above ~70M elements
     assert max(w.batch * w.seqlen * w.num_kv_heads * w.head_dim for w in m) <= 70_000_000
     for w in m:
@@ -298,7 +341,8 @@ def test_info_compile_without_gpu_compiles_with_nvrtc_or_says_not(runner, monkey
         assert not calls
     else:
         assert "compiled with NVRTC for sm_90" in result.output and calls
-        assert {f for f, _ in calls} == {"decode_split.cu", "merge_states.cu"}
+        assert {f for f, _ in calls} == {"decode_split.cu", "merge_states.cu", "append_kv.cu"}
+        assert [f for f, _ in calls].count("append_kv.cu") == 1
 
 
 def test_gpu_problem_names_the_fix(monkeypatch):

@@ -65,6 +65,42 @@ def test_check_replay_uses_the_same_data(runner, tmp_path):
     assert outs[0]["max_abs_lse"] == outs[1]["max_abs_lse"]
 
 
+def test_check_append(runner, tmp_path):
+    """check --append: contiguous and paged, with varlen lengths (a full sequence, an empty
+    one); the cache after the call matched the expected one."""
+    for extra in ([], ["--page-size", "16"]):
+        out = tmp_path / "append.json"
+        result = runner.invoke(cli.main, ["check", "--seqlen", "300", "--batch", "4", "--varlen",
+                                          "--append", *extra, "--json", str(out)])
+        assert result.exit_code == 0, result.output
+        (row,) = json.loads(out.read_text())["rows"]
+        assert row["append"] and row["passed"] and row["cache_rows_wrong"] == 0, row
+        assert 300 in row["lengths"] and 0 in row["lengths"]
+
+
+def test_check_catches_a_missing_append(cupy, monkeypatch):
+    """`cupydecode check`'s append rows fail where the append kernel writes nothing: the output
+    (the new rows are NaN) and the cache comparison both say so."""
+    from cupydecode import check as C
+    from cupydecode.decode import DecodePlan
+    from cupydecode.workloads import Workload
+
+    def workload(page_size):
+        return Workload(3, 300, 32, 8, 128, "float16", None, (299, 0, 17), append=True,
+                        page_size=page_size)
+    assert C.run_check(workload(16))["passed"]
+    real = DecodePlan.__init__
+
+    def without_append(self, *a, **kw):
+        real(self, *a, **kw)
+        self._append_launch = lambda *args: None
+    monkeypatch.setattr(DecodePlan, "__init__", without_append)
+    for page_size in (None, 16):
+        row = C.run_check(workload(page_size))
+        assert not row["passed"] and row["cache_rows_wrong"] == 6, row
+        assert "differs from reference.append_kv's" in row["error"]
+
+
 def test_gpu_reference_matches_numpy(cupy, seed):
     from cupydecode.check import reference_gpu, select_rows
     from cupydecode.workloads import Workload, make_inputs
@@ -100,6 +136,20 @@ def test_bench_tiny_sweep_writes_files(runner, tmp_path):
     assert int(rows[0]["kv_per_block"]) == 1
 
 
+def test_bench_append(runner, tmp_path):
+    """bench --append: the call with the append checked against float64, and the same call
+    without it timed in the same protocol."""
+    json_path = tmp_path / "b.json"
+    result = runner.invoke(cli.main, ["bench", "--seqlens", "4096", "--batch", "2", "--append",
+                                      "--page-size", "16", "--json", str(json_path)])
+    assert result.exit_code == 0, result.output
+    assert "no-append µs" in result.output
+    (row,) = json.loads(json_path.read_text())["rows"]
+    assert row["append"] and row["check"] == "ok" and row["page_size"] == 16
+    assert row["gpu_us"] > 0 and row["no_append_us"] > 0
+    assert row["append_cost_us"] == pytest.approx(row["gpu_us"] - row["no_append_us"])
+
+
 def test_explain_gpu_matches_cpu(runner):
     for tokens, splits, head_dim in [(12, 3, 4), (5, 4, 8), (40, 1, 128)]:
         wk = explain.walk(tokens, splits, head_dim, seed=tokens)
@@ -125,7 +175,8 @@ def test_info_names_the_gpu(runner, cupy):
 
 
 def test_info_compile_builds_every_specialisation(runner, cupy):
-    """`info --compile` lists every split-kernel block shape a plan can pick, and the merge."""
+    """`info --compile` lists every split-kernel block shape a plan can pick, the merge and the
+    append kernel."""
     from cupydecode import _policy
 
     result = runner.invoke(cli.main, ["info", "--compile"])
@@ -136,6 +187,7 @@ def test_info_compile_builds_every_specialisation(runner, cupy):
                 shape = " ".join(f"{k}={v}" for k, v in sorted(cfg.defines().items()))
                 assert shape in result.output, (shape, result.output)
     assert "merge_states.cu:cd_merge_states" in result.output, result.output
+    assert "append_kv.cu:cd_append_kv" in result.output, result.output
 
 
 def test_bench_protocols_side_by_side(runner, tmp_path):
