@@ -6,7 +6,8 @@
 # FlashInfer when importable). Logs, CSV/JSON and the plot go to OUTDIR; a summary prints last.
 # STEPS selects steps (default "tests sanitizer check bench layouts"; also "racecheck", and
 # "softcap": the soft-cap's cost, the same points with and without it, and gemma-2 with peers;
-# "paged": paged caches of 1 and 16 tokens per page beside the contiguous cache and FlashInfer).
+# "paged": paged caches of 1 and 16 tokens per page beside the contiguous cache and FlashInfer;
+# "append": the cost of appending the new token, contiguous and paged).
 # A machine that returns only a few files: run it into a scratch folder and pack that, e.g.
 #   bash scripts/device_check.sh /tmp/dc; tar czf "$OUT/device_check.tgz" -C /tmp/dc .
 set -u
@@ -147,6 +148,28 @@ for r in rows:
         out.append(f"p{r['page_size']} b{r['batch']}x{r['seqlen']}: {us:.1f} us"
                    + (f" ({100 * (us / b - 1):+.1f}% vs contiguous)" if b else "")
                    + (f" FI {min(fi):.1f} x{min(fi) / us:.3f}" if fi else "") + f" {r['check']}")
+print("; ".join(out))
+PYEOF
+)"
+fi
+
+if has append; then
+  # what appending the new token costs: the same call with and without the append (bench
+  # --append times both in the same process), contiguous and paged (16 tokens a page)
+  for page in none 16; do
+    opt=$([ "$page" = none ] || echo "--page-size $page")
+    $PY -m cupydecode.cli bench --protocol "${PROTOCOLS%%,*}" --append $opt --seqlens 16384,65536 \
+      --batch 1,16 --csv "$OUT_DIR/append_$page.csv" 2>>"$OUT_DIR/bench.err" | tee -a "$OUT_DIR/append.txt"
+  done
+  merge_parts "$OUT_DIR/append.csv" "$OUT_DIR"/append_*.csv
+  add_summary "append: $($PY - "$OUT_DIR/append.csv" <<'PYEOF'
+import csv, sys
+out = []
+for r in csv.DictReader(open(sys.argv[1])):
+    if r["gpu_us"] and r["no_append_us"]:
+        us, base = float(r["gpu_us"]), float(r["no_append_us"])
+        out.append(f"p{r['page_size'] or '-'} b{r['batch']}x{r['seqlen']} ({float(r['kv_bytes']) / 1e6:.0f} MB): "
+                   f"{base:.1f} -> {us:.1f} us ({100 * (us / base - 1):+.2f}%) {r['check']}")
 print("; ".join(out))
 PYEOF
 )"
