@@ -105,7 +105,8 @@ class SplitKernelConfig:
         acc = self.num_warps * ROWS * (self.head_dim + 8) * 4  # rows padded (ACC_STRIDE)
         ml = 2 * self.num_warps * ROWS * 4
         live = self.rings * self.stages * 4 if self.paged else 0  # LIVE_BYTES
-        return q + max(pipe, acc) + ml + live
+        new = self.kv_per_block * 2 * self.head_dim * es  # NEW_BYTES: the appended token's rows
+        return q + max(pipe, acc) + ml + live + new
 
     def defines(self) -> dict[str, int]:
         return {

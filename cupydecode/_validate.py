@@ -392,19 +392,20 @@ def new_key(x):
 _NEW_CHECKED: dict = {}
 
 
-def new_token_strides(x) -> tuple[int, int]:
-    """The append kernel's batch and head strides of a k_new/v_new array (3 or 4 dims), in
-    16-byte units."""
-    return x.strides[0] // 16, x.strides[-2] // 16
+def new_token_strides(x) -> tuple[int, int, int]:
+    """The split kernel's batch, token and head strides of a k_new/v_new array (3 dims: one
+    token, stride 0), in elements."""
+    es = x.itemsize
+    return x.strides[0] // es, (x.strides[1] // es if x.ndim == 4 else 0), x.strides[-2] // es
 
 
 def check_new_tokens(k_new, v_new, batch: int, num_kv_heads: int, head_dim: int, dtype: str):
     """``k_new``, ``v_new``: the new token of each sequence, to be written into the cache at
-    position cache_seqlens[b] and attended (kernels/append_kv.cu). Each is (batch, 1,
+    position cache_seqlens[b] and attended (the split kernel reads and writes them). Each is (batch, 1,
     num_kv_heads, head_dim) or (batch, num_kv_heads, head_dim), of the cache's ``dtype``, on the
     current device, last dimension contiguous, base pointer and batch/head strides 16-byte aligned
     (rows are copied as 16-byte vectors); nothing is ever copied to make them so. Returns
-    ``(k_new, v_new, (kn_sb, kn_sh, vn_sb, vn_sh))`` with the strides in 16-byte units. Inputs
+    ``(k_new, v_new, (kn_sb, kn_ss, kn_sh, vn_sb, vn_ss, vn_sh))``, strides in elements. Inputs
     that passed are remembered by their :func:`new_key` (and the current device)."""
     if (k_new is None) != (v_new is None):
         given, missing = ("k_new", "v_new") if v_new is None else ("v_new", "k_new")

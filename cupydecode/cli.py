@@ -740,11 +740,10 @@ def info(ctx, compile_all):
 
 def _compile_all() -> None:
     """Build the split kernels (every block shape a plan can pick) and the merge kernel that
-    a split plan uses, for every dtype × head_dim, and the append kernel (one for all)."""
+    a split plan uses, for every dtype × head_dim."""
     from . import _policy
-    from .decode import _append_function, _merge_function, _split_function
+    from .decode import _merge_function, _split_function
 
-    _append_function()
 
     for dt in DTYPES:
         for d in SUPPORTED_HEAD_DIMS:
@@ -768,11 +767,9 @@ def _compile_all_nvrtc(arch: str = "sm_90") -> None:
         click.echo(f"--compile: not compiled: NVRTC is not available ({type(exc).__name__}: {exc})")
         return
     t0, count, worst = time.perf_counter(), 0, 0
-    for i, dt in enumerate(DTYPES):
-        for j, d in enumerate(SUPPORTED_HEAD_DIMS):
+    for dt in DTYPES:
+        for d in SUPPORTED_HEAD_DIMS:
             builds = [("decode_split.cu", c.defines()) for c in _policy.split_kernel_configs(dt, d)]
-            if i == j == 0:  # the append kernel serves every dtype and head_dim
-                builds.append(("append_kv.cu", {}))
             builds.append(("merge_states.cu", {"IN_DTYPE": _policy.DTYPE_IDS["float32"],
                                                "OUT_DTYPE": _policy.DTYPE_IDS[dt],
                                                "VEC": _policy.merge_vec(d)}))

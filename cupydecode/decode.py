@@ -26,7 +26,6 @@ ArrayLike = Any
 
 _SPLIT_FILE, _SPLIT_KERNEL = "decode_split.cu", "cd_decode_split"
 _MERGE_FILE, _MERGE_KERNEL = "merge_states.cu", "cd_merge_states"
-_APPEND_FILE, _APPEND_KERNEL = "append_kv.cu", "cd_append_kv"
 
 
 @functools.lru_cache(maxsize=None)
@@ -49,14 +48,6 @@ def _split_function(cfg: _policy.SplitKernelConfig):
         raise RuntimeError("a kernel variant (kernel_sources) with another parameter list than "
                            "the shipped kernels/decode_params.cuh: the host packs the shipped one")
     return _kernels.get_function(_SPLIT_FILE, _SPLIT_KERNEL, cfg.defines())
-
-
-def _append_function():
-    if (_kernels._SOURCE_DIRS
-            and _kernels.param_list(_APPEND_FILE, _APPEND_MACRO) != _APPEND_LIST):
-        raise RuntimeError("a kernel variant (kernel_sources) with another parameter list than "
-                           "the shipped kernels/append_kv.cu: the host packs the shipped one")
-    return _kernels.get_function(_APPEND_FILE, _APPEND_KERNEL, {})
 
 
 @functools.lru_cache(maxsize=None)
@@ -127,11 +118,11 @@ class DecodePlan:
     the most tokens a sequence may hold. Any P ≥ 1 works; a page index outside [0, num_pages)
     reads nothing and its tokens count for nothing.
 
-    ``run(..., k_new=, v_new=)`` appends each sequence's new token first: its K and V rows are
-    written into the cache at position cache_seqlens[b] (through the block table when paged; a
-    full sequence, or a page index outside [0, num_pages), writes nothing) by a small kernel on the
-    same stream (kernels/append_kv.cu, built with the plan), and attention then runs over
-    cache_seqlens[b] + 1 tokens, clamped to max_seqlen. The caller advances cache_seqlens.
+    ``run(..., k_new=, v_new=)`` appends each sequence's new token in the same launch: attention
+    runs over cache_seqlens[b] + 1 tokens (clamped to max_seqlen), the new one read from k_new,
+    v_new, and the block whose chunk holds it writes its K and V rows into the cache at position
+    cache_seqlens[b] (through the block table when paged; a full sequence, or a page index outside
+    [0, num_pages), writes nothing). The caller advances cache_seqlens.
 
     A plan's workspace (partials and the fused merge's arrival counters) is shared by its runs:
     run one plan on one stream at a time, and make one plan per stream for concurrent decoding
@@ -264,13 +255,6 @@ class DecodePlan:
             _split_function(self.config), self._grid, (self.config.threads, 1, 1),
             self.config.smem_bytes, _PARAMS,
             programmatic=programmatic and self.enable_pdl))
-        # run(k_new=, v_new=): the append kernel, one block per (KV head, sequence), one thread
-        # per 16-byte chunk of a row; built here, so that no run compiles or loads (a capture)
-        self._row_chunks = self.head_dim * _policy.ITEMSIZE[self.dtype] // 16
-        self._append_launch = (None if self.batch == 0 else _kernels.StructLaunch(
-            _append_function(), (self.num_kv_heads, self.batch, 1), (self._row_chunks, 1, 1), 0,
-            _APPEND_PARAMS))
-        self._append_static = (self.max_seqlen, self.page_size or 0)
         self._shape = dict(batch=self.batch, num_heads=self.num_heads,
                            num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
                            max_seqlen=self.max_seqlen)
@@ -391,10 +375,10 @@ class DecodePlan:
 
     def _launch(self, q, k, v, seqlens, seqlen_all, scale, out, lse, stream, strides,
                 table=None, new=None) -> None:
-        """Everything after validation: the append kernel (with ``new``), the split kernel, then
+        """Everything after validation: the split kernel (which appends ``new``'s tokens), then
         (if split) the merge kernel, on ``stream`` (None: the current stream); ``strides``:
         ``_element_strides(...)``; ``table``: the block table of a paged plan; ``new``:
-        ``_validate.check_new_tokens(...)``'s (k_new, v_new, their strides in 16-byte units)."""
+        ``_validate.check_new_tokens(...)``'s (k_new, v_new, their strides in elements)."""
         import cupy
 
         if self.batch == 0:
@@ -409,22 +393,14 @@ class DecodePlan:
             self._counters_wait, self._counters_refill = None, False
         # Raw pointers in the struct are as safe as array arguments: the arrays are alive during
         # this call, and CuPy's pool hands freed memory out again only in stream order.
-        seqlens_ptr = 0 if seqlens is None else seqlens.data.ptr
-        table_ptr = 0 if table is None else table.data.ptr
-        seqlen_add = 0
-        if new is not None:  # the new rows first, then attention over one more token each
-            k_new, v_new, new_strides = new
-            epc = 16 // q.itemsize  # elements per 16-byte unit (strides are whole units)
-            self._append_launch(
-                stream.ptr, k.data.ptr, v.data.ptr, k_new.data.ptr, v_new.data.ptr, seqlens_ptr,
-                table_ptr, *(s // epc for s in strides[2:8]), *new_strides, strides[10],
-                seqlen_all, *self._append_static, strides[11], self._row_chunks)
-            seqlen_add = 1
+        k_new, v_new, new_strides, n_new = (0, 0, _NO_NEW, 0) if new is None else (
+            new[0].data.ptr, new[1].data.ptr, new[2], 1)
         self._split_launch(
             stream.ptr,
-            q.data.ptr, k.data.ptr, v.data.ptr, seqlens_ptr,
+            q.data.ptr, k.data.ptr, v.data.ptr, 0 if seqlens is None else seqlens.data.ptr,
             *self._part_ptrs, out.data.ptr, 0 if lse is None else lse.data.ptr, self._counter_ptr,
-            table_ptr, *strides, seqlen_all, *self._static, *self._score_args(scale), seqlen_add)
+            0 if table is None else table.data.ptr, k_new, v_new, *strides[:11], *new_strides,
+            *strides[11:], seqlen_all, *self._static, *self._score_args(scale), n_new)
         if self._merge_call is not None:
             self._merge_call(stream.ptr, *self._part_ptrs, out.data.ptr,
                              0 if lse is None else lse.data.ptr, *self._merge_static)
@@ -441,28 +417,16 @@ except FileNotFoundError:  # kernel sources missing (a broken install): building
     _PARAM_LIST = ()
 _PARAMS = struct.Struct("<" + "".join(_PARAM_CODES[kind] for kind, _ in _PARAM_LIST))
 _LAUNCH_ORDER = ("q", "k", "v", "seqlens", "o_part", "lse_part", "out", "lse_out", "counters",
-                 "block_table", "q_sb", "q_sh", "k_sb", "k_ss", "k_sh", "v_sb", "v_ss", "v_sh",
-                 "out_sb", "out_sh", "bt_sb", "num_pages", "seqlen_all", "max_seqlen",
+                 "block_table", "k_new", "v_new", "q_sb", "q_sh", "k_sb", "k_ss", "k_sh", "v_sb",
+                 "v_ss", "v_sh", "out_sb", "out_sh", "bt_sb", "kn_sb", "kn_ss", "kn_sh", "vn_sb",
+                 "vn_ss", "vn_sh", "num_pages", "seqlen_all", "max_seqlen",
                  "num_heads", "group", "head_tiles", "chunk_tokens", "page_size", "scale_log2",
-                 "warps_in_step", "soft_cap_in", "soft_cap_out", "seqlen_add")
+                 "warps_in_step", "soft_cap_in", "soft_cap_out", "n_new")
 if _PARAM_LIST and tuple(name for _, name in _PARAM_LIST) != _LAUNCH_ORDER:
     raise ImportError("kernels/decode_params.cuh and DecodePlan._launch disagree on the split "
                       f"kernel's parameters: {[n for _, n in _PARAM_LIST]} vs {list(_LAUNCH_ORDER)}")
 
-# struct cd_append_params of kernels/append_kv.cu, declared there the same way, and the order in
-# which DecodePlan._launch passes its values (strides in 16-byte units).
-_APPEND_MACRO = "CD_APPEND_PARAMS"
-try:
-    _APPEND_LIST = _kernels.param_list(_APPEND_FILE, _APPEND_MACRO)
-except FileNotFoundError:  # (as above)
-    _APPEND_LIST = ()
-_APPEND_PARAMS = struct.Struct("<" + "".join(_PARAM_CODES[kind] for kind, _ in _APPEND_LIST))
-_APPEND_ORDER = ("k", "v", "k_new", "v_new", "seqlens", "block_table", "k_sb", "k_ss", "k_sh",
-                 "v_sb", "v_ss", "v_sh", "kn_sb", "kn_sh", "vn_sb", "vn_sh", "bt_sb",
-                 "seqlen_all", "max_seqlen", "page_size", "num_pages", "row_chunks")
-if _APPEND_LIST and tuple(name for _, name in _APPEND_LIST) != _APPEND_ORDER:
-    raise ImportError("kernels/append_kv.cu and DecodePlan._launch disagree on the append "
-                      f"kernel's parameters: {[n for _, n in _APPEND_LIST]} vs {list(_APPEND_ORDER)}")
+_NO_NEW = (0,) * 6  # k_new's and v_new's strides without new tokens
 
 # Parameters of cd_merge_states in kernels/merge_states.cu, packed for a plan's prepared launch:
 # o_parts, lse_parts, out, lse_out (pointers), num_states (int32), rows (int64), head_dim and

@@ -62,7 +62,7 @@ template <> struct cd_elem<2> {
 };
 
 // Parameter structs declared as X-macro lists of X(kind, C type, name) entries
-// (decode_params.cuh, append_kv.cu) are packed by the host field after field, with no padding.
+// (decode_params.cuh) are packed by the host field after field, with no padding.
 // A list in falling alignment (pointers, then 8-byte, then 4-byte fields) pads no field: only the
 // struct's tail, to its 8-byte alignment, which the host's buffer of whole 8-byte words covers
 // (cupydecode/_kernels.py, StructLaunch). static_assert(cd_falling_alignment({LIST(CD_PARAM_ALIGN)}))

@@ -5,8 +5,7 @@
 // list from this file to pack the same fields in the same order (little-endian, no padding: the
 // list keeps falling alignment). A new parameter is one entry here, and its value in
 // DecodePlan._launch, whose order decode.py checks against this list when it is imported.
-// (The struct's tail may be padded to its 8-byte alignment: CD_PARAM_ALIGN in common.cuh. A new
-// 4-byte field goes last, where it moves no other field: seqlen_add did.)
+// (The struct's tail may be padded to its 8-byte alignment: CD_PARAM_ALIGN in common.cuh.)
 // (q_t, kv_t, out_t: the element types, defined by the file that includes this one.) A paged
 // cache (PAGED) is (num_pages, page_size, num_kv_heads, head_dim): k_sb/v_sb are then the page
 // strides and k_ss/v_ss the token strides within a page.
@@ -23,6 +22,8 @@
     X(PTR, float*, lse_out)          /* may be null */                                        \
     X(PTR, int*, counters)           /* non-null: fused merge */                              \
     X(PTR, const int*, block_table)  /* PAGED: (batch, pages per sequence) page indices */    \
+    X(PTR, const kv_t*, k_new)       /* n_new > 0: (batch, n_new, kv heads, dim) new tokens */ \
+    X(PTR, const kv_t*, v_new)                                                                \
     X(I64, long long, q_sb)          /* strides, in elements */                               \
     X(I64, long long, q_sh)                                                                   \
     X(I64, long long, k_sb)                                                                   \
@@ -34,6 +35,12 @@
     X(I64, long long, out_sb)                                                                 \
     X(I64, long long, out_sh)                                                                 \
     X(I64, long long, bt_sb)         /* PAGED: block_table's row stride */                    \
+    X(I64, long long, kn_sb)         /* k_new's batch, token and head strides */              \
+    X(I64, long long, kn_ss)                                                                  \
+    X(I64, long long, kn_sh)                                                                  \
+    X(I64, long long, vn_sb)                                                                  \
+    X(I64, long long, vn_ss)                                                                  \
+    X(I64, long long, vn_sh)                                                                  \
     X(I32, int, num_pages)           /* PAGED: pages in the cache; other indices read nothing */ \
     X(I32, int, seqlen_all)                                                                   \
     X(I32, int, max_seqlen)                                                                   \
@@ -46,7 +53,7 @@
     X(I32, int, warps_in_step)       /* 1: the block's warps take their tiles in step */     \
     X(F32, float, soft_cap_in)       /* SOFT_CAP: 2·log2(e) · scale / cap (else unused) */   \
     X(F32, float, soft_cap_out)      /* SOFT_CAP: cap · log2(e) */                           \
-    X(I32, int, seqlen_add)          /* added to every clamped length (1: append_kv.cu ran) */
+    X(I32, int, n_new)               /* new tokens per sequence (k_new, v_new); 0: none */
 
 #define CD_PARAM_FIELD(kind, type, name) type name;
 #define CD_PARAM_SIZE(kind, type, name) +sizeof(type)

@@ -109,7 +109,9 @@ static_assert(sizeof(q_t) == sizeof(kv_t), "the tile math multiplies q and K/V o
 #endif
 // PAGED: one word per ring stage, the rows of its tile that hold a key (the KV view's mask)
 #define LIVE_BYTES (PAGED ? RINGS * STAGES * 4 : 0)
-#define SMEM_BYTES (Q_BYTES + BODY_BYTES + ML_BYTES + LIVE_BYTES)
+// The appended token's K and V rows (k_new, v_new) of each of the block's KV heads
+#define NEW_BYTES (KV_PER_BLOCK * 2 * HEAD_DIM * ES)
+#define SMEM_BYTES (Q_BYTES + BODY_BYTES + ML_BYTES + LIVE_BYTES + NEW_BYTES)
 
 #if (HEAD_DIM * 2 / 16) < 8
 #error "HEAD_DIM too small for the 8-row XOR swizzle"
@@ -441,14 +443,14 @@ cd_decode_split(const cd_decode_params p) {
         if (dyn < SMEM_BYTES) __trap();
     }
 
-    // Clamp device-provided lengths: nothing is ever read outside [0, max_seqlen). With new
-    // tokens appended right before this kernel (append_kv.cu, which clamps the same way and
-    // writes at the clamped length), seqlen_add = 1 counts the new one, within the capacity:
-    // clamped first, so a length below 0 attends the token written at 0 and one near 2³¹ cannot
-    // overflow (reference.append_kv's order).
+    // Clamp device-provided lengths: nothing is ever read outside [0, max_seqlen). An appended
+    // token (k_new, v_new: n_new = 1) takes position new_lo, the clamped length, if that is
+    // inside the capacity (a full sequence appends nothing; reference.append_kv's order), so a
+    // length below 0 appends at 0 and one near 2³¹ cannot overflow.
     int seqlen = seqlens ? seqlens[b] : seqlen_all;
     seqlen = max(0, min(seqlen, max_seqlen));
-    seqlen = min(seqlen + p.seqlen_add, max_seqlen);
+    const int new_lo = seqlen;
+    seqlen += min(p.n_new, max_seqlen - seqlen);
     const int chunk_start = split * chunk_tokens;
     const int chunk_end = min(chunk_start + chunk_tokens, seqlen);
     const cd_score_params score_params{scale_log2, chunk_end, p.soft_cap_in, p.soft_cap_out};
@@ -602,6 +604,25 @@ cd_decode_split(const cd_decode_params p) {
         };
 #endif
 
+        // The appended token (position new_lo, in this block's chunk when new_lo < chunk_end):
+        // the view copies its row from the cache like any other (stale there: its place is only
+        // written now) and then overwrites it in the ring from sm_new, the rows k_new and v_new
+        // hold (patch_new_row); the blocks of head tile 0 also write them into the cache. No part
+        // of this launch reads those cache rows after the copy.
+        uint4* sm_new = reinterpret_cast<uint4*>(smem + Q_BYTES + BODY_BYTES + ML_BYTES + LIVE_BYTES);
+        const bool has_new = new_lo < chunk_end;
+        // after tile i's copies have landed (this lane's: it copied the same 16-byte chunks, in
+        // either copy of load_tile, so program order covers it), before the tile is shown
+        auto patch_new_row = [&](int i) {
+            const int r = new_lo - tile_start(i);
+            if (!has_new || (unsigned)r >= TILE_N || !((tile_live(i) >> r) & 1u)) return;
+            unsigned char* st = ring + (i % STAGES) * 2 * TILE_BYTES;
+            for (int c = (lane - r * CPR) & 31; c < CPR; c += 32) {  // chunk (r, c): lane (r·CPR + c) % 32
+                *reinterpret_cast<uint4*>(st + swz(r, c) * 16) = sm_new[(2 * kh) * CPR + c];
+                *reinterpret_cast<uint4*>(st + TILE_BYTES + swz(r, c) * 16) = sm_new[(2 * kh + 1) * CPR + c];
+            }
+        };
+
         // Start streaming K/V first: the Q load and its barrier then overlap the first
         // tiles' latency instead of delaying it.
         if (loader) {
@@ -610,6 +631,29 @@ cd_decode_split(const cd_decode_params p) {
                 if (i < my_tiles) load_tile(i, i);
                 cp_async_commit();
             }
+        }
+        // The new rows' 16-byte chunks (KV head of the block, column), one per thread, loaded
+        // here and stored after the Q load, so that the latencies overlap; a page index outside
+        // [0, num_pages) writes nothing (and its row counts for nothing: tile_live).
+        static_assert(KV_PER_BLOCK * CPR <= NUM_THREADS, "a thread per chunk of the new rows");
+        const bool app = has_new && tid < KV_PER_BLOCK * CPR;
+        const int app_head = unit * KV_PER_BLOCK + tid / CPR, app_c = tid % CPR;
+        uint4 app_k = make_uint4(0u, 0u, 0u, 0u), app_v = app_k;
+        long long app_kr = -1, app_vr = -1;  // the row's place in the cache; -1: not written
+        if (app) {
+            app_k = *reinterpret_cast<const uint4*>(p.k_new + b * p.kn_sb + (long long)app_head * p.kn_sh + app_c * EPC);
+            app_v = *reinterpret_cast<const uint4*>(p.v_new + b * p.vn_sb + (long long)app_head * p.vn_sh + app_c * EPC);
+#if PAGED
+            const int pj = new_lo / page_size;  // an entry of the row: new_lo < max_seqlen
+            const int page = table[pj];
+            if ((unsigned)page < (unsigned)num_pages) {
+                app_kr = page * k_sb + (long long)(new_lo - pj * page_size) * k_ss;
+                app_vr = page * v_sb + (long long)(new_lo - pj * page_size) * v_ss;
+            }
+#else
+            app_kr = b * k_sb + (long long)new_lo * k_ss;
+            app_vr = b * v_sb + (long long)new_lo * v_ss;
+#endif
         }
         // ================================================================ 3. tile compute
         // ---------------------------------------------------------------- Q tile → shared
@@ -627,6 +671,15 @@ cd_decode_split(const cd_decode_params p) {
             reinterpret_cast<uint4*>(sq)[r * CPR + c] = val;
 #endif
         }
+        if (app) {
+            sm_new[(2 * (tid / CPR)) * CPR + app_c] = app_k;
+            sm_new[(2 * (tid / CPR) + 1) * CPR + app_c] = app_v;
+            if (head_tile == 0 && app_kr >= 0) {  // the cache is only read by cp.async, and not there
+                const long long at = (long long)app_head * k_sh + app_c * EPC;
+                *reinterpret_cast<uint4*>(const_cast<kv_t*>(k) + app_kr + at) = app_k;
+                *reinterpret_cast<uint4*>(const_cast<kv_t*>(v) + app_vr + (long long)app_head * v_sh + app_c * EPC) = app_v;
+            }
+        }
         __syncthreads();
 
         // Tile i is in the ring for every warp of the slot when this returns, and the stage tile
@@ -636,10 +689,14 @@ cd_decode_split(const cd_decode_params p) {
                 if (i + STAGES - 1 < my_tiles) load_tile(i + STAGES - 1, (i + STAGES - 1) % STAGES);
                 cp_async_commit();
                 cp_async_wait<STAGES - 1>();
+                patch_new_row(i);
                 if (in_step) __syncthreads();
                 else __syncwarp();
             } else {  // shared by the slot's warps: the barrier shows the tile and frees the stage
-                if (loader) cp_async_wait<STAGES - 2>();
+                if (loader) {
+                    cp_async_wait<STAGES - 2>();
+                    patch_new_row(i);
+                }
                 slot_barrier(slot);
                 if (loader) {
                     if (i + STAGES - 1 < my_tiles) load_tile(i + STAGES - 1, (i + STAGES - 1) % STAGES);

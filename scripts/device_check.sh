@@ -60,7 +60,7 @@ if has sanitizer; then
     2>&1 \
     | tail -n 40 > "$OUT_DIR/sanitizer.log"
   add_summary "memcheck: $(grep -E 'ERROR SUMMARY' "$OUT_DIR/sanitizer.log" | tail -n 1) | $(grep -E 'passed|failed' "$OUT_DIR/sanitizer.log" | tail -n 1)"
-  # the append kernel's writes (and the split kernel over the grown sequences): out-of-range
+  # the appended rows' writes and the split kernel over the grown sequences: out-of-range
   # lengths and pages, page boundaries, strided new tokens, HND pages, a graph
   timeout 300 compute-sanitizer --tool memcheck --error-exitcode 3 \
     $PY -m pytest -q -p no:cacheprovider tests/test_gpu_append.py \
@@ -74,13 +74,15 @@ if has racecheck; then
   # shared-memory hazards of the split kernel (ring reuse, shared M-tile rings, epilogue) on a
   # few small cases (the M-tile layouts in both 16-bit types, both tensor-core paths in fp16,
   # blocks of several KV heads in fp16 with one split and with the fused merge, and the paged
-  # KV view's per-stage mask words)
+  # KV view's per-stage mask words, and the appended row patched into the ring)
   timeout 300 compute-sanitizer --tool racecheck --error-exitcode 3 \
     $PY -m pytest -q -p no:cacheprovider tests/test_gpu_plan.py tests/test_gpu_decode.py \
-    tests/test_gpu_paged.py \
+    tests/test_gpu_paged.py tests/test_gpu_append.py \
     -k "merge_modes_agree or m_tile_layouts or (both_tensor_core_paths and not bfloat16) \
     or (kv_groups and not bfloat16 and nhd and not kernel) or enable_pdl or paged_kv_groups \
-    or (paged_matches_reference and float16 and 48-1-128)" 2>&1 \
+    or (paged_matches_reference and float16 and 48-1-128) \
+    or (append_matches_reference and float16 and not bfloat16 and (48-1-128 or 32-8-128) \
+    and (contiguous or page16))" 2>&1 \
     | tail -n 20 > "$OUT_DIR/racecheck.log"
   add_summary "racecheck: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT_DIR/racecheck.log" | tail -n 1) | $(grep -E 'passed|failed' "$OUT_DIR/racecheck.log" | tail -n 1)"
 fi

@@ -136,9 +136,8 @@ def _written_rows(before, after) -> int:
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: "{}-{}-{}".format(*x))
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_append_matches_reference(cupy, rng, seed, dtype, layout, page_size):
-    """flash_decode and DecodePlan in every merge mode (and as a programmatic dependent of the
-    append kernel): the output over the grown sequences, and exactly the addressed rows
-    written."""
+    """flash_decode and DecodePlan in every merge mode (and with enable_pdl): the output over
+    the grown sequences, and exactly the addressed rows written."""
     case = AppendCase(cupy, rng, seed, len(LENGTHS), *layout, MAX_SEQLEN, dtype, LENGTHS,
                       page_size)
     # the expected cache differs from the one before in one row per sequence with room

@@ -56,20 +56,25 @@ def test_merge_kernel_parameters_match_prepared_launch():
 def test_split_kernel_parameters_are_declared_once():
     """struct cd_decode_params is built from the list in kernels/decode_params.cuh, and the host
     packs that same list (decode._PARAMS, in the order _launch passes the values): the packing
-    of the fields: 10 pointers (the block table's last), 11 int64 strides (the block table's
-    last), 8 int32, a float32, an int32, the soft-cap's two float32 and seqlen_add (last: no
-    other field moved). 220 bytes: the struct is 224 with its tail padded to 8 bytes, all
-    inside the buffer StructLaunch packs into (whole 8-byte words)."""
+    of the fields: 12 pointers (k_new's and v_new's last), 17 int64 strides (k_new's and
+    v_new's last), 8 int32, a float32, an int32, the soft-cap's two float32 and n_new (last).
+    284 bytes: the struct is 288 with its tail padded to 8 bytes, all inside the buffer
+    StructLaunch packs into (whole 8-byte words). The list keeps falling alignment, which the
+    kernel asserts (cd_falling_alignment)."""
     from cupydecode.decode import _LAUNCH_ORDER, _PARAM_LIST, _PARAMS  # imports no CuPy
 
-    assert _PARAMS.format == "<" + "Q" * 10 + "q" * 11 + "i" * 8 + "fiffi" and _PARAMS.size == 220
-    assert _LAUNCH_ORDER[-1] == "seqlen_add"
-    assert -(-_PARAMS.size // 8) * 8 == 224
+    assert _PARAMS.format == "<" + "Q" * 12 + "q" * 17 + "i" * 8 + "fiffi" and _PARAMS.size == 284
+    assert _LAUNCH_ORDER[-1] == "n_new"
+    assert -(-_PARAMS.size // 8) * 8 == 288
+    rank = {"PTR": 8, "I64": 8, "I32": 4, "F32": 4}
+    sizes = [rank[kind] for kind, _ in _PARAM_LIST]
+    assert sizes == sorted(sizes, reverse=True), _PARAM_LIST
     assert tuple(name for _, name in _PARAM_LIST) == _LAUNCH_ORDER
     split = (KERNELS / "decode_split.cu").read_text()
     assert '#include "decode_params.cuh"' in split
     body = re.search(r"struct cd_decode_params \{(.*?)\};", split, re.S).group(1)
     assert body.strip() == "CD_DECODE_PARAMS(CD_PARAM_FIELD)", body
+    assert "cd_falling_alignment({CD_DECODE_PARAMS(CD_PARAM_ALIGN)})" in split
 
 
 def test_a_variant_with_another_parameter_list_is_refused(tmp_path):
@@ -81,44 +86,8 @@ def test_a_variant_with_another_parameter_list_is_refused(tmp_path):
 
     text = (KERNELS / "decode_params.cuh").read_text()
     (tmp_path / "decode_params.cuh").write_text(
-        text.replace("X(I32, int, seqlen_add)", "X(I32, int, seqlen_add) X(I32, int, extra)"))
+        text.replace("X(I32, int, n_new)", "X(I32, int, n_new) X(I32, int, extra)"))
     with _kernels.kernel_sources(tmp_path):
         assert _kernels.param_list("decode_params.cuh", "CD_DECODE_PARAMS")[-1] == ("I32", "extra")
         with pytest.raises(RuntimeError, match="parameter list"):
             _split_function(P.split_kernel_config("float16", 128))
-
-
-def test_append_kernel_parameters_are_declared_once():
-    """struct cd_append_params of kernels/append_kv.cu is built from its own list, which the
-    host packs (decode._APPEND_PARAMS, in _launch's order): 6 pointers, 11 int64 strides, 5
-    int32; both lists keep falling alignment, which the kernels assert (cd_falling_alignment)."""
-    from cupydecode.decode import _APPEND_LIST, _APPEND_ORDER, _APPEND_PARAMS, _PARAM_LIST
-
-    assert _APPEND_PARAMS.format == "<" + "Q" * 6 + "q" * 11 + "i" * 5
-    assert tuple(name for _, name in _APPEND_LIST) == _APPEND_ORDER
-    rank = {"PTR": 8, "I64": 8, "I32": 4, "F32": 4}
-    for entries in (_APPEND_LIST, _PARAM_LIST):
-        sizes = [rank[kind] for kind, _ in entries]
-        assert sizes == sorted(sizes, reverse=True), entries
-    text = (KERNELS / "append_kv.cu").read_text()
-    assert re.search(r"struct cd_append_params \{\s*CD_APPEND_PARAMS\(CD_APPEND_FIELD\)\s*\};", text)
-    assert "cd_falling_alignment({CD_APPEND_PARAMS(CD_PARAM_ALIGN)})" in text
-    assert "cd_falling_alignment({CD_DECODE_PARAMS(CD_PARAM_ALIGN)})" in (
-        KERNELS / "decode_split.cu").read_text()
-    # one thread per 16-byte chunk of a row: head_dim 256 in float32 is the most
-    assert _define("append_kv.cu", "CD_APPEND_MAX_THREADS", r"^#define {name} (\d+)") == (
-        max(P.SUPPORTED_HEAD_DIMS) * max(P.ITEMSIZE.values()) // 16)
-
-
-def test_an_append_variant_with_another_parameter_list_is_refused(tmp_path):
-    import pytest
-
-    from cupydecode import _kernels
-    from cupydecode.decode import _append_function
-
-    text = (KERNELS / "append_kv.cu").read_text()
-    (tmp_path / "append_kv.cu").write_text(
-        text.replace("X(I32, int, row_chunks)", "X(I32, int, row_chunks) X(I32, int, extra)"))
-    with _kernels.kernel_sources(tmp_path):
-        with pytest.raises(RuntimeError, match="parameter list"):
-            _append_function()

@@ -58,10 +58,14 @@ def _merge_params(kernel_params) -> tuple:
 
 
 def _values(seed: int) -> tuple:
-    ptrs = tuple(0x7F0000000000 + 256 * (seed + i) for i in range(10))
-    strides = tuple(-(seed + i) if i % 3 else seed + 1000 * i for i in range(11))
-    return ptrs + strides + (7 * seed, seed, 1 << 20, 32, 4, 1, 256 + seed, 16, 0.125, seed % 2,
-                             0.5 * seed, 72.0, (seed + 1) % 2)
+    """A value of every field of the split kernel's parameter block, by its format code:
+    pointers, negative and positive int64 strides, int32 and float32 (exact in float32)."""
+    values = []
+    for i, code in enumerate(_PARAMS.format.lstrip("<")):
+        values.append({"Q": 0x7F0000000000 + 256 * (seed + i),
+                       "q": -(seed + i) if i % 3 else seed + 1000 * i,
+                       "i": (7 * seed + i) * (-1) ** i, "f": 0.125 * (seed + i)}[code])
+    return tuple(values)
 
 
 def test_struct_launch_passes_the_packed_block(captured):
@@ -192,21 +196,17 @@ def _fake_plan(paged: bool):
     plan._counters_wait, plan._counters_refill, plan._merge_call = None, False, None
     plan._part_ptrs, plan._counter_ptr = (0xA0, 0xB0), 0xC0
     plan._static = (640, 32, 4, 1, 64, plan.page_size or 0)
-    plan._append_static = (640, plan.page_size or 0)
-    plan._row_chunks = 128 * 2 // 16
     plan._scale, plan._score_default = 0.5, (0.72, 1, 0.0, 0.0)
     plan._split_launch = lambda stream, *values: calls.append(("split", stream, values))
-    plan._append_launch = lambda stream, *values: calls.append(("append", stream, values))
     return plan, calls
 
 
 @pytest.mark.parametrize("paged", [False, True])
-def test_launch_packs_the_append_then_the_split_values(paged):
-    """With new tokens, _launch starts the append kernel (the cache's strides in 16-byte units,
-    k_new's and v_new's, the lengths, the capacity, the page size and count, the row's chunks),
-    then the split kernel with seqlen_add = 1; without, only the split kernel with 0. Each value
-    is at its parameter's place in the kernels' lists (decode._APPEND_ORDER, _LAUNCH_ORDER)."""
-    from cupydecode.decode import _APPEND_ORDER, _APPEND_PARAMS, _LAUNCH_ORDER, _PARAMS
+def test_launch_packs_the_new_tokens_into_the_split_values(paged):
+    """With new tokens, the one split-kernel launch carries k_new's and v_new's pointers and
+    element strides and n_new = 1; without, null pointers, zero strides and n_new = 0. Each value
+    is at its parameter's place in the kernel's list (decode._LAUNCH_ORDER)."""
+    from cupydecode.decode import _LAUNCH_ORDER, _PARAMS
 
     plan, calls = _fake_plan(paged)
     q, k, v, out, lse = (_Arr(p) for p in (0x100, 0x200, 0x300, 0x400, 0x500))
@@ -215,38 +215,36 @@ def test_launch_packs_the_append_then_the_split_values(paged):
     # element strides: q (2), K (3), V (3), out (2), the table's row, the page count
     strides = (4096, 128, 8 * 81920, 8 * 1024, 8 * 128, 8 * 81920, 8 * 1024, 8 * 128, 4096, 128,
                40 if paged else 0, 123 if paged else 0)
-    new = (k_new, v_new, (64, 8, 128, 16))
+    new = (k_new, v_new, (1024, 0, 128, 2048, 1024, 256))
     plan._launch(q, k, v, seqlens, 640, 0.5, out, lse, _Stream(), strides, table, new)
     plan._launch(q, k, v, None, 17, 0.5, out, lse, _Stream(), strides, table)
-    assert [c[0] for c in calls] == ["append", "split", "split"]
-    assert {c[1] for c in calls} == {0x77}
-    append = dict(zip(_APPEND_ORDER, calls[0][2]))
-    assert len(calls[0][2]) == len(_APPEND_ORDER) == len(_APPEND_PARAMS.format) - 1
-    assert append == {
-        "k": 0x200, "v": 0x300, "k_new": 0x800, "v_new": 0x900, "seqlens": 0x600,
-        "block_table": 0x700 if paged else 0, "k_sb": 81920, "k_ss": 1024, "k_sh": 128,
-        "v_sb": 81920, "v_ss": 1024, "v_sh": 128, "kn_sb": 64, "kn_sh": 8, "vn_sb": 128,
-        "vn_sh": 16, "bt_sb": 40 if paged else 0, "seqlen_all": 640, "max_seqlen": 640,
-        "page_size": 16 if paged else 0, "num_pages": 123 if paged else 0, "row_chunks": 16}
-    for call, seqlens_ptr, seqlen_all, add in ((calls[1], 0x600, 640, 1), (calls[2], 0, 17, 0)):
+    assert [c[0] for c in calls] == ["split", "split"] and {c[1] for c in calls} == {0x77}
+    for call, seqlens_ptr, seqlen_all, with_new in ((calls[0], 0x600, 640, True),
+                                                    (calls[1], 0, 17, False)):
         split = dict(zip(_LAUNCH_ORDER, call[2]))
         assert len(call[2]) == len(_LAUNCH_ORDER) == len(_PARAMS.format) - 1
-        assert (split["seqlens"], split["seqlen_all"], split["seqlen_add"]) == (
-            seqlens_ptr, seqlen_all, add)
-        assert (split["k"], split["block_table"], split["k_sb"], split["num_pages"]) == (
-            0x200, 0x700 if paged else 0, 8 * 81920, 123 if paged else 0)
+        assert (split["seqlens"], split["seqlen_all"]) == (seqlens_ptr, seqlen_all)
+        assert (split["k"], split["block_table"], split["k_sb"], split["bt_sb"],
+                split["num_pages"]) == (0x200, 0x700 if paged else 0, 8 * 81920,
+                                        40 if paged else 0, 123 if paged else 0)
         assert (split["max_seqlen"], split["page_size"], split["scale_log2"]) == (
             640, 16 if paged else 0, 0.72)
+        got = tuple(split[n] for n in ("k_new", "v_new", "kn_sb", "kn_ss", "kn_sh", "vn_sb",
+                                       "vn_ss", "vn_sh", "n_new"))
+        assert got == ((0x800, 0x900, 1024, 0, 128, 2048, 1024, 256, 1) if with_new
+                       else (0,) * 9)
 
 
-def _append_model(values, grid, bounds) -> None:
-    """kernels/append_kv.cu's cd_append_kv on host memory, line for line: ``values`` in the
-    kernel's parameter order (pointers are host addresses here), ``grid`` (num_kv_heads, batch).
-    Every access is first checked to lie inside the memory of the array it belongs to
-    (``bounds``: parameter name → numpy.lib.array_utils.byte_bounds of that array)."""
-    from cupydecode.decode import _APPEND_ORDER
+def _append_model(values, batch: int, num_kv_heads: int, itemsize: int, row_bytes: int,
+                  bounds) -> None:
+    """The split kernel's writes of the appended token (kernels/decode_split.cu: the clamp of
+    the length, the page lookup, app_kr/app_vr and the stores) on host memory, line for line:
+    ``values`` in the kernel's parameter order (pointers are host addresses here, strides in
+    elements). Every access is first checked to lie inside the memory of the array it belongs
+    to (``bounds``: parameter name → numpy.lib.array_utils.byte_bounds of that array)."""
+    from cupydecode.decode import _LAUNCH_ORDER
 
-    p = dict(zip(_APPEND_ORDER, values))
+    p = dict(zip(_LAUNCH_ORDER, values))
 
     def inside(name, addr, nbytes):
         low, high = bounds[name]
@@ -255,29 +253,26 @@ def _append_model(values, grid, bounds) -> None:
 
     def i32(name, addr):
         return ctypes.c_int32.from_address(inside(name, addr, 4)).value
-    for b in range(grid[1]):
-        for h in range(grid[0]):
-            pos = i32("seqlens", p["seqlens"] + 4 * b) if p["seqlens"] else p["seqlen_all"]
-            pos = max(0, min(pos, p["max_seqlen"]))
-            if pos >= p["max_seqlen"]:
+    for b in range(batch):
+        seqlen = i32("seqlens", p["seqlens"] + 4 * b) if p["seqlens"] else p["seqlen_all"]
+        new_lo = max(0, min(seqlen, p["max_seqlen"]))
+        if min(p["n_new"], p["max_seqlen"] - new_lo) < 1:
+            continue
+        if p["block_table"]:
+            pj = new_lo // p["page_size"]
+            page = i32("block_table", p["block_table"] + 4 * (b * p["bt_sb"] + pj))
+            if not 0 <= page < p["num_pages"]:
                 continue
-            if p["block_table"]:
-                if p["page_size"] < 1:
-                    continue
-                pj = pos // p["page_size"]
-                page = i32("block_table", p["block_table"] + 4 * (b * p["bt_sb"] + pj))
-                if not 0 <= page < p["num_pages"]:
-                    continue
-                row = pos - pj * p["page_size"]
-                kr, vr = page * p["k_sb"] + row * p["k_ss"], page * p["v_sb"] + row * p["v_ss"]
-            else:
-                kr, vr = b * p["k_sb"] + pos * p["k_ss"], b * p["v_sb"] + pos * p["v_ss"]
-            n = 16 * p["row_chunks"]
+            row = new_lo - pj * p["page_size"]
+            kr, vr = page * p["k_sb"] + row * p["k_ss"], page * p["v_sb"] + row * p["v_ss"]
+        else:
+            kr, vr = b * p["k_sb"] + new_lo * p["k_ss"], b * p["v_sb"] + new_lo * p["v_ss"]
+        for h in range(num_kv_heads):
             for dst, d_off, src, s_off in (
                     ("k", kr + h * p["k_sh"], "k_new", b * p["kn_sb"] + h * p["kn_sh"]),
                     ("v", vr + h * p["v_sh"], "v_new", b * p["vn_sb"] + h * p["vn_sh"])):
-                ctypes.memmove(inside(dst, p[dst] + 16 * d_off, n),
-                               inside(src, p[src] + 16 * s_off, n), n)
+                ctypes.memmove(inside(dst, p[dst] + itemsize * d_off, row_bytes),
+                               inside(src, p[src] + itemsize * s_off, row_bytes), row_bytes)
 
 
 def _host_arr(x):
@@ -287,9 +282,9 @@ def _host_arr(x):
 @pytest.mark.parametrize("layout", ["contiguous", "paged", "paged-hnd"])
 @pytest.mark.parametrize("dtype", [np.float16, np.float32])
 def test_append_values_write_the_reference_rows(layout, dtype):
-    """The values _launch packs for the append kernel (the cache's strides converted to 16-byte
-    units, k_new's strides, the lengths, the capacity, the table and its row stride), applied by
-    a host model of the kernel's index math to host arrays, write exactly the rows
+    """The values _launch packs for the split kernel (the cache's and k_new's element strides,
+    the lengths, the capacity, the table and its row stride), applied by a host model of the
+    kernel's append index math to host arrays, write exactly the rows
     reference.append_kv writes: out-of-range lengths clamped, out-of-range pages not written,
     a strided k_new, the HND page order as a transposed view."""
     from cupydecode import _policy
@@ -330,17 +325,11 @@ def test_append_values_write_the_reference_rows(layout, dtype):
     plan._counters_wait, plan._counters_refill, plan._merge_call = None, False, None
     plan._part_ptrs, plan._counter_ptr = (0, 0), 0
     plan._static = (cap, heads, heads // hkv, 1, cap, plan.page_size or 0)
-    plan._append_static = (cap, plan.page_size or 0)
-    plan._row_chunks = dim * np.dtype(dtype).itemsize // 16
     plan._scale, plan._score_default = 0.125, (0.125 * _policy.LOG2E, 0, 0.0, 0.0)
     split = []
     plan._split_launch = lambda stream, *values: split.append(values)
     from numpy.lib.array_utils import byte_bounds
 
-    bounds = {"k": byte_bounds(k), "v": byte_bounds(v), "k_new": byte_bounds(k_new),
-              "v_new": byte_bounds(v_new), "seqlens": byte_bounds(lens),
-              "block_table": None if table is None else byte_bounds(table)}
-    plan._append_launch = lambda stream, *values: _append_model(values, (hkv, batch), bounds)
     bt_sb = 0 if table is None else table.strides[0] // 4
     strides = plan._element_strides(q, k, v, bt_sb, 0 if table is None else k.shape[0])
     new = (_host_arr(k_new), _host_arr(v_new),
@@ -348,9 +337,12 @@ def test_append_values_write_the_reference_rows(layout, dtype):
     plan._launch(_host_arr(q), _host_arr(k), _host_arr(v), _host_arr(lens), cap, 0.125,
                  _host_arr(q), None, _Stream(), strides,
                  None if table is None else _host_arr(table), new)
+    (values,) = split
+    bounds = {"k": byte_bounds(k), "v": byte_bounds(v), "k_new": byte_bounds(k_new),
+              "v_new": byte_bounds(v_new), "seqlens": byte_bounds(lens),
+              "block_table": None if table is None else byte_bounds(table)}
+    _append_model(values, batch, hkv, k.itemsize, dim * k.itemsize, bounds)
     assert np.array_equal(k, want_k) and np.array_equal(v, want_v)
     # not vacuous: one row per sequence with room (and, paged, a page in range) was written
     changed = (k != k_before).reshape(k.shape[0], k.shape[1], -1).any(axis=-1).sum()
     assert changed == (5 if table is None else 3)
-    (values,) = split
-    assert dict(zip(_LAUNCH_ORDER, values))["seqlen_add"] == 1

@@ -228,8 +228,9 @@ def test_kv_group_config():
     assert (cfg.num_warps, cfg.heads_as_n, cfg.kv_per_block, cfg.slots, cfg.rings) == (
         8, True, n, 8 // n, 8)
     assert cfg.defines()["KV_PER_BLOCK"] == n
+    # Q rows, rings, the warps' (m, l), the appended token's K and V rows per KV head
     assert cfg.smem_bytes == (8 * n * 128 * 2 + 8 * cfg.stages * 2 * 16 * 128 * 2
-                              + 2 * 8 * 16 * 4)
+                              + 2 * 8 * 16 * 4 + n * 2 * 128 * 2)
     assert cfg in P.split_kernel_configs("float16", 128)
     for dt, hd, g in [("float16", 64, 4), ("float16", 256, 4), ("float16", 128, 16),
                       ("float32", 128, 4)]:

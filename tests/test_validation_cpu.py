@@ -248,9 +248,10 @@ def test_flash_decode_with_new_tokens_refuses_host_arrays(cupy_importable):
         cupydecode.flash_decode(q, k, v, [3, 4], k_new=k_new, v_new=k_new)
 
 
-def test_new_token_strides_are_in_16_byte_units():
-    x = np.zeros((3, 1, 4, 64), np.float16)  # rows of 128 bytes
-    assert V.new_token_strides(x) == (4 * 128 // 16, 128 // 16)
-    assert V.new_token_strides(x[:, 0]) == (4 * 128 // 16, 128 // 16)
+def test_new_token_strides_are_in_elements():
+    """(batch, token, head) strides in elements; 3 dims hold one token (stride 0)."""
+    x = np.zeros((3, 1, 4, 64), np.float16)
+    assert V.new_token_strides(x) == (4 * 64, 4 * 64, 64)
+    assert V.new_token_strides(x[:, 0]) == (4 * 64, 0, 64)
     assert V.new_token_strides(np.zeros((3, 8, 2, 64), np.float32)[:, 0, ::2]) == (
-        8 * 2 * 256 // 16, 2 * 256 // 16)
+        8 * 2 * 64, 0, 2 * 64)
