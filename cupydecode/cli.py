@@ -74,38 +74,16 @@ class SplitsType(click.ParamType):
         return n
 
 
-class PageSizesType(click.ParamType):
-    """Comma-separated page sizes (integers >= 1), ``none`` for the contiguous cache."""
-
-    name = "none|P,..."
-
-    def convert(self, value, param, ctx):
-        if isinstance(value, (list, tuple)):
-            return list(value)
-        out = []
-        for part in str(value).split(","):
-            text = part.strip().lower()
-            if text in ("none", "contiguous"):
-                out.append(None)
-                continue
-            try:
-                n = int(text)
-            except ValueError:
-                n = 0
-            if n < 1:
-                self.fail(f"expected page sizes >= 1 or 'none' (e.g. none,1,16), got {value!r}",
-                          param, ctx)
-            out.append(n)
-        return list(dict.fromkeys(out))
-
-
 class IntListType(click.ParamType):
-    """Comma-separated integers, each >= ``minimum``; a k suffix multiplies by 1024 (64k)."""
+    """Comma-separated integers, each >= ``minimum``; a k suffix multiplies by 1024 (64k);
+    with ``none`` set, that word stands for None (e.g. the contiguous cache among page sizes)."""
 
     name = "N,N,..."
 
-    def __init__(self, minimum: int = 1):
-        self.minimum = minimum
+    def __init__(self, minimum: int = 1, none: str | None = None):
+        self.minimum, self.none = minimum, none
+        if none:
+            self.name = f"{none}|N,..."
 
     def convert(self, value, param, ctx):
         if isinstance(value, (list, tuple)):
@@ -113,18 +91,22 @@ class IntListType(click.ParamType):
         out = []
         for part in str(value).split(","):
             text = part.strip().lower()
+            if self.none and text == self.none:
+                out.append(None)
+                continue
             mult = 1024 if text.endswith("k") else 1
             try:
                 n = int(text[:-1] if mult > 1 else text) * mult
             except ValueError:
-                self.fail(f"expected comma-separated integers (e.g. 1024,4096,64k), got {value!r}",
-                          param, ctx)
+                words = f" or '{self.none}'" if self.none else ""
+                self.fail(f"expected comma-separated integers{words} (e.g. 1024,4096,64k), got "
+                          f"{value!r}", param, ctx)
             if n < self.minimum:
                 self.fail(f"expected integers >= {self.minimum}, got {n}", param, ctx)
             out.append(n)
         if not out:
             self.fail("expected at least one integer", param, ctx)
-        return out
+        return list(dict.fromkeys(out)) if self.none else out
 
 
 def _output_path(ctx, param, value):
@@ -531,7 +513,7 @@ def _forwarded_bench_args(model, dtype, seqlens, batches, splits, protocols, bas
 @click.option("--soft-cap", "soft_cap", type=SOFT_CAP_TYPE,
               help="logits_soft_cap c (default: the model's, e.g. 50 for gemma-2; 0: none). "
                    "torch SDPA has none: its columns stay empty.")
-@click.option("--page-size", "page_sizes", type=PageSizesType(), default="none",
+@click.option("--page-size", "page_sizes", type=IntListType(none="none"), default="none",
               show_default=True,
               help="Comma list of page sizes to time, 'none' for the contiguous cache (e.g. "
                    "none,1,16: each point contiguous and paged side by side); pages in random "
