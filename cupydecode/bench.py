@@ -917,21 +917,20 @@ def _naive(row: dict, w: Workload, sets, n_calls: int, scale: float, check, note
 
 
 def sweep(model: str, dtype: str, seqlens, batches, num_splits=None,
-          soft_cap: float | None = None, page_sizes=(None,),
+          soft_cap: float | None = None, page_size: int | None = None,
           append: bool = False) -> list[Workload]:
-    """The points of a bench run, batch-major, then by seqlen, then by page size (None: the
-    contiguous cache), each with a fresh seed; ``soft_cap`` None: the model's logits_soft_cap,
-    0: none, else that cap; ``append``: every sequence holds seqlen − 1 tokens and each call
-    appends the last one."""
+    """The points of a bench run, batch-major, each with a fresh seed; ``soft_cap`` None: the
+    model's logits_soft_cap, 0: none, else that cap; ``page_size``: paged caches; ``append``:
+    every sequence holds seqlen − 1 tokens and each call appends the last one."""
     from .workloads import workload_for_model
 
     opts = {} if soft_cap is None else {"logits_soft_cap": soft_cap or None}
+    opts["page_size"] = page_size
 
     def appended(L: int, b: int) -> dict:
         return {"lengths": (L - 1,) * b, "append": True} if append else {}
     return [workload_for_model(model, b, L, dtype, num_splits=num_splits, seed=fresh_seed(),
-                               page_size=page, **opts, **appended(L, b))
-            for b in batches for L in seqlens for page in page_sizes]
+                               **opts, **appended(L, b)) for b in batches for L in seqlens]
 
 
 # ---------------------------------------------------------------------------- plot

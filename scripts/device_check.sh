@@ -127,16 +127,17 @@ PYEOF
 fi
 
 if has paged; then
-  # the same points contiguous and paged (random page order) side by side in one process,
-  # FlashInfer on the same pages
-  fi_opt=$(echo "$BASELINES" | grep -o -- "--baseline flashinfer")
-  for pt in "16384,65536 1" "8192 4" "32768 16"; do
-    set -- $pt
-    $PY -m cupydecode.cli bench $fi_opt --protocol "${PROTOCOLS%%,*}" --page-size none,1,16 \
-      --seqlens "$1" --batch "$2" --csv "$OUT_DIR/paged_$2.csv" 2>>"$OUT_DIR/bench.err" \
-      | tee -a "$OUT_DIR/paged.txt"
+  # the same points contiguous and paged (random page order), FlashInfer on the same pages
+  for page in none 1 16; do
+    opt=$([ "$page" = none ] || echo "--page-size $page")
+    fi_opt=$([ "$page" = none ] || echo "$BASELINES" | grep -o -- "--baseline flashinfer")
+    for pt in "16384,65536 1" "8192 4" "32768 16"; do
+      set -- $pt
+      $PY -m cupydecode.cli bench $fi_opt --protocol "${PROTOCOLS%%,*}" $opt --seqlens "$1" --batch "$2" \
+        --csv "$OUT_DIR/paged_${page}_$2.csv" 2>>"$OUT_DIR/bench.err" | tee -a "$OUT_DIR/paged.txt"
+    done
   done
-  merge_parts "$OUT_DIR/paged.csv" "$OUT_DIR"/paged_*.csv
+  merge_parts "$OUT_DIR/paged.csv" "$OUT_DIR"/paged_*_*.csv
   add_summary "paged: $($PY - "$OUT_DIR/paged.csv" <<'PYEOF'
 import csv, sys
 rows = list(csv.DictReader(open(sys.argv[1])))
@@ -157,9 +158,12 @@ fi
 if has append; then
   # what appending the new token costs: the same call with and without the append (bench
   # --append times both in the same process), contiguous and paged (16 tokens a page)
-  $PY -m cupydecode.cli bench --protocol "${PROTOCOLS%%,*}" --append --page-size none,16 \
-    --seqlens 16384,65536 --batch 1,16 --csv "$OUT_DIR/append.csv" 2>>"$OUT_DIR/bench.err" \
-    | tee -a "$OUT_DIR/append.txt"
+  for page in none 16; do
+    opt=$([ "$page" = none ] || echo "--page-size $page")
+    $PY -m cupydecode.cli bench --protocol "${PROTOCOLS%%,*}" --append $opt --seqlens 16384,65536 \
+      --batch 1,16 --csv "$OUT_DIR/append_$page.csv" 2>>"$OUT_DIR/bench.err" | tee -a "$OUT_DIR/append.txt"
+  done
+  merge_parts "$OUT_DIR/append.csv" "$OUT_DIR"/append_*.csv
   add_summary "append: $($PY - "$OUT_DIR/append.csv" <<'PYEOF'
 import csv, sys
 out = []
