@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from cupydecode import reference as R
-from helpers import context, np_dtype, randn
+from helpers import context, np_dtype, randn, to_paged
 
 
 def direct_attention(q, k, v, lens, scale, soft_cap=None):
@@ -252,32 +252,13 @@ def test_soft_cap_must_be_positive_and_finite(cap):
         R.decode_attention(x, np.ones((1, 4, 1, 8)), np.ones((1, 4, 1, 8)), logits_soft_cap=cap)
 
 
-def _paged(k, page_size, rng, spare=2):
-    """A contiguous (B, L, Hkv, D) cache cut into pages of ``page_size`` tokens in random order
-    (plus ``spare`` unused pages): (pages (P, page_size, Hkv, D), block_table (B, L/page_size))."""
-    batch, length = k.shape[:2]
-    per_seq = -(-length // page_size)
-    num_pages = batch * per_seq + spare
-    order = rng.permutation(num_pages)
-    pages = rng.standard_normal((num_pages, page_size, *k.shape[2:]))  # garbage where unused
-    table = np.zeros((batch, per_seq), np.int32)
-    for b in range(batch):
-        for j in range(per_seq):
-            p = order[b * per_seq + j]
-            table[b, j] = p
-            rows = k[b, j * page_size:(j + 1) * page_size]
-            pages[p, :len(rows)] = rows
-    return pages, table
-
-
 @pytest.mark.parametrize("page_size", [1, 3, 16, 100])
 def test_paged_cache_equals_the_contiguous_one(rng, seed, page_size):
     q = rng.standard_normal((3, 8, 16))
     k = rng.standard_normal((3, 250, 2, 16))
     v = rng.standard_normal((3, 250, 2, 16))
     lens = [250, 0, 101]  # full, empty, ending mid-page
-    pk, table = _paged(k, page_size, np.random.default_rng(seed))
-    pv, _ = _paged(v, page_size, np.random.default_rng(seed))  # the same page order
+    pk, pv, table = to_paged(np.random.default_rng(seed), k, v, page_size)
     want = R.decode_attention(q, k, v, lens)
     got = R.decode_attention(q, pk, pv, lens, block_table=table)
     np.testing.assert_allclose(got[0], want[0], rtol=1e-13, atol=1e-14, err_msg=str(seed))
@@ -292,8 +273,7 @@ def test_out_of_range_pages_contribute_nothing(rng, seed):
     q = rng.standard_normal((2, 4, 8))
     k = rng.standard_normal((2, 12, 1, 8))
     v = rng.standard_normal((2, 12, 1, 8))
-    pk, table = _paged(k, 4, np.random.default_rng(seed))
-    pv, _ = _paged(v, 4, np.random.default_rng(seed))
+    pk, pv, table = to_paged(np.random.default_rng(seed), k, v, 4)
     table[0, 1] = -1                # tokens 4..7 of sequence 0
     table[1, :] = pk.shape[0]       # every page of sequence 1
     out, lse = R.decode_attention(q, pk, pv, [12, 12], block_table=table)
@@ -323,14 +303,14 @@ def test_append_writes_exactly_the_new_rows_then_attends_them(rng, seed, paged):
         got = R.decode_attention(q, k, v, lens, k_new=k_new, v_new=v_new)
     else:
         # pages of 4 tokens: the same capacity (20) as the contiguous cache
-        pk, table = _paged(k, 4, np.random.default_rng(seed))
-        pv, _ = _paged(v, 4, np.random.default_rng(seed))
+        pk, pv, table = to_paged(np.random.default_rng(seed), k, v, 4)
         k2, v2, lens2 = R.append_kv(pk, pv, lens, k_new, v_new, table)
-        ck, _ = _paged(want_k, 4, np.random.default_rng(seed))
+        ck, _, _ = to_paged(np.random.default_rng(seed), want_k, want_v, 4)  # the same pages
         used = np.unique(table)
         assert np.array_equal(k2[used], ck[used])  # the pages in use hold exactly want_k
         spare = np.setdiff1d(np.arange(pk.shape[0]), used)
-        assert np.array_equal(k2[spare], pk[spare]) and np.array_equal(v2[spare], pv[spare])
+        assert np.array_equal(k2[spare], pk[spare], equal_nan=True)  # spare pages: NaN, untouched
+        assert np.array_equal(v2[spare], pv[spare], equal_nan=True)
         got = R.decode_attention(q, pk, pv, lens, block_table=table, k_new=k_new, v_new=v_new)
     assert list(lens2) == [7, 2, 20]
     np.testing.assert_allclose(got[0], want[0], rtol=1e-13, atol=1e-14, err_msg=str(seed))
