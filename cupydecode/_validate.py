@@ -186,6 +186,23 @@ def check_soft_cap(logits_soft_cap) -> float | None:
     return c
 
 
+def check_window(window_left) -> int | None:
+    """``window_left``: None or −1 (no window) → None; else W ≥ 0, the keys left of the query's
+    position it attends (W + 1 keys with its own), an int up to MAX_TOKENS."""
+    if window_left is None:
+        return None
+    if isinstance(window_left, bool) or not isinstance(window_left, numbers.Integral):
+        fail(TypeError, "window_left", "an int >= 0, or None (or -1) for no window",
+             f"{type(window_left).__name__} {window_left!r}")
+    w = int(window_left)
+    if w == -1:
+        return None
+    if not 0 <= w <= MAX_TOKENS:
+        fail(ValueError, "window_left", f"an int in [0, {MAX_TOKENS}], or None (or -1) for no "
+             "window", w)
+    return w
+
+
 def soft_cap_args(softmax_scale: float, logits_soft_cap: float | None) -> tuple[float, float]:
     """The split kernel's (soft_cap_in, soft_cap_out) for score_mod (kernels/decode_split.cu):
     2·log2(e)·scale/c and c·log2(e); (0, 0) without a cap. A ratio scale/c too large for

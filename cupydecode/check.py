@@ -72,7 +72,7 @@ def select_rows(x, num_kv_heads: int, batch_ids=None, kv_heads=None):
 def reference_for(w: Workload, q, k, v, new=None):
     """Float64 ``(out, lse, kind)`` for the whole workload; out (B, H, D), lse (B, H); ``new``:
     the appended tokens (k_new, v_new) of an append workload, None otherwise."""
-    options = {"logits_soft_cap": w.logits_soft_cap}
+    options = {"logits_soft_cap": w.logits_soft_cap, "window_left": w.window_left}
     lens = None if w.lengths is None else np.asarray(w.lengths)
     if k[0].size * w.batch <= NUMPY_REFERENCE_MAX_ELEMENTS:
         if new is not None:
@@ -102,7 +102,7 @@ def _row_skeleton(w: Workload) -> dict:
         "num_heads": w.num_heads, "num_kv_heads": w.num_kv_heads, "head_dim": w.head_dim,
         "lengths": None if w.lengths is None else list(w.lengths), "q_scale": w.q_scale,
         "logits_soft_cap": w.logits_soft_cap, "page_size": w.page_size, "append": w.append,
-        "cache_rows_wrong": None, "splits_requested": w.splits_label, "splits": None,
+        "window_left": w.window_left, "cache_rows_wrong": None, "splits_requested": w.splits_label, "splits": None,
         "chunk_tokens": None,
         "seed": w.seed, "reference": None, "max_abs_err": None, "rel_err": None,
         "lse_err": None, "rel_tol": REL_TOL[w.dtype], "lse_tol": None, "max_abs_lse": None,
@@ -122,7 +122,7 @@ def run_check(w: Workload) -> dict:
         row["seed"] = w.seed
         plan = DecodePlan(w.batch, w.num_heads, w.num_kv_heads, w.head_dim, w.seqlen, w.dtype,
                           num_splits=w.num_splits, logits_soft_cap=w.logits_soft_cap,
-                          page_size=w.page_size)
+                          page_size=w.page_size, window_left=w.window_left)
         row["splits"], row["chunk_tokens"] = plan.num_splits, plan.chunk_tokens
         # Poisoned outputs: a row the kernels forget to write stays NaN and fails the check.
         out = cupy.full((w.batch, w.num_heads, w.head_dim), math.nan, w.dtype)
@@ -194,4 +194,6 @@ def repro_command(row: dict) -> str:
         parts.append(f"--page-size {row['page_size']}")
     if row["append"]:
         parts.append("--append")
+    if row.get("window_left") is not None:
+        parts.append(f"--window {row['window_left']}")
     return " ".join(parts)

@@ -210,7 +210,7 @@ def main():
 
 def _single_workload(batch, seqlen, heads, kv_heads, head_dim, dtype, splits, seed, varlen,
                      lengths, q_scale, model, soft_cap=None, page_size=None,
-                     append=False) -> Workload:
+                     append=False, window=None) -> Workload:
     """One workload from ``check``'s options (raises click.BadParameter on bad combinations).
     ``soft_cap`` None: the model's (none without --model); 0: none. ``append`` without lengths:
     every sequence holds seqlen − 1 tokens, so that the new one fills it."""
@@ -245,7 +245,8 @@ def _single_workload(batch, seqlen, heads, kv_heads, head_dim, dtype, splits, se
         lengths = (seqlen - 1,) * batch
     return Workload(batch, seqlen, heads, kv_heads, head_dim, dtype or "float16",
                     None if splits in (None, "auto") else splits, lengths, q_scale, seed, name,
-                    logits_soft_cap=soft_cap or None, page_size=page_size, append=append)
+                    logits_soft_cap=soft_cap or None, page_size=page_size, append=append,
+                    window_left=window)
 
 
 def _workload_label(w: Workload) -> str:
@@ -291,18 +292,21 @@ def _check_header(width: int) -> str:
 @click.option("--append", is_flag=True,
               help="Append a new token per sequence in the call (k_new, v_new) at its length "
                    "(default lengths: seqlen − 1); the cache after it is checked bit for bit.")
+@click.option("--window", "window", type=click.IntRange(min=0),
+              help="window_left W: attend only the last W + 1 tokens of each sequence.")
 @click.option("--model", type=MODEL_CHOICE,
               help="Take heads/kv-heads/head-dim (and the soft-cap) from a preset.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), callback=_output_path,
               help="Write the result rows to this JSON file.")
 @click.pass_context
 def check(ctx, batch, seqlen, heads, kv_heads, head_dim, dtype, splits, seed, varlen, lengths,
-          q_scale, soft_cap, page_size, append, model, json_path):
+          q_scale, soft_cap, page_size, append, window, model, json_path):
     """Compare flash_decode with a float64 reference; one row per workload.
 
     Without shape options, runs the built-in matrix (fp16/bf16/fp32, head_dim 64/128/256,
     MHA to MQA, lengths 1 to 65536, variable lengths with an empty sequence, forced and
-    automatic splits, logits of ±1e4, the soft-cap, paged caches, appended tokens). Outputs are
+    automatic splits, logits of ±1e4, the soft-cap, paged caches, appended tokens, sliding
+    windows). Outputs are
     filled with NaN before each call.
     Tolerances: relative L2 error 2e-3 (fp16), 1e-2 (bf16), 1e-4 (fp32); LSE 1e-3.
     Exit status 0 if all pass, 1 if any fails, 2 on bad usage or without a GPU.
@@ -315,17 +319,18 @@ def check(ctx, batch, seqlen, heads, kv_heads, head_dim, dtype, splits, seed, va
       cupydecode check --model gemma-2-9b --q-scale 60        (its soft-cap 50, logits past it)
       cupydecode check --model llama-3-8b --seqlen 5000 --page-size 16 --varlen
       cupydecode check --append --page-size 16 --varlen
+      cupydecode check --seqlen 20000 --window 4095 --varlen       (Mistral's sliding window)
       cupydecode check --json check.json
     """
     from .workloads import default_check_matrix
 
     single = any(x is not None for x in (batch, seqlen, heads, kv_heads, head_dim, dtype, splits,
-                                         lengths, model, soft_cap, page_size)) or varlen or q_scale != 1.0
+                                         lengths, model, soft_cap, page_size, window)) or varlen or q_scale != 1.0
     single = single or append
     if single:
         workloads = [_single_workload(batch, seqlen, heads, kv_heads, head_dim, dtype, splits,
                                       seed, varlen, lengths, q_scale, model, soft_cap, page_size,
-                                      append)]
+                                      append, window)]
     else:
         workloads = default_check_matrix()
         base = fresh_seed() if seed is None else seed
@@ -475,7 +480,8 @@ def _bench_in_processes(n: int, argv: list[str]) -> list[dict]:
 
 
 def _forwarded_bench_args(model, dtype, seqlens, batches, splits, protocols, baselines,
-                          soft_cap=None, page_sizes=(None,), append=False) -> list[str]:
+                          soft_cap=None, page_sizes=(None,), append=False,
+                          window=None) -> list[str]:
     """The options of this bench run, for the processes of --processes (outputs stay here)."""
     argv = ["--model", model, "--dtype", dtype, "--seqlens", ",".join(map(str, seqlens)),
             "--batch", ",".join(map(str, batches)), "--splits", str(splits),
@@ -486,6 +492,8 @@ def _forwarded_bench_args(model, dtype, seqlens, batches, splits, protocols, bas
         argv += ["--page-size", ",".join("none" if p is None else str(p) for p in page_sizes)]
     if append:
         argv.append("--append")
+    if window is not None:
+        argv += ["--window", str(window)]
     for name in baselines:
         argv += ["--baseline", name]
     return argv
@@ -522,6 +530,9 @@ def _forwarded_bench_args(model, dtype, seqlens, batches, splits, protocols, bas
 @click.option("--append", is_flag=True,
               help="Each call also appends a new token per sequence (k_new, v_new; the cache "
                    "holds seqlen − 1 tokens); the same call without the append is timed too.")
+@click.option("--window", "window", type=click.IntRange(min=0),
+              help="window_left W: attend only the last W + 1 tokens (peers: FlashInfer with the "
+                   "same window, torch SDPA and the naive version over those tokens).")
 @click.option("--baseline", "baselines", type=click.Choice(["torch", "flashinfer"]),
               multiple=True, help="Also time a peer (repeatable); needs torch / flashinfer.")
 @click.option("--csv", "csv_path", type=click.Path(dir_okay=False), callback=_output_path,
@@ -532,7 +543,7 @@ def _forwarded_bench_args(model, dtype, seqlens, batches, splits, protocols, bas
               help="Plot µs and % of floor vs seqlen to this PNG (needs matplotlib).")
 @click.pass_context
 def bench(ctx, model, dtype, seqlens, batches, splits, protocols, processes, soft_cap,
-          page_sizes, append, baselines, csv_path, json_path, plot_path):
+          page_sizes, append, window, baselines, csv_path, json_path, plot_path):
     """Time flash_decode against the HBM read floor and against baselines.
 
     Per point: floor = bytes(K+V) / read ceiling measured in this run; GPU µs per call from a
@@ -552,6 +563,7 @@ def bench(ctx, model, dtype, seqlens, batches, splits, protocols, processes, sof
       cupydecode bench --model gemma-2-9b --baseline flashinfer     (soft-cap 50, the model's)
       cupydecode bench --page-size none,1,16 --baseline flashinfer
       cupydecode bench --append --page-size 16
+      cupydecode bench --seqlens 131072 --batch 1,16 --window 4095 --baseline flashinfer
       cupydecode bench --protocol step,back-to-back:2,back-to-back:10 --processes 3
     """
     from . import bench as B
@@ -575,14 +587,14 @@ def bench(ctx, model, dtype, seqlens, batches, splits, protocols, processes, sof
                    f"{', '.join(protocols)}")
         rows = _bench_in_processes(processes, _forwarded_bench_args(
             model, dtype, seqlens, batches, splits, protocols, peers, soft_cap, page_sizes,
-            append))
+            append, window))
         ceiling = {"gbps": [r["ceiling_gbps"] for r in rows if r["ceiling_gbps"]]}
     else:
         ceiling = B.measure_read_ceiling()
         click.echo(f"HBM read ceiling: {ceiling['gbps']:.0f} GB/s (read-only kernel over "
                    f"{ceiling['nbytes'] / 1e9:.2f} GB, {ceiling['us']:.0f} µs)")
         points = B.sweep(model, dtype, seqlens, batches, None if splits == "auto" else splits,
-                         soft_cap, page_sizes, append)
+                         soft_cap, page_sizes, append, window)
         cap = points[0].logits_soft_cap if points else None
         click.echo(f"{model}: {p.num_heads} query heads, {p.num_kv_heads} KV heads, head_dim "
                    f"{p.head_dim}, {dtype}, splits {splits}"
@@ -590,6 +602,8 @@ def bench(ctx, model, dtype, seqlens, batches, splits, protocols, processes, sof
                    + ("" if page_sizes == [None] else ", page sizes " + ", ".join(
                       "contiguous" if p is None else str(p) for p in page_sizes)
                       + " (random page order)")
+                   + ("" if window is None else f", window_left {window} (the last "
+                      f"{window + 1} tokens)")
                    + ("" if not append else ", each call appends a new token per sequence (the "
                       "cache holds seqlen − 1); no-append µs: the same call over the same seqlen "
                       "tokens without it"))

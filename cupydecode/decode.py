@@ -124,6 +124,9 @@ class DecodePlan:
     cache_seqlens[b] (through the block table when paged; a full sequence, or a page index outside
     [0, num_pages), writes nothing). The caller advances cache_seqlens.
 
+    ``window_left`` W ≥ 0 makes every run attend only the last W + 1 tokens of each sequence
+    (the new one included); the split count and size come from min(max_seqlen, W + 1) (``span``).
+
     A plan's workspace (partials and the fused merge's arrival counters) is shared by its runs:
     run one plan on one stream at a time, and make one plan per stream for concurrent decoding
     (``flash_decode`` keeps its cached plans per stream for this reason, and per thread on the
@@ -133,7 +136,8 @@ class DecodePlan:
     def __init__(self, batch: int, num_heads: int, num_kv_heads: int, head_dim: int,
                  max_seqlen: int, dtype, num_splits: int | None = None,
                  split_size: int | None = None, merge: str = "auto", enable_pdl: bool = False,
-                 *, logits_soft_cap: float | None = None, page_size: int | None = None):
+                 *, logits_soft_cap: float | None = None, page_size: int | None = None,
+                 window_left: int | None = None):
         cupy = _kernels.import_cupy()
 
         self.batch = V.check_int(batch, "batch", 0, _policy.MAX_BATCH)
@@ -159,6 +163,10 @@ class DecodePlan:
             V.fail(TypeError, "enable_pdl", "True or False", repr(enable_pdl))
         self.enable_pdl = enable_pdl
         self.logits_soft_cap = V.check_soft_cap(logits_soft_cap)
+        self.window_left = V.check_window(window_left)
+        # the tokens a sequence's attention reads at most: the splits are sized from these
+        self.span = (self.max_seqlen if self.window_left is None
+                     else min(self.max_seqlen, self.window_left + 1))
         self.page_size = (None if page_size is None
                           else V.check_int(page_size, "page_size", 1, _policy.MAX_TOKENS))
         self.group = self.num_heads // self.num_kv_heads
@@ -175,15 +183,16 @@ class DecodePlan:
                 f"{self.dtype} head_dim {self.head_dim}, but GPU {self.device_id} allows "
                 f"{smem_optin}: supported are GPUs with >= 160 KB per block (A100, H100, H200, B200)")
         if (split_size is not None
-                and _policy.fixed_split_size(self.max_seqlen, split_size)[0] > _policy.MAX_SPLITS):
-            V.fail(ValueError, "split_size", f"at least max_seqlen / {_policy.MAX_SPLITS} = "
-                   f"{-(-self.max_seqlen // _policy.MAX_SPLITS)}", split_size)
+                and _policy.fixed_split_size(self.span, split_size)[0] > _policy.MAX_SPLITS):
+            what = "max_seqlen" if self.window_left is None else "min(max_seqlen, window_left + 1)"
+            V.fail(ValueError, "split_size", f"at least {what} / {_policy.MAX_SPLITS} = "
+                   f"{-(-self.span // _policy.MAX_SPLITS)}", split_size)
 
         # where the GPU allows, the merge kernel is launched as a programmatic dependent of the
         # split kernel: its blocks are then resident and waiting when the split kernel ends
         programmatic = _kernels.programmatic_launch_supported(self.device_id)
         self.m_tiles, self.num_splits, self.chunk_tokens, self.kv_per_block = _policy.plan_shape(
-            self.dtype, self.head_dim, self.group, self.batch, self.num_kv_heads, self.max_seqlen,
+            self.dtype, self.head_dim, self.group, self.batch, self.num_kv_heads, self.span,
             _sm_count(self.device_id), lambda cfg: _blocks_per_sm(cfg, self.device_id),
             num_splits, split_size, merge, programmatic)
         self.head_tiles = _policy.head_tiles(self.group, self.m_tiles)
@@ -196,8 +205,8 @@ class DecodePlan:
         # The block shape depends on how long each block streams.
         self.config = _policy.split_kernel_config(self.dtype, self.head_dim, self.chunk_tokens,
                                                   self.m_tiles, self.group, kpb)
-        kv_bytes = (2 * self.batch * self.max_seqlen * self.num_kv_heads * self.head_dim
-                    * _policy.ITEMSIZE[self.dtype])
+        kv_bytes = (2 * self.batch * self.span * self.num_kv_heads * self.head_dim
+                    * _policy.ITEMSIZE[self.dtype])  # what a run reads at most
         if not _policy.l2_evict_first(self.dtype, kv_bytes):
             self.config = dataclasses.replace(self.config, l2_evict_first=False)
         if self.logits_soft_cap is not None:
@@ -242,6 +251,7 @@ class DecodePlan:
         # Kernel scalars that never change for this plan, packed once.
         self._static = (self.max_seqlen, self.num_heads, self.group, self.head_tiles,
                         self.chunk_tokens, self.page_size or 0)
+        self._window_arg = -1 if self.window_left is None else self.window_left
         # pages per sequence a block table must have for this plan's max_seqlen
         self._min_pages = 0 if self.page_size is None else -(-self.max_seqlen // self.page_size)
         self._in_step = int(_policy.warps_in_step(self.config, self.chunk_tokens))
@@ -262,6 +272,7 @@ class DecodePlan:
     def __repr__(self) -> str:
         cap = "" if self.logits_soft_cap is None else f", logits_soft_cap={self.logits_soft_cap:g}"
         cap += "" if self.page_size is None else f", page_size={self.page_size}"
+        cap += "" if self.window_left is None else f", window_left={self.window_left}"
         return (f"DecodePlan(batch={self.batch}, num_heads={self.num_heads}, "
                 f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
                 f"max_seqlen={self.max_seqlen}, dtype={self.dtype}{cap}, "
@@ -400,7 +411,8 @@ class DecodePlan:
             q.data.ptr, k.data.ptr, v.data.ptr, 0 if seqlens is None else seqlens.data.ptr,
             *self._part_ptrs, out.data.ptr, 0 if lse is None else lse.data.ptr, self._counter_ptr,
             0 if table is None else table.data.ptr, k_new, v_new, *strides[:11], *new_strides,
-            *strides[11:], seqlen_all, *self._static, *self._score_args(scale), n_new)
+            *strides[11:], seqlen_all, *self._static, *self._score_args(scale), n_new,
+            self._window_arg)
         if self._merge_call is not None:
             self._merge_call(stream.ptr, *self._part_ptrs, out.data.ptr,
                              0 if lse is None else lse.data.ptr, *self._merge_static)
@@ -421,7 +433,8 @@ _LAUNCH_ORDER = ("q", "k", "v", "seqlens", "o_part", "lse_part", "out", "lse_out
                  "v_ss", "v_sh", "out_sb", "out_sh", "bt_sb", "kn_sb", "kn_ss", "kn_sh", "vn_sb",
                  "vn_ss", "vn_sh", "num_pages", "seqlen_all", "max_seqlen",
                  "num_heads", "group", "head_tiles", "chunk_tokens", "page_size", "scale_log2",
-                 "warps_in_step", "soft_cap_in", "soft_cap_out", "n_new")
+                 "warps_in_step", "soft_cap_in", "soft_cap_out", "n_new",
+                 "window_left")
 if _PARAM_LIST and tuple(name for _, name in _PARAM_LIST) != _LAUNCH_ORDER:
     raise ImportError("kernels/decode_params.cuh and DecodePlan._launch disagree on the split "
                       f"kernel's parameters: {[n for _, n in _PARAM_LIST]} vs {list(_LAUNCH_ORDER)}")
@@ -452,21 +465,23 @@ def _thread_token() -> object:
     return token
 
 
-def _cached_plan(shape: dict, dtype: str, num_splits, split_size, soft_cap, device: int,
-                 stream: int) -> DecodePlan:
+def _cached_plan(shape: dict, dtype: str, num_splits, split_size, soft_cap, window,
+                 device: int, stream: int) -> DecodePlan:
     """Plans (and their workspaces) reused across eager calls of the same shape on one stream
     (``device``: the current device, ``stream``: the current stream's handle)."""
     # The per-thread default stream has the same handle in every thread but is a different
     # stream in each: those plans (workspaces) must not be shared across threads.
     owner = _thread_token() if stream == _PER_THREAD_STREAM else None
-    key = (tuple(shape.values()), dtype, num_splits, split_size, soft_cap, device, stream, owner)
+    key = (tuple(shape.values()), dtype, num_splits, split_size, soft_cap, window, device, stream,
+           owner)
     with _PLAN_LOCK:  # threads may share the cache (not a plan: see the key)
         plan = _PLAN_CACHE.get(key)
         if plan is None:
             plan = DecodePlan(shape["batch"], shape["num_heads"], shape["num_kv_heads"],
                               shape["head_dim"], shape["max_seqlen"], dtype,
                               num_splits=num_splits, split_size=split_size,
-                              logits_soft_cap=soft_cap, page_size=shape.get("page_size"))
+                              logits_soft_cap=soft_cap, page_size=shape.get("page_size"),
+                              window_left=window)
             _PLAN_CACHE[key] = plan
             if len(_PLAN_CACHE) > _PLAN_CACHE_SIZE:
                 _PLAN_CACHE.popitem(last=False)
@@ -476,10 +491,10 @@ def _cached_plan(shape: dict, dtype: str, num_splits, split_size, soft_cap, devi
 
 
 # flash_decode's lookups folded into one per call: (the inputs' layout key (_validate.layout_key),
-# stream, num_splits, split_size, soft-cap, per-thread owner) → (dtype name, shape, plan, kernel
-# strides). An entry exists only for inputs that passed the checks with those values; num_splits,
-# split_size, cache_seqlens, softmax_scale and logits_soft_cap are checked on every call all the
-# same.
+# stream, num_splits, split_size, soft-cap, window, per-thread owner) → (dtype name, shape, plan,
+# kernel strides). An entry exists only for inputs that passed the checks with those values;
+# num_splits, split_size, cache_seqlens, softmax_scale, logits_soft_cap and window_left are
+# checked on every call all the same.
 _EAGER: dict = {}
 _EAGER_SIZE = 16
 
@@ -490,7 +505,7 @@ def flash_decode(q: ArrayLike, k_cache: ArrayLike, v_cache: ArrayLike,
                  num_splits: int | None = None, return_lse: bool = False,
                  out: ArrayLike | None = None, split_size: int | None = None,
                  block_table: ArrayLike | None = None, k_new: ArrayLike | None = None,
-                 v_new: ArrayLike | None = None
+                 v_new: ArrayLike | None = None, window_left: int | None = None
                  ) -> cupy.ndarray | tuple[cupy.ndarray, cupy.ndarray]:
     """Decode attention of one query token per sequence against its KV cache.
 
@@ -521,6 +536,10 @@ def flash_decode(q: ArrayLike, k_cache: ArrayLike, v_cache: ArrayLike,
             length stays max_seqlen; a page index outside [0, num_pages) is not written.
             cache_seqlens=None (every sequence full) writes nothing. The caller advances
             cache_seqlens.
+        window_left: W ≥ 0 attends only the keys at positions ≥ L − 1 − W of a sequence of L
+            tokens (W + 1 keys: a sliding window, e.g. Mistral's 4096); the splits cover only
+            those, so a window over a long cache costs about what a cache of W + 1 tokens does.
+            None or −1: no window.
 
     Returns:
         out, or (out, lse) with ``return_lse=True``. A sequence of length 0 gives out = 0 and
@@ -537,13 +556,14 @@ def flash_decode(q: ArrayLike, k_cache: ArrayLike, v_cache: ArrayLike,
 
     layout = V.layout_key(q, k_cache, v_cache)  # (no CUDA call before a host array is refused)
     soft_cap = V.check_soft_cap(logits_soft_cap)
+    window = V.check_window(window_left)
     tkey = V.table_key(block_table)
     stream = key = hit = None
     table = block_table
     if layout is not None and tkey is not None:
         stream = cupy.cuda.get_current_stream()
         ptr = stream.ptr
-        key = (layout, tkey, ptr, num_splits, split_size, soft_cap,
+        key = (layout, tkey, ptr, num_splits, split_size, soft_cap, window,
                _thread_token() if ptr == _PER_THREAD_STREAM else None)
         try:
             hit = _EAGER.get(key)
@@ -577,7 +597,8 @@ def flash_decode(q: ArrayLike, k_cache: ArrayLike, v_cache: ArrayLike,
         ptr = stream.ptr
     if plan is None:
         # validation put q on the current device: its id, without asking the runtime again
-        plan = _cached_plan(shape, dt, num_splits, split_size, soft_cap, q.data.device_id, ptr)
+        plan = _cached_plan(shape, dt, num_splits, split_size, soft_cap, window,
+                            q.data.device_id, ptr)
         strides = plan._element_strides(q, k, v, bt_sb, num_pages)
         if key is not None:
             if len(_EAGER) >= _EAGER_SIZE:

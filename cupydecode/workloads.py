@@ -71,7 +71,8 @@ class Workload:
     on a paged copy of the cache (:func:`page_inputs`), None for the contiguous cache.
     ``append``: the call appends one new token per sequence (:func:`new_tokens`) at position
     lengths[b] and attends it too, min(lengths[b] + 1, seqlen) tokens (lengths None: every
-    sequence is full, so nothing is written).
+    sequence is full, so nothing is written). ``window_left`` W: only the last W + 1 tokens of
+    each sequence are attended (None: no window).
     """
 
     batch: int
@@ -88,6 +89,7 @@ class Workload:
     logits_soft_cap: float | None = None
     page_size: int | None = None
     append: bool = False
+    window_left: int | None = None
 
     def __post_init__(self) -> None:
         if self.lengths is not None:
@@ -110,9 +112,11 @@ class Workload:
     def live_tokens(self) -> int:
         """Σ_b live length: the tokens whose K and V must be read (with ``append``, the new one
         of each sequence with room for it included)."""
-        if self.lengths is None:
-            return self.batch * self.seqlen
-        return sum(min(n + 1, self.seqlen) if self.append else n for n in self.lengths)
+        lens = ((self.seqlen,) * self.batch if self.lengths is None else
+                tuple(min(n + 1, self.seqlen) if self.append else n for n in self.lengths))
+        if self.window_left is not None:
+            lens = tuple(min(n, self.window_left + 1) for n in lens)
+        return sum(lens)
 
     def kv_bytes(self) -> int:
         """Bytes of K and V that one call must read (live tokens only)."""
@@ -128,6 +132,7 @@ class Workload:
         cap = "" if self.logits_soft_cap is None else f" cap={self.logits_soft_cap:g}"
         cap += "" if self.page_size is None else f" page={self.page_size}"
         cap += " append" if self.append else ""
+        cap += "" if self.window_left is None else f" window={self.window_left}"
         return (f"B={self.batch} L={self.seqlen} H={self.num_heads}/{self.num_kv_heads} "
                 f"D={self.head_dim}{cap}")
 
@@ -346,5 +351,22 @@ def default_check_matrix() -> list[Workload]:
           **new),
         W(3, 257, 32, 2, 128, "float16", 3, (256, 100, 0), name="append, soft-cap 50",
           **new, **cap),
+    ]
+    # sliding windows (window_left W: the last W + 1 tokens): a window shorter than a tile, one
+    # ending mid-tile, one longer than some sequences, a window of 0 (the last token only);
+    # varlen with an empty sequence; each math path; paged, appended, with the soft-cap
+    m += [
+        W(3, 20000, 32, 8, 128, "float16", None, (20000, 4000, 0), name="window 4095",
+          window_left=4095),
+        W(2, 4097, 28, 4, 128, "bfloat16", 3, name="window 100, GQA 7", window_left=100),
+        W(2, 2000, 48, 1, 128, "float16", None, (2000, 7), name="window 9, M-tiles",
+          window_left=9),
+        W(3, 257, 16, 8, 256, "float32", None, (257, 100, 1), name="window 0", window_left=0),
+        W(4, 3000, 32, 8, 128, "bfloat16", None, (3000, 1500, 17, 0), name="window 1000, paged 16",
+          page_size=16, window_left=1000),
+        W(3, 5000, 32, 8, 128, "float16", 3, (4999, 99, 5000), name="window 127, append, paged 100",
+          page_size=100, append=True, window_left=127),
+        W(2, 4097, 16, 8, 256, "float16", None, q_scale=60.0, name="window 511, soft-cap 50",
+          window_left=511, **cap),
     ]
     return m

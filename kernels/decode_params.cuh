@@ -53,7 +53,8 @@
     X(I32, int, warps_in_step)       /* 1: the block's warps take their tiles in step */     \
     X(F32, float, soft_cap_in)       /* SOFT_CAP: 2·log2(e) · scale / cap (else unused) */   \
     X(F32, float, soft_cap_out)      /* SOFT_CAP: cap · log2(e) */                           \
-    X(I32, int, n_new)               /* new tokens per sequence (k_new, v_new); 0: none */
+    X(I32, int, n_new)               /* new tokens per sequence (k_new, v_new); 0: none */    \
+    X(I32, int, window_left)         /* W ≥ 0: only keys ≥ position − W; −1: no window */
 
 #define CD_PARAM_FIELD(kind, type, name) type name;
 #define CD_PARAM_SIZE(kind, type, name) +sizeof(type)

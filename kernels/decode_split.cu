@@ -451,7 +451,10 @@ cd_decode_split(const cd_decode_params p) {
     seqlen = max(0, min(seqlen, max_seqlen));
     const int new_lo = seqlen;
     seqlen += min(p.n_new, max_seqlen - seqlen);
-    const int chunk_start = split * chunk_tokens;
+    // A window (window_left W ≥ 0) keeps the keys [seqlen − 1 − W, seqlen): the splits cover only
+    // those (the host sizes them from min(max_seqlen, W + 1)), so nothing before is read at all.
+    const int lo = p.window_left >= 0 ? max(0, seqlen - 1 - p.window_left) : 0;
+    const int chunk_start = lo + split * chunk_tokens;
     const int chunk_end = min(chunk_start + chunk_tokens, seqlen);
     const cd_score_params score_params{scale_log2, chunk_end, p.soft_cap_in, p.soft_cap_out};
 
@@ -1050,7 +1053,9 @@ cd_decode_split(const cd_decode_params p) {
     }
     __syncthreads();
     if (!s_last) return;
-    const int live_splits = min(num_splits, (seqlen + chunk_tokens - 1) / chunk_tokens);
+    // the tokens the splits cover: seqlen − lo (recomputed: no register held through the loop)
+    const int covered = p.window_left >= 0 ? min(seqlen, p.window_left + 1) : seqlen;
+    const int live_splits = min(num_splits, (covered + chunk_tokens - 1) / chunk_tokens);
     const long long state_rows = (long long)batch * num_heads;
     // One warp per pass of a row (32 lanes × MERGE_NV elements). merge="auto" picks this merge
     // only where every warp gets at most one pass of ≤ 16 splits: one trip to L2

@@ -7,7 +7,8 @@
 # STEPS selects steps (default "tests sanitizer check bench layouts"; also "racecheck", and
 # "softcap": the soft-cap's cost, the same points with and without it, and gemma-2 with peers;
 # "paged": paged caches of 1 and 16 tokens per page beside the contiguous cache and FlashInfer;
-# "append": the cost of appending the new token, contiguous and paged).
+# "append": the cost of appending the new token, contiguous and paged; "window": a sliding window
+# over a long cache against a plain cache of the window's length).
 # A machine that returns only a few files: run it into a scratch folder and pack that, e.g.
 #   bash scripts/device_check.sh /tmp/dc; tar czf "$OUT/device_check.tgz" -C /tmp/dc .
 set -u
@@ -53,10 +54,11 @@ if has sanitizer; then
   timeout 300 compute-sanitizer --tool memcheck --error-exitcode 3 \
     $PY -m pytest -q -p no:cacheprovider tests/test_gpu_decode.py tests/test_gpu_merge.py \
     tests/test_gpu_plan.py tests/test_gpu_scores.py tests/test_gpu_paged.py \
+    tests/test_gpu_window.py \
     -k "paged or pages or soft_cap or clamped or transposed or slice or large_logits or gqa or empty \
     or cache_seqlens or split_counts or many_forced or merge or graph or long_chunk or m_tile \
     or both_tensor_core_paths or (warps_in_step and not bfloat16) or (kv_groups and not bfloat16) \
-    or enable_pdl or l2_hint" \
+    or enable_pdl or l2_hint or (window and not bfloat16 and not float32)" \
     2>&1 \
     | tail -n 40 > "$OUT_DIR/sanitizer.log"
   add_summary "memcheck: $(grep -E 'ERROR SUMMARY' "$OUT_DIR/sanitizer.log" | tail -n 1) | $(grep -E 'passed|failed' "$OUT_DIR/sanitizer.log" | tail -n 1)"
@@ -169,6 +171,27 @@ for r in csv.DictReader(open(sys.argv[1])):
         out.append(f"p{r['page_size'] or '-'} b{r['batch']}x{r['seqlen']} ({float(r['kv_bytes']) / 1e6:.0f} MB): "
                    f"{base:.1f} -> {us:.1f} us ({100 * (us / base - 1):+.2f}%) {r['check']}")
 print("; ".join(out))
+PYEOF
+)"
+fi
+
+if has window; then
+  # a window of 4095 over 128k tokens against a plain cache of 4096 (the target: <= 1.10x),
+  # FlashInfer with the same window, torch SDPA over the window's tokens
+  $PY -m cupydecode.cli bench $BASELINES --protocol "${PROTOCOLS%%,*}" --window 4095 \
+    --seqlens 131072 --batch 1,16 --csv "$OUT_DIR/window_w.csv" 2>>"$OUT_DIR/bench.err" \
+    | tee -a "$OUT_DIR/window.txt"
+  $PY -m cupydecode.cli bench $BASELINES --protocol "${PROTOCOLS%%,*}" --seqlens 4096 \
+    --batch 1,16 --csv "$OUT_DIR/window_plain.csv" 2>>"$OUT_DIR/bench.err" | tee -a "$OUT_DIR/window.txt"
+  merge_parts "$OUT_DIR/window.csv" "$OUT_DIR"/window_*.csv
+  add_summary "window: $($PY - "$OUT_DIR/window.csv" <<'PYEOF'
+import csv, sys
+rows = list(csv.DictReader(open(sys.argv[1])))
+plain = {r["batch"]: float(r["gpu_us"]) for r in rows if not r["window_left"] and r["gpu_us"]}
+print("; ".join(f"b{r['batch']} W{r['window_left']} over {r['seqlen']}: {float(r['gpu_us']):.1f} us "
+                f"vs plain {plain.get(r['batch'], float('nan')):.1f} "
+                f"(x{float(r['gpu_us']) / plain.get(r['batch'], float('nan')):.3f}) {r['check']}"
+                for r in rows if r["window_left"] and r["gpu_us"]))
 PYEOF
 )"
 fi

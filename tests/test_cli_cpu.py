@@ -417,3 +417,33 @@ def test_processes_forward_the_sweep_options():
     assert (p["model"], p["dtype"], p["seqlens"], p["batches"], p["splits"]) == (
         "qwen2.5-7b", "bfloat16", [1024, 65536], [1, 16], "auto")
     assert p["protocols"] == ["step", "back-to-back:2"] and p["baselines"] == ("torch",)
+
+
+def test_window_option():
+    """--window reaches check's workload (its label, the replay command, the bytes it reads) and
+    the default matrix has windowed rows on every math path's kind of shape."""
+    from cupydecode.check import _row_skeleton, repro_command
+
+    args = (3, 20000, None, None, None, None, None, 7, False, (20000, 4000, 0), 1.0, None,
+            None, None, False)
+    w = cli._single_workload(*args, 4095)
+    assert w.window_left == 4095 and "window=4095" in cli._workload_label(w)
+    assert repro_command(_row_skeleton(w)).endswith("--window 4095")
+    assert w.live_tokens() == 4096 + 4000 + 0
+    assert cli.check.make_context("check", ["--window", "0"]).params["window"] == 0
+    windowed = [w for w in default_check_matrix() if w.window_left is not None]
+    assert {0, 9, 100, 4095} <= {w.window_left for w in windowed}
+    assert any(w.page_size for w in windowed) and any(w.append for w in windowed)
+    assert any(w.window_left + 1 < w.seqlen for w in windowed)
+
+
+def test_bench_window_option():
+    """--window reaches bench's points (the bytes a windowed call reads) and the forwarded
+    options of --processes."""
+    points = B.sweep("llama-3-8b", "float16", [65536], [1, 2], window=4095)
+    assert all(w.window_left == 4095 for w in points)
+    assert points[0].kv_bytes() == Workload(1, 4096, 32, 8, 128).kv_bytes()
+    argv = cli._forwarded_bench_args("llama-3-8b", "float16", [65536], [1], "auto", ["step"], [],
+                                     window=4095)
+    assert cli.bench.make_context("bench", argv).params["window"] == 4095
+    assert cli.bench.make_context("bench", []).params["window"] is None

@@ -196,6 +196,7 @@ def _fake_plan(paged: bool):
     plan._counters_wait, plan._counters_refill, plan._merge_call = None, False, None
     plan._part_ptrs, plan._counter_ptr = (0xA0, 0xB0), 0xC0
     plan._static = (640, 32, 4, 1, 64, plan.page_size or 0)
+    plan._window_arg = 4095 if paged else -1
     plan._scale, plan._score_default = 0.5, (0.72, 1, 0.0, 0.0)
     plan._split_launch = lambda stream, *values: calls.append(("split", stream, values))
     return plan, calls
@@ -227,8 +228,8 @@ def test_launch_packs_the_new_tokens_into_the_split_values(paged):
         assert (split["k"], split["block_table"], split["k_sb"], split["bt_sb"],
                 split["num_pages"]) == (0x200, 0x700 if paged else 0, 8 * 81920,
                                         40 if paged else 0, 123 if paged else 0)
-        assert (split["max_seqlen"], split["page_size"], split["scale_log2"]) == (
-            640, 16 if paged else 0, 0.72)
+        assert (split["max_seqlen"], split["page_size"], split["scale_log2"],
+                split["window_left"]) == (640, 16 if paged else 0, 0.72, 4095 if paged else -1)
         got = tuple(split[n] for n in ("k_new", "v_new", "kn_sb", "kn_ss", "kn_sh", "vn_sb",
                                        "vn_ss", "vn_sh", "n_new"))
         assert got == ((0x800, 0x900, 1024, 0, 128, 2048, 1024, 256, 1) if with_new
@@ -325,6 +326,7 @@ def test_append_values_write_the_reference_rows(layout, dtype):
     plan._counters_wait, plan._counters_refill, plan._merge_call = None, False, None
     plan._part_ptrs, plan._counter_ptr = (0, 0), 0
     plan._static = (cap, heads, heads // hkv, 1, cap, plan.page_size or 0)
+    plan._window_arg = -1
     plan._scale, plan._score_default = 0.125, (0.125 * _policy.LOG2E, 0, 0.0, 0.0)
     split = []
     plan._split_launch = lambda stream, *values: split.append(values)

@@ -255,3 +255,17 @@ def test_new_token_strides_are_in_elements():
     assert V.new_token_strides(x[:, 0]) == (4 * 64, 0, 64)
     assert V.new_token_strides(np.zeros((3, 8, 2, 64), np.float32)[:, 0, ::2]) == (
         8 * 2 * 64, 0, 2 * 64)
+
+
+@pytest.mark.parametrize("window,exc", [(-2, ValueError), (1.5, TypeError), (True, TypeError),
+                                        ("16", TypeError), (2**31, ValueError)])
+def test_window_errors_name_the_argument(window, exc):
+    with pytest.raises(exc, match=r"^window_left: expected an int"):
+        V.check_window(window)
+
+
+def test_window_values():
+    """None and −1 (FlashAttention's "no window") mean none; W ≥ 0 (NumPy ints too) is kept."""
+    assert V.check_window(None) is None and V.check_window(-1) is None
+    assert V.check_window(0) == 0 and V.check_window(np.int64(4095)) == 4095
+    assert V.check_window(V.MAX_TOKENS) == V.MAX_TOKENS
