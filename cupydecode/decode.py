@@ -613,11 +613,13 @@ def merge_states(o_parts: ArrayLike, lse_parts: ArrayLike) -> tuple[cupy.ndarray
 
     Args:
         o_parts: (num_states, *rows, head_dim) float16/bfloat16/float32: locally normalised outputs.
-        lse_parts: (num_states, *rows) float32: their log-sum-exp (natural log; −inf = empty).
+        lse_parts: (num_states, *rows) float32: their log-sum-exp (natural log; −inf = empty,
+            and +inf too: the value some libraries give an empty row).
 
     Returns:
         (o, lse): o of shape (*rows, head_dim) in o_parts' dtype, lse (*rows) float32.
-        Rows whose states are all empty give o = 0, lse = −inf (never NaN).
+        Rows whose states are all empty give o = 0, lse = −inf (never NaN). A NaN LSE, or a NaN
+        in a live state's output, makes that row NaN and no other.
 
     Raises:
         TypeError, ValueError: inputs of the wrong type, dtype or shape, named in the message,

@@ -12,6 +12,7 @@ typedef unsigned short u16;
 typedef unsigned int u32;
 
 #define CD_NEG_INF (__int_as_float(0xff800000))
+#define CD_POS_INF (__int_as_float(0x7f800000))
 #define CD_LN2 0.693147180559945309f
 #define CD_LOG2E 1.442695040888963407f
 
@@ -204,7 +205,10 @@ __device__ __forceinline__ void cd_merge_fold(const typename EI::storage* __rest
         og += step * o_stride;
         lg += step * lse_stride;
 #pragma unroll
-        for (int j = 0; j < CD_MERGE_GROUP; ++j) x[j] = j < left ? x[j] * CD_LOG2E : CD_NEG_INF;
+        // absent states and +inf (empty, as some libraries mark an empty row) weigh 0; a NaN
+        // stays NaN: fmaxf skips it in the maximum, and its weight makes the row NaN
+        for (int j = 0; j < CD_MERGE_GROUP; ++j)
+            x[j] = j < left && x[j] != CD_POS_INF ? x[j] * CD_LOG2E : CD_NEG_INF;
         float mg = st.m;
 #pragma unroll
         for (int j = 0; j < CD_MERGE_GROUP; ++j) mg = fmaxf(mg, x[j]);
