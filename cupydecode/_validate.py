@@ -362,8 +362,9 @@ def check_block_table(block_table, batch: int, page_size: int, num_pages: int,
 def check_seqlens(cache_seqlens, batch: int, max_seqlen: int, allow_host_array: bool = True):
     """Return ``(device_array_or_None, int_value)`` for the kernel's (seqlens, seqlen_all).
 
-    A device array is used as is (never read on the host; the kernel clamps each entry to
-    [0, max_seqlen]). Host sequences are range-checked here, then copied to the device.
+    A device array, int32 or int64 (torch's default integer type), is used as is (never read on
+    the host; the kernel clamps each entry to [0, max_seqlen]). Host sequences are range-checked
+    here, then copied to the device.
     """
     import cupy
 
@@ -373,7 +374,7 @@ def check_seqlens(cache_seqlens, batch: int, max_seqlen: int, allow_host_array: 
         return None, check_int(cache_seqlens, "cache_seqlens", 0, max_seqlen)
     if isinstance(cache_seqlens, (list, tuple, np.ndarray)):
         if not allow_host_array:
-            fail(TypeError, "cache_seqlens", "None, an int or an int32 device array of shape "
+            fail(TypeError, "cache_seqlens", "None, an int or an int32/int64 device array of shape "
                  f"({batch},) (host arrays would need a copy, which a plan never makes)",
                  type(cache_seqlens).__name__)
         arr = np.asarray(cache_seqlens)
@@ -386,11 +387,11 @@ def check_seqlens(cache_seqlens, batch: int, max_seqlen: int, allow_host_array: 
                  f"values in [{arr.min()}, {arr.max()}]")
         return cupy.asarray(arr, dtype=cupy.int32), max_seqlen
     arr = as_device_array(cache_seqlens, "cache_seqlens")
-    if dtype_name(arr.dtype) != "int32":
-        fail(TypeError, "cache_seqlens", "dtype int32", dtype_name(arr.dtype))
+    if dtype_name(arr.dtype) not in ("int32", "int64"):
+        fail(TypeError, "cache_seqlens", "dtype int32 or int64", dtype_name(arr.dtype))
     if arr.shape != (batch,):
         fail(ValueError, "cache_seqlens", f"shape ({batch},) (one length per sequence)", tuple(arr.shape))
-    if arr.size > 1 and arr.strides[0] != 4:
+    if arr.size > 1 and arr.strides[0] != arr.itemsize:
         fail(ValueError, "cache_seqlens", "a contiguous array", f"stride {arr.strides[0]} bytes")
     check_same_device({"cache_seqlens": arr})
     return arr, max_seqlen

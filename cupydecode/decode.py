@@ -412,7 +412,7 @@ class DecodePlan:
             *self._part_ptrs, out.data.ptr, 0 if lse is None else lse.data.ptr, self._counter_ptr,
             0 if table is None else table.data.ptr, k_new, v_new, *strides[:11], *new_strides,
             *strides[11:], seqlen_all, *self._static, *self._score_args(scale), n_new,
-            self._window_arg)
+            self._window_arg, 0 if seqlens is None else seqlens.itemsize >> 3)
         if self._merge_call is not None:
             self._merge_call(stream.ptr, *self._part_ptrs, out.data.ptr,
                              0 if lse is None else lse.data.ptr, *self._merge_static)
@@ -434,7 +434,7 @@ _LAUNCH_ORDER = ("q", "k", "v", "seqlens", "o_part", "lse_part", "out", "lse_out
                  "vn_ss", "vn_sh", "num_pages", "seqlen_all", "max_seqlen",
                  "num_heads", "group", "head_tiles", "chunk_tokens", "page_size", "scale_log2",
                  "warps_in_step", "soft_cap_in", "soft_cap_out", "n_new",
-                 "window_left")
+                 "window_left", "seqlens_64")
 if _PARAM_LIST and tuple(name for _, name in _PARAM_LIST) != _LAUNCH_ORDER:
     raise ImportError("kernels/decode_params.cuh and DecodePlan._launch disagree on the split "
                       f"kernel's parameters: {[n for _, n in _PARAM_LIST]} vs {list(_LAUNCH_ORDER)}")
@@ -515,7 +515,8 @@ def flash_decode(q: ArrayLike, k_cache: ArrayLike, v_cache: ArrayLike,
             contiguous, other strides honoured. num_heads must be a multiple of num_kv_heads.
             With ``block_table``: paged, (num_pages, page_size, num_kv_heads, head_dim).
         cache_seqlens: None (all max_seqlen), an int, a host sequence of ``batch`` ints, or a
-            (batch,) int32 device array (never read on the host; clamped to [0, max_seqlen]).
+            (batch,) int32 or int64 device array (never read on the host; clamped to
+            [0, max_seqlen]).
         softmax_scale: default 1/sqrt(head_dim).
         logits_soft_cap: c > 0 caps every score s = softmax_scale · q·k as c·tanh(s/c) before
             the softmax (Gemma-2: 50.0); None or 0: no cap.

@@ -15,7 +15,7 @@
     X(PTR, const q_t*, q)            /* (batch, num_heads, head_dim) */                       \
     X(PTR, const kv_t*, k)           /* (batch, max_seqlen, kv heads, dim); PAGED: pages */   \
     X(PTR, const kv_t*, v)                                                                    \
-    X(PTR, const int*, seqlens)      /* (batch,) device lengths, or null: use seqlen_all */   \
+    X(PTR, const int*, seqlens)      /* (batch,) lengths (int64: seqlens_64); null: all */    \
     X(PTR, float*, o_part)           /* partials; null for a single split (direct output) */  \
     X(PTR, float*, lse_part)                                                                  \
     X(PTR, out_t*, out)                                                                       \
@@ -54,7 +54,8 @@
     X(F32, float, soft_cap_in)       /* SOFT_CAP: 2·log2(e) · scale / cap (else unused) */   \
     X(F32, float, soft_cap_out)      /* SOFT_CAP: cap · log2(e) */                           \
     X(I32, int, n_new)               /* new tokens per sequence (k_new, v_new); 0: none */    \
-    X(I32, int, window_left)         /* W ≥ 0: only keys ≥ position − W; −1: no window */
+    X(I32, int, window_left)         /* W ≥ 0: only keys ≥ position − W; −1: no window */    \
+    X(I32, int, seqlens_64)          /* 1: seqlens holds int64 lengths (torch's default) */
 
 #define CD_PARAM_FIELD(kind, type, name) type name;
 #define CD_PARAM_SIZE(kind, type, name) +sizeof(type)

@@ -447,7 +447,11 @@ cd_decode_split(const cd_decode_params p) {
     // token (k_new, v_new: n_new = 1) takes position new_lo, the clamped length, if that is
     // inside the capacity (a full sequence appends nothing; reference.append_kv's order), so a
     // length below 0 appends at 0 and one near 2³¹ cannot overflow.
-    int seqlen = seqlens ? seqlens[b] : seqlen_all;
+    int seqlen = seqlen_all;
+    if (seqlens)  // int64 lengths clamped in 64 bits: one past 2³¹ must not wrap to a small one
+        seqlen = p.seqlens_64 ? (int)max(0LL, min(reinterpret_cast<const long long*>(seqlens)[b],
+                                                  (long long)max_seqlen))
+                              : seqlens[b];
     seqlen = max(0, min(seqlen, max_seqlen));
     const int new_lo = seqlen;
     seqlen += min(p.n_new, max_seqlen - seqlen);

@@ -291,6 +291,31 @@ def test_device_seqlens_are_clamped(cupy, rng, seed, splits):
     assert cupy.array_equal(got[:2], full[:2]) and cupy.array_equal(lse[:2], full_lse[:2]), ctx
 
 
+@pytest.mark.parametrize("splits", [1, 3, None])
+def test_int64_device_seqlens(cupy, rng, seed, splits):
+    """int64 device lengths (torch's default integer type) work as int32 ones do, in
+    flash_decode and a plan (eager and in a graph), and are clamped in 64 bits: 2³² + 5 is past
+    max_seqlen (full), not 5; −2³² is empty."""
+    batch, num_heads, num_kv_heads, head_dim, max_seqlen = 5, 32, 8, 128, 700
+    ctx = context(seed, splits=splits)
+    q, k, v = decode_inputs(rng, batch, num_heads, num_kv_heads, head_dim, max_seqlen, "float16")
+    dq, dk, dv = to_device(q), to_device(k), to_device(v)
+    lens64 = cupy.asarray(np.array([700, 17, 2**32 + 5, -(2**32), 0], np.int64))
+    want = [700, 17, 700, 0, 0]
+    ref_out, ref_lse = R.decode_attention(q, k, v, want)
+    got, lse = cupydecode.flash_decode(dq, dk, dv, lens64, num_splits=splits, return_lse=True)
+    assert_out_close(got, ref_out, OUT_TOL["float16"], ctx)
+    assert_lse_close(lse, ref_lse, LSE_TOL["float16"], ctx)
+    lens32 = cupy.asarray(np.array(want, np.int32))
+    same, same_lse = cupydecode.flash_decode(dq, dk, dv, lens32, num_splits=splits,
+                                             return_lse=True)
+    assert cupy.array_equal(got, same) and cupy.array_equal(lse, same_lse), ctx
+    plan = cupydecode.DecodePlan(batch, num_heads, num_kv_heads, head_dim, max_seqlen,
+                                 "float16", num_splits=splits)
+    out, plan_lse = plan.run(dq, dk, dv, lens64)
+    assert cupy.array_equal(out, same) and cupy.array_equal(plan_lse, same_lse), ctx
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_transposed_cache(cupy, rng, seed, dtype):
     """A (batch, kv_heads, seq, dim) cache passed as its (0, 2, 1, 3) view."""

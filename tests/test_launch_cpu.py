@@ -224,7 +224,8 @@ def test_launch_packs_the_new_tokens_into_the_split_values(paged):
                                                     (calls[1], 0, 17, False)):
         split = dict(zip(_LAUNCH_ORDER, call[2]))
         assert len(call[2]) == len(_LAUNCH_ORDER) == len(_PARAMS.format) - 1
-        assert (split["seqlens"], split["seqlen_all"]) == (seqlens_ptr, seqlen_all)
+        assert (split["seqlens"], split["seqlen_all"], split["seqlens_64"]) == (
+            seqlens_ptr, seqlen_all, 0)
         assert (split["k"], split["block_table"], split["k_sb"], split["bt_sb"],
                 split["num_pages"]) == (0x200, 0x700 if paged else 0, 8 * 81920,
                                         40 if paged else 0, 123 if paged else 0)
@@ -348,3 +349,17 @@ def test_append_values_write_the_reference_rows(layout, dtype):
     # not vacuous: one row per sequence with room (and, paged, a page in range) was written
     changed = (k != k_before).reshape(k.shape[0], k.shape[1], -1).any(axis=-1).sum()
     assert changed == (5 if table is None else 3)
+
+
+def test_launch_flags_int64_lengths():
+    """int64 device lengths (torch's default integer type) reach the kernel as they are, with
+    seqlens_64 = 1 (the kernel reads and clamps them in 64 bits)."""
+    from cupydecode.decode import _LAUNCH_ORDER
+
+    plan, calls = _fake_plan(False)
+    q, k, v, out, lse = (_Arr(p) for p in (0x100, 0x200, 0x300, 0x400, 0x500))
+    strides = (4096, 128, 8 * 81920, 8 * 1024, 8 * 128, 8 * 81920, 8 * 1024, 8 * 128, 4096, 128,
+               0, 0)
+    plan._launch(q, k, v, _Arr(0x600, 8), 640, 0.5, out, lse, _Stream(), strides)
+    split = dict(zip(_LAUNCH_ORDER, calls[0][2]))
+    assert (split["seqlens"], split["seqlens_64"]) == (0x600, 1)
