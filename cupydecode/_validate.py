@@ -203,6 +203,43 @@ def check_window(window_left) -> int | None:
     return w
 
 
+def check_alibi_slopes(alibi_slopes, alibi: bool, num_heads: int, allow_host_array: bool = True):
+    """``alibi_slopes``: one ALiBi slope per query head, (num_heads,) float32 — a device array
+    used as is (contiguous, on the current device), or (``allow_host_array``) host values copied
+    to the device. ``alibi``: whether the plan adds the bias (then the slopes are required, and
+    refused otherwise). Returns the device array or None."""
+    import cupy
+
+    if alibi_slopes is None:
+        if alibi:
+            fail(ValueError, "alibi_slopes", f"a (num_heads={num_heads},) float32 array (the "
+                 "plan was built with alibi=True)", "None")
+        return None
+    if not alibi:
+        fail(ValueError, "alibi_slopes", "None for a plan built without alibi=True "
+             "(DecodePlan(..., alibi=True) adds the bias)", type(alibi_slopes).__name__)
+    if isinstance(alibi_slopes, (list, tuple, np.ndarray)) and allow_host_array:
+        arr = np.asarray(alibi_slopes)
+        if arr.dtype == bool or not np.issubdtype(arr.dtype, np.number):
+            fail(TypeError, "alibi_slopes", "real numbers", f"dtype {arr.dtype}")
+        if arr.shape != (num_heads,):
+            fail(ValueError, "alibi_slopes", f"shape ({num_heads},) (one per query head)",
+                 arr.shape)
+        if not np.all(np.isfinite(arr)):
+            fail(ValueError, "alibi_slopes", "finite slopes", "a non-finite value")
+        return cupy.asarray(arr, dtype=cupy.float32)
+    arr = as_device_array(alibi_slopes, "alibi_slopes")
+    if dtype_name(arr.dtype) != "float32":
+        fail(TypeError, "alibi_slopes", "dtype float32", dtype_name(arr.dtype))
+    if arr.shape != (num_heads,):
+        fail(ValueError, "alibi_slopes", f"shape ({num_heads},) (one per query head)",
+             tuple(arr.shape))
+    if num_heads > 1 and arr.strides[0] != 4:
+        fail(ValueError, "alibi_slopes", "a contiguous array", f"stride {arr.strides[0]} bytes")
+    check_same_device({"alibi_slopes": arr})
+    return arr
+
+
 def soft_cap_args(softmax_scale: float, logits_soft_cap: float | None) -> tuple[float, float]:
     """The split kernel's (soft_cap_in, soft_cap_out) for score_mod (kernels/decode_split.cu):
     2·log2(e)·scale/c and c·log2(e); (0, 0) without a cap. A ratio scale/c too large for

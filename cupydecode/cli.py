@@ -210,7 +210,7 @@ def main():
 
 def _single_workload(batch, seqlen, heads, kv_heads, head_dim, dtype, splits, seed, varlen,
                      lengths, q_scale, model, soft_cap=None, page_size=None,
-                     append=False, window=None) -> Workload:
+                     append=False, window=None, alibi=False) -> Workload:
     """One workload from ``check``'s options (raises click.BadParameter on bad combinations).
     ``soft_cap`` None: the model's (none without --model); 0: none. ``append`` without lengths:
     every sequence holds seqlen − 1 tokens, so that the new one fills it."""
@@ -246,7 +246,7 @@ def _single_workload(batch, seqlen, heads, kv_heads, head_dim, dtype, splits, se
     return Workload(batch, seqlen, heads, kv_heads, head_dim, dtype or "float16",
                     None if splits in (None, "auto") else splits, lengths, q_scale, seed, name,
                     logits_soft_cap=soft_cap or None, page_size=page_size, append=append,
-                    window_left=window)
+                    window_left=window, alibi=alibi)
 
 
 def _workload_label(w: Workload) -> str:
@@ -294,19 +294,20 @@ def _check_header(width: int) -> str:
                    "(default lengths: seqlen − 1); the cache after it is checked bit for bit.")
 @click.option("--window", "window", type=click.IntRange(min=0),
               help="window_left W: attend only the last W + 1 tokens of each sequence.")
+@click.option("--alibi", is_flag=True, help="ALiBi's bias with the standard slopes of the heads.")
 @click.option("--model", type=MODEL_CHOICE,
               help="Take heads/kv-heads/head-dim (and the soft-cap) from a preset.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), callback=_output_path,
               help="Write the result rows to this JSON file.")
 @click.pass_context
 def check(ctx, batch, seqlen, heads, kv_heads, head_dim, dtype, splits, seed, varlen, lengths,
-          q_scale, soft_cap, page_size, append, window, model, json_path):
+          q_scale, soft_cap, page_size, append, window, alibi, model, json_path):
     """Compare flash_decode with a float64 reference; one row per workload.
 
     Without shape options, runs the built-in matrix (fp16/bf16/fp32, head_dim 64/128/256,
     MHA to MQA, lengths 1 to 65536, variable lengths with an empty sequence, forced and
     automatic splits, logits of ±1e4, the soft-cap, paged caches, appended tokens, sliding
-    windows). Outputs are
+    windows, ALiBi). Outputs are
     filled with NaN before each call.
     Tolerances: relative L2 error 2e-3 (fp16), 1e-2 (bf16), 1e-4 (fp32); LSE 1e-3.
     Exit status 0 if all pass, 1 if any fails, 2 on bad usage or without a GPU.
@@ -326,11 +327,11 @@ def check(ctx, batch, seqlen, heads, kv_heads, head_dim, dtype, splits, seed, va
 
     single = any(x is not None for x in (batch, seqlen, heads, kv_heads, head_dim, dtype, splits,
                                          lengths, model, soft_cap, page_size, window)) or varlen or q_scale != 1.0
-    single = single or append
+    single = single or append or alibi
     if single:
         workloads = [_single_workload(batch, seqlen, heads, kv_heads, head_dim, dtype, splits,
                                       seed, varlen, lengths, q_scale, model, soft_cap, page_size,
-                                      append, window)]
+                                      append, window, alibi)]
     else:
         workloads = default_check_matrix()
         base = fresh_seed() if seed is None else seed
@@ -481,7 +482,7 @@ def _bench_in_processes(n: int, argv: list[str]) -> list[dict]:
 
 def _forwarded_bench_args(model, dtype, seqlens, batches, splits, protocols, baselines,
                           soft_cap=None, page_sizes=(None,), append=False,
-                          window=None) -> list[str]:
+                          window=None, alibi=False) -> list[str]:
     """The options of this bench run, for the processes of --processes (outputs stay here)."""
     argv = ["--model", model, "--dtype", dtype, "--seqlens", ",".join(map(str, seqlens)),
             "--batch", ",".join(map(str, batches)), "--splits", str(splits),
@@ -494,6 +495,8 @@ def _forwarded_bench_args(model, dtype, seqlens, batches, splits, protocols, bas
         argv.append("--append")
     if window is not None:
         argv += ["--window", str(window)]
+    if alibi:
+        argv.append("--alibi")
     for name in baselines:
         argv += ["--baseline", name]
     return argv
@@ -533,6 +536,8 @@ def _forwarded_bench_args(model, dtype, seqlens, batches, splits, protocols, bas
 @click.option("--window", "window", type=click.IntRange(min=0),
               help="window_left W: attend only the last W + 1 tokens (peers: FlashInfer with the "
                    "same window, torch SDPA and the naive version over those tokens).")
+@click.option("--alibi", is_flag=True,
+              help="ALiBi's bias with the standard slopes of the heads (no peer compared).")
 @click.option("--baseline", "baselines", type=click.Choice(["torch", "flashinfer"]),
               multiple=True, help="Also time a peer (repeatable); needs torch / flashinfer.")
 @click.option("--csv", "csv_path", type=click.Path(dir_okay=False), callback=_output_path,
@@ -543,7 +548,7 @@ def _forwarded_bench_args(model, dtype, seqlens, batches, splits, protocols, bas
               help="Plot µs and % of floor vs seqlen to this PNG (needs matplotlib).")
 @click.pass_context
 def bench(ctx, model, dtype, seqlens, batches, splits, protocols, processes, soft_cap,
-          page_sizes, append, window, baselines, csv_path, json_path, plot_path):
+          page_sizes, append, window, alibi, baselines, csv_path, json_path, plot_path):
     """Time flash_decode against the HBM read floor and against baselines.
 
     Per point: floor = bytes(K+V) / read ceiling measured in this run; GPU µs per call from a
@@ -587,14 +592,14 @@ def bench(ctx, model, dtype, seqlens, batches, splits, protocols, processes, sof
                    f"{', '.join(protocols)}")
         rows = _bench_in_processes(processes, _forwarded_bench_args(
             model, dtype, seqlens, batches, splits, protocols, peers, soft_cap, page_sizes,
-            append, window))
+            append, window, alibi))
         ceiling = {"gbps": [r["ceiling_gbps"] for r in rows if r["ceiling_gbps"]]}
     else:
         ceiling = B.measure_read_ceiling()
         click.echo(f"HBM read ceiling: {ceiling['gbps']:.0f} GB/s (read-only kernel over "
                    f"{ceiling['nbytes'] / 1e9:.2f} GB, {ceiling['us']:.0f} µs)")
         points = B.sweep(model, dtype, seqlens, batches, None if splits == "auto" else splits,
-                         soft_cap, page_sizes, append, window)
+                         soft_cap, page_sizes, append, window, alibi)
         cap = points[0].logits_soft_cap if points else None
         click.echo(f"{model}: {p.num_heads} query heads, {p.num_kv_heads} KV heads, head_dim "
                    f"{p.head_dim}, {dtype}, splits {splits}"
@@ -603,7 +608,7 @@ def bench(ctx, model, dtype, seqlens, batches, splits, protocols, processes, sof
                       "contiguous" if p is None else str(p) for p in page_sizes)
                       + " (random page order)")
                    + ("" if window is None else f", window_left {window} (the last "
-                      f"{window + 1} tokens)")
+                      f"{window + 1} tokens)") + (", ALiBi" if alibi else "")
                    + ("" if not append else ", each call appends a new token per sequence (the "
                       "cache holds seqlen − 1); no-append µs: the same call over the same seqlen "
                       "tokens without it"))

@@ -137,7 +137,7 @@ class DecodePlan:
                  max_seqlen: int, dtype, num_splits: int | None = None,
                  split_size: int | None = None, merge: str = "auto", enable_pdl: bool = False,
                  *, logits_soft_cap: float | None = None, page_size: int | None = None,
-                 window_left: int | None = None):
+                 window_left: int | None = None, alibi: bool = False):
         cupy = _kernels.import_cupy()
 
         self.batch = V.check_int(batch, "batch", 0, _policy.MAX_BATCH)
@@ -164,6 +164,9 @@ class DecodePlan:
         self.enable_pdl = enable_pdl
         self.logits_soft_cap = V.check_soft_cap(logits_soft_cap)
         self.window_left = V.check_window(window_left)
+        if not isinstance(alibi, bool):
+            V.fail(TypeError, "alibi", "True or False", repr(alibi))
+        self.alibi = alibi
         # the tokens a sequence's attention reads at most: the splits are sized from these
         self.span = (self.max_seqlen if self.window_left is None
                      else min(self.max_seqlen, self.window_left + 1))
@@ -211,6 +214,8 @@ class DecodePlan:
             self.config = dataclasses.replace(self.config, l2_evict_first=False)
         if self.logits_soft_cap is not None:
             self.config = dataclasses.replace(self.config, soft_cap=True)
+        if self.alibi:
+            self.config = dataclasses.replace(self.config, alibi=True)
         if self.page_size is not None:
             self.config = dataclasses.replace(self.config, paged=True)
         self.merge = _policy.merge_mode(self.num_splits, rows_per_block, self.head_dim,
@@ -273,6 +278,7 @@ class DecodePlan:
         cap = "" if self.logits_soft_cap is None else f", logits_soft_cap={self.logits_soft_cap:g}"
         cap += "" if self.page_size is None else f", page_size={self.page_size}"
         cap += "" if self.window_left is None else f", window_left={self.window_left}"
+        cap += ", alibi=True" if self.alibi else ""
         return (f"DecodePlan(batch={self.batch}, num_heads={self.num_heads}, "
                 f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
                 f"max_seqlen={self.max_seqlen}, dtype={self.dtype}{cap}, "
@@ -298,7 +304,8 @@ class DecodePlan:
             cache_seqlens: int | ArrayLike | None = None, out: ArrayLike | None = None,
             lse: ArrayLike | None = None, *, softmax_scale: float | None = None,
             block_table: ArrayLike | None = None, k_new: ArrayLike | None = None,
-            v_new: ArrayLike | None = None) -> tuple[cupy.ndarray, cupy.ndarray]:
+            v_new: ArrayLike | None = None,
+            alibi_slopes: ArrayLike | None = None) -> tuple[cupy.ndarray, cupy.ndarray]:
         """Decode attention for this plan's shape; returns ``(out, lse)`` (the plan's own
         buffers unless ``out``/``lse`` are given). ``cache_seqlens``: None, an int or an int32
         device array (a plan never copies from the host). A plan built with ``page_size`` takes
@@ -308,7 +315,8 @@ class DecodePlan:
         (batch, num_kv_heads, head_dim) device arrays of the cache's dtype: each sequence's new
         token, written into the cache at position cache_seqlens[b] and attended with the rest
         (nothing is written past max_seqlen; the class docstring); their values, too, may change
-        between replays.
+        between replays. A plan built with ``alibi=True`` takes ``alibi_slopes``, a (num_heads,)
+        float32 device array (values may change between replays).
 
         Raises:
             TypeError, ValueError: inputs that do not match the plan (shape, dtype, device) or
@@ -332,8 +340,10 @@ class DecodePlan:
         lse = self.lse if lse is None else V.check_out(lse, "lse", self.lse.shape, "float32")
         new = (None if k_new is None and v_new is None else V.check_new_tokens(
             k_new, v_new, self.batch, self.num_kv_heads, self.head_dim, self.dtype))
+        slopes = V.check_alibi_slopes(alibi_slopes, self.alibi, self.num_heads,
+                                      allow_host_array=False)
         self._launch(q, k_cache, v_cache, seqlens, seqlen_all, scale, out, lse, None, strides,
-                     block_table, new)
+                     block_table, new, slopes)
         return out, lse
 
     def _check_layout(self, q, k_cache, v_cache, block_table, layout):
@@ -385,11 +395,12 @@ class DecodePlan:
                 self.num_heads * self.head_dim, self.head_dim, bt_sb, num_pages)
 
     def _launch(self, q, k, v, seqlens, seqlen_all, scale, out, lse, stream, strides,
-                table=None, new=None) -> None:
+                table=None, new=None, slopes=None) -> None:
         """Everything after validation: the split kernel (which appends ``new``'s tokens), then
         (if split) the merge kernel, on ``stream`` (None: the current stream); ``strides``:
         ``_element_strides(...)``; ``table``: the block table of a paged plan; ``new``:
-        ``_validate.check_new_tokens(...)``'s (k_new, v_new, their strides in elements)."""
+        ``_validate.check_new_tokens(...)``'s (k_new, v_new, their strides in elements);
+        ``slopes``: an ALiBi plan's (num_heads,) float32 device slopes."""
         import cupy
 
         if self.batch == 0:
@@ -410,7 +421,8 @@ class DecodePlan:
             stream.ptr,
             q.data.ptr, k.data.ptr, v.data.ptr, 0 if seqlens is None else seqlens.data.ptr,
             *self._part_ptrs, out.data.ptr, 0 if lse is None else lse.data.ptr, self._counter_ptr,
-            0 if table is None else table.data.ptr, k_new, v_new, *strides[:11], *new_strides,
+            0 if table is None else table.data.ptr, k_new, v_new,
+            0 if slopes is None else slopes.data.ptr, *strides[:11], *new_strides,
             *strides[11:], seqlen_all, *self._static, *self._score_args(scale), n_new,
             self._window_arg, 0 if seqlens is None else seqlens.itemsize >> 3)
         if self._merge_call is not None:
@@ -429,7 +441,7 @@ except FileNotFoundError:  # kernel sources missing (a broken install): building
     _PARAM_LIST = ()
 _PARAMS = struct.Struct("<" + "".join(_PARAM_CODES[kind] for kind, _ in _PARAM_LIST))
 _LAUNCH_ORDER = ("q", "k", "v", "seqlens", "o_part", "lse_part", "out", "lse_out", "counters",
-                 "block_table", "k_new", "v_new", "q_sb", "q_sh", "k_sb", "k_ss", "k_sh", "v_sb",
+                 "block_table", "k_new", "v_new", "alibi_slopes", "q_sb", "q_sh", "k_sb", "k_ss", "k_sh", "v_sb",
                  "v_ss", "v_sh", "out_sb", "out_sh", "bt_sb", "kn_sb", "kn_ss", "kn_sh", "vn_sb",
                  "vn_ss", "vn_sh", "num_pages", "seqlen_all", "max_seqlen",
                  "num_heads", "group", "head_tiles", "chunk_tokens", "page_size", "scale_log2",
@@ -466,14 +478,14 @@ def _thread_token() -> object:
 
 
 def _cached_plan(shape: dict, dtype: str, num_splits, split_size, soft_cap, window,
-                 device: int, stream: int) -> DecodePlan:
+                 alibi: bool, device: int, stream: int) -> DecodePlan:
     """Plans (and their workspaces) reused across eager calls of the same shape on one stream
     (``device``: the current device, ``stream``: the current stream's handle)."""
     # The per-thread default stream has the same handle in every thread but is a different
     # stream in each: those plans (workspaces) must not be shared across threads.
     owner = _thread_token() if stream == _PER_THREAD_STREAM else None
-    key = (tuple(shape.values()), dtype, num_splits, split_size, soft_cap, window, device, stream,
-           owner)
+    key = (tuple(shape.values()), dtype, num_splits, split_size, soft_cap, window, alibi, device,
+           stream, owner)
     with _PLAN_LOCK:  # threads may share the cache (not a plan: see the key)
         plan = _PLAN_CACHE.get(key)
         if plan is None:
@@ -481,7 +493,7 @@ def _cached_plan(shape: dict, dtype: str, num_splits, split_size, soft_cap, wind
                               shape["head_dim"], shape["max_seqlen"], dtype,
                               num_splits=num_splits, split_size=split_size,
                               logits_soft_cap=soft_cap, page_size=shape.get("page_size"),
-                              window_left=window)
+                              window_left=window, alibi=alibi)
             _PLAN_CACHE[key] = plan
             if len(_PLAN_CACHE) > _PLAN_CACHE_SIZE:
                 _PLAN_CACHE.popitem(last=False)
@@ -505,7 +517,8 @@ def flash_decode(q: ArrayLike, k_cache: ArrayLike, v_cache: ArrayLike,
                  num_splits: int | None = None, return_lse: bool = False,
                  out: ArrayLike | None = None, split_size: int | None = None,
                  block_table: ArrayLike | None = None, k_new: ArrayLike | None = None,
-                 v_new: ArrayLike | None = None, window_left: int | None = None
+                 v_new: ArrayLike | None = None, window_left: int | None = None,
+                 alibi_slopes: ArrayLike | None = None
                  ) -> cupy.ndarray | tuple[cupy.ndarray, cupy.ndarray]:
     """Decode attention of one query token per sequence against its KV cache.
 
@@ -541,6 +554,9 @@ def flash_decode(q: ArrayLike, k_cache: ArrayLike, v_cache: ArrayLike,
             tokens (W + 1 keys: a sliding window, e.g. Mistral's 4096); the splits cover only
             those, so a window over a long cache costs about what a cache of W + 1 tokens does.
             None or −1: no window.
+        alibi_slopes: (num_heads,) float32, one slope per query head (a device array, or host
+            values copied per call): each score gains −slope_h · (L − 1 − j) for key j of a
+            sequence of L tokens, after the soft-cap (ALiBi: BLOOM, MPT).
 
     Returns:
         out, or (out, lse) with ``return_lse=True``. A sequence of length 0 gives out = 0 and
@@ -558,13 +574,14 @@ def flash_decode(q: ArrayLike, k_cache: ArrayLike, v_cache: ArrayLike,
     layout = V.layout_key(q, k_cache, v_cache)  # (no CUDA call before a host array is refused)
     soft_cap = V.check_soft_cap(logits_soft_cap)
     window = V.check_window(window_left)
+    alibi = alibi_slopes is not None
     tkey = V.table_key(block_table)
     stream = key = hit = None
     table = block_table
     if layout is not None and tkey is not None:
         stream = cupy.cuda.get_current_stream()
         ptr = stream.ptr
-        key = (layout, tkey, ptr, num_splits, split_size, soft_cap, window,
+        key = (layout, tkey, ptr, num_splits, split_size, soft_cap, window, alibi,
                _thread_token() if ptr == _PER_THREAD_STREAM else None)
         try:
             hit = _EAGER.get(key)
@@ -589,6 +606,7 @@ def flash_decode(q: ArrayLike, k_cache: ArrayLike, v_cache: ArrayLike,
     num_splits, split_size = V.check_splits(num_splits, split_size)
     new = (None if k_new is None and v_new is None else V.check_new_tokens(
         k_new, v_new, shape["batch"], shape["num_kv_heads"], shape["head_dim"], dt))
+    slopes = V.check_alibi_slopes(alibi_slopes, alibi, shape["num_heads"])
     out_shape = (shape["batch"], shape["num_heads"], shape["head_dim"])
     # dtype objects, not names: CuPy parses a name on every call
     out = cupy.empty(out_shape, q.dtype) if out is None else V.check_out(out, "out", out_shape, dt)
@@ -598,14 +616,15 @@ def flash_decode(q: ArrayLike, k_cache: ArrayLike, v_cache: ArrayLike,
         ptr = stream.ptr
     if plan is None:
         # validation put q on the current device: its id, without asking the runtime again
-        plan = _cached_plan(shape, dt, num_splits, split_size, soft_cap, window,
+        plan = _cached_plan(shape, dt, num_splits, split_size, soft_cap, window, alibi,
                             q.data.device_id, ptr)
         strides = plan._element_strides(q, k, v, bt_sb, num_pages)
         if key is not None:
             if len(_EAGER) >= _EAGER_SIZE:
                 _EAGER.clear()
             _EAGER[key] = (dt, shape, plan, strides)
-    plan._launch(q, k, v, seqlens, seqlen_all, scale, out, lse, stream, strides, table, new)
+    plan._launch(q, k, v, seqlens, seqlen_all, scale, out, lse, stream, strides, table, new,
+                 slopes)
     return (out, lse) if return_lse else out
 
 

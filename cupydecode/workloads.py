@@ -72,7 +72,8 @@ class Workload:
     ``append``: the call appends one new token per sequence (:func:`new_tokens`) at position
     lengths[b] and attends it too, min(lengths[b] + 1, seqlen) tokens (lengths None: every
     sequence is full, so nothing is written). ``window_left`` W: only the last W + 1 tokens of
-    each sequence are attended (None: no window).
+    each sequence are attended (None: no window). ``alibi``: ALiBi's bias with the standard
+    slopes of ``num_heads`` heads (:func:`alibi_slopes`).
     """
 
     batch: int
@@ -90,6 +91,7 @@ class Workload:
     page_size: int | None = None
     append: bool = False
     window_left: int | None = None
+    alibi: bool = False
 
     def __post_init__(self) -> None:
         if self.lengths is not None:
@@ -133,8 +135,18 @@ class Workload:
         cap += "" if self.page_size is None else f" page={self.page_size}"
         cap += " append" if self.append else ""
         cap += "" if self.window_left is None else f" window={self.window_left}"
+        cap += " alibi" if self.alibi else ""
         return (f"B={self.batch} L={self.seqlen} H={self.num_heads}/{self.num_kv_heads} "
                 f"D={self.head_dim}{cap}")
+
+
+def alibi_slopes(num_heads: int) -> np.ndarray:
+    """ALiBi's slopes for ``num_heads`` heads (Press et al.; BLOOM's code): 2^(−8(i+1)/n) for
+    the n = largest power of two ≤ num_heads, then every other slope of 2n for the rest."""
+    n = 1 << (num_heads.bit_length() - 1)
+    slopes = [2.0 ** (-8.0 * (i + 1) / n) for i in range(n)]
+    extra = [2.0 ** (-4.0 * (2 * i + 1) / n) for i in range(num_heads - n)]
+    return np.asarray(slopes + extra, np.float32)
 
 
 def workload_for_model(model: str, batch: int, seqlen: int, dtype: str = "float16",
@@ -368,5 +380,16 @@ def default_check_matrix() -> list[Workload]:
           page_size=100, append=True, window_left=127),
         W(2, 4097, 16, 8, 256, "float16", None, q_scale=60.0, name="window 511, soft-cap 50",
           window_left=511, **cap),
+    ]
+    # ALiBi (the standard slopes): heads as N, 16 rows, M-tiles, CUDA cores; varlen with an empty
+    # sequence; with the soft-cap, a window and a paged cache
+    ali = {"alibi": True}
+    m += [
+        W(3, 4097, 32, 8, 128, "float16", None, (4097, 1000, 0), name="alibi, varlen", **ali),
+        W(2, 2000, 32, 2, 128, "bfloat16", 3, name="alibi, G 16", **ali),
+        W(2, 2000, 48, 1, 128, "float16", 1, name="alibi, M-tiles", **ali),
+        W(2, 1024, 12, 12, 64, "float32", None, name="alibi", **ali),
+        W(3, 3000, 32, 8, 128, "float16", None, (3000, 17, 0), name="alibi, soft-cap, window, paged",
+          page_size=16, window_left=700, **ali, **cap),
     ]
     return m

@@ -210,22 +210,34 @@ __device__ __forceinline__ float warp_sum16(float x) {
 //   one ex2 and one fast division. Its error in the capped score is a few ulps of c (~1e-5 at
 //   c = 50), which is what the softmax sees; tanh.approx's 2⁻¹¹ relative error would move a
 //   capped logit of 50 by 0.02, 2% of its weight. ±inf scores give ±c, NaN stays NaN.
+//   ALIBI (alibi_slopes, one per query head, natural units): s ← s − slope_h · (pos − key), after
+//   the cap (the reference's order), pos the query's position (the sequence's last token); in
+//   log2 units the slope is multiplied by log2(e). The slope is read through the read-only
+//   cache: one 4-byte load per score, the same address for a thread's scores of one head.
 #ifndef SOFT_CAP
 #define SOFT_CAP 0
+#endif
+#ifndef ALIBI
+#define ALIBI 0
 #endif
 struct cd_score_params {
     float scale_log2;  // softmax scale · log2(e)
     int chunk_end;     // keys at or past this position do not count
     float cap_in;      // SOFT_CAP: 2·log2(e) · scale / c
     float cap_out;     // SOFT_CAP: c · log2(e)
+    const float* __restrict__ slopes;  // ALIBI: (num_heads,) slopes
+    int pos;           // ALIBI: the query's position, seqlen − 1
 };
 __device__ __forceinline__ float score_mod(float qk, int key, int head,
                                            const cd_score_params& sp) {
     (void)head;
 #if SOFT_CAP
-    const float s = sp.cap_out - __fdividef(2.f * sp.cap_out, cd_exp2(qk * sp.cap_in) + 1.f);
+    float s = sp.cap_out - __fdividef(2.f * sp.cap_out, cd_exp2(qk * sp.cap_in) + 1.f);
 #else
-    const float s = qk * sp.scale_log2;
+    float s = qk * sp.scale_log2;
+#endif
+#if ALIBI
+    s -= __ldg(sp.slopes + head) * CD_LOG2E * (float)(sp.pos - key);
 #endif
     return key < sp.chunk_end ? s : CD_NEG_INF;
 }
@@ -460,7 +472,8 @@ cd_decode_split(const cd_decode_params p) {
     const int lo = p.window_left >= 0 ? max(0, seqlen - 1 - p.window_left) : 0;
     const int chunk_start = lo + split * chunk_tokens;
     const int chunk_end = min(chunk_start + chunk_tokens, seqlen);
-    const cd_score_params score_params{scale_log2, chunk_end, p.soft_cap_in, p.soft_cap_out};
+    const cd_score_params score_params{scale_log2, chunk_end, p.soft_cap_in, p.soft_cap_out,
+                                       p.alibi_slopes, seqlen - 1};
 
     float* sm_acc = reinterpret_cast<float*>(smem + Q_BYTES);                // aliases the ring
     float* sm_m = reinterpret_cast<float*>(smem + Q_BYTES + BODY_BYTES);

@@ -58,7 +58,7 @@ if has sanitizer; then
     -k "paged or pages or soft_cap or clamped or transposed or slice or large_logits or gqa or empty \
     or cache_seqlens or split_counts or many_forced or merge or graph or long_chunk or m_tile \
     or both_tensor_core_paths or (warps_in_step and not bfloat16) or (kv_groups and not bfloat16) \
-    or enable_pdl or l2_hint or (window and not bfloat16 and not float32)" \
+    or enable_pdl or l2_hint or (window and not bfloat16 and not float32) or alibi" \
     2>&1 \
     | tail -n 40 > "$OUT_DIR/sanitizer.log"
   add_summary "memcheck: $(grep -E 'ERROR SUMMARY' "$OUT_DIR/sanitizer.log" | tail -n 1) | $(grep -E 'passed|failed' "$OUT_DIR/sanitizer.log" | tail -n 1)"

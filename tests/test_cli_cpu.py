@@ -447,3 +447,30 @@ def test_bench_window_option():
                                      window=4095)
     assert cli.bench.make_context("bench", argv).params["window"] == 4095
     assert cli.bench.make_context("bench", []).params["window"] is None
+
+
+def test_alibi_option_and_slopes():
+    """--alibi reaches check's workload (label, replay command) and bench's points; the standard
+    slopes: 2^(−8(i+1)/H) for H a power of two, the interleaved extension otherwise; the default
+    matrix has ALiBi rows, one with the soft-cap, a window and pages."""
+    from cupydecode.check import _row_skeleton, repro_command
+    from cupydecode.workloads import alibi_slopes
+
+    assert np.allclose(alibi_slopes(8), [2.0 ** -(i + 1) for i in range(8)])
+    s12 = alibi_slopes(12)
+    assert s12.dtype == np.float32 and s12.shape == (12,)
+    assert np.allclose(s12[:8], alibi_slopes(8))
+    assert np.allclose(s12[8:], [2.0 ** (-0.5 * (2 * i + 1)) for i in range(4)])
+    args = (2, 300, None, None, None, None, None, 7, False, None, 1.0, None, None, None, False,
+            None)
+    w = cli._single_workload(*args, True)
+    assert w.alibi and "alibi" in cli._workload_label(w)
+    assert repro_command(_row_skeleton(w)).endswith("--alibi")
+    assert cli.check.make_context("check", ["--alibi"]).params["alibi"] is True
+    assert all(p.alibi for p in B.sweep("llama-3-8b", "float16", [1024], [1], alibi=True))
+    argv = cli._forwarded_bench_args("llama-3-8b", "float16", [1024], [1], "auto", ["step"], [],
+                                     alibi=True)
+    assert cli.bench.make_context("bench", argv).params["alibi"] is True
+    rows = [w for w in default_check_matrix() if w.alibi]
+    assert len(rows) >= 4 and any(w.page_size and w.window_left and w.logits_soft_cap
+                                  for w in rows)

@@ -58,7 +58,8 @@ def _check_build(result, allowed_spill: int = 0):
 @pytest.mark.parametrize("cfg", SPLIT_CASES,
                          ids=lambda c: f"{c.dtype}-D{c.head_dim}-{c.num_warps}w{c.stages}s-m{c.m_tiles}"
                                          f"-kv{c.kv_per_block}{'' if c.l2_evict_first else '-plain'}"
-                                         f"{'-softcap' if c.soft_cap else ''}{'-paged' if c.paged else ''}")
+                                         f"{'-softcap' if c.soft_cap else ''}{'-alibi' if c.alibi else ''}"
+                                         f"{'-paged' if c.paged else ''}")
 def test_split_kernel_compiles(nvrtc, cfg, arch):
     _check_build(_kernels.compile_for_arch("decode_split.cu", cfg.defines(), arch, ptxas_info=True),
                  KNOWN_SPILLS.get((cfg.dtype, cfg.head_dim), 0))

@@ -56,17 +56,17 @@ def test_merge_kernel_parameters_match_prepared_launch():
 def test_split_kernel_parameters_are_declared_once():
     """struct cd_decode_params is built from the list in kernels/decode_params.cuh, and the host
     packs that same list (decode._PARAMS, in the order _launch passes the values): the packing
-    of the fields: 12 pointers (k_new's and v_new's last), 17 int64 strides (k_new's and
+    of the fields: 13 pointers (ALiBi's slopes last), 17 int64 strides (k_new's and
     v_new's last), 8 int32, a float32, an int32, the soft-cap's two float32, n_new,
-    window_left and seqlens_64 (last). 292 bytes: the struct is 296 with its tail padded to 8
+    window_left and seqlens_64 (last). 300 bytes: the struct is 304 with its tail padded to 8
     bytes, all inside the buffer
     StructLaunch packs into (whole 8-byte words). The list keeps falling alignment, which the
     kernel asserts (cd_falling_alignment)."""
     from cupydecode.decode import _LAUNCH_ORDER, _PARAM_LIST, _PARAMS  # imports no CuPy
 
-    assert _PARAMS.format == "<" + "Q" * 12 + "q" * 17 + "i" * 8 + "fiffiii" and _PARAMS.size == 292
+    assert _PARAMS.format == "<" + "Q" * 13 + "q" * 17 + "i" * 8 + "fiffiii" and _PARAMS.size == 300
     assert _LAUNCH_ORDER[-1] == "seqlens_64"
-    assert -(-_PARAMS.size // 8) * 8 == 296
+    assert -(-_PARAMS.size // 8) * 8 == 304
     rank = {"PTR": 8, "I64": 8, "I32": 4, "F32": 4}
     sizes = [rank[kind] for kind, _ in _PARAM_LIST]
     assert sizes == sorted(sizes, reverse=True), _PARAM_LIST

@@ -269,3 +269,13 @@ def test_window_values():
     assert V.check_window(None) is None and V.check_window(-1) is None
     assert V.check_window(0) == 0 and V.check_window(np.int64(4095)) == 4095
     assert V.check_window(V.MAX_TOKENS) == V.MAX_TOKENS
+
+
+def test_alibi_slopes_must_match_the_plan():
+    """An ALiBi plan needs its slopes; a plan without ALiBi refuses them (both before any
+    launch, naming alibi_slopes)."""
+    with pytest.raises(ValueError, match=r"^alibi_slopes: expected a \(num_heads=8,\) float32"):
+        V.check_alibi_slopes(None, True, 8)
+    with pytest.raises(ValueError, match=r"^alibi_slopes: expected None for a plan built without"):
+        V.check_alibi_slopes(np.ones(8, np.float32), False, 8)
+    assert V.check_alibi_slopes(None, False, 8) is None
