@@ -203,41 +203,45 @@ def check_window(window_left) -> int | None:
     return w
 
 
-def check_alibi_slopes(alibi_slopes, alibi: bool, num_heads: int, allow_host_array: bool = True):
-    """``alibi_slopes``: one ALiBi slope per query head, (num_heads,) float32 — a device array
-    used as is (contiguous, on the current device), or (``allow_host_array``) host values copied
-    to the device. ``alibi``: whether the plan adds the bias (then the slopes are required, and
-    refused otherwise). Returns the device array or None."""
+def check_head_values(x, name: str, num_heads: int, allow_host_array: bool = True):
+    """A per-query-head float32 vector (``alibi_slopes``, ``sinks``): None, a (num_heads,)
+    float32 device array used as is (contiguous, on the current device), or (with
+    ``allow_host_array``) finite host values copied to the device. Returns the device array or
+    None."""
     import cupy
 
-    if alibi_slopes is None:
-        if alibi:
-            fail(ValueError, "alibi_slopes", f"a (num_heads={num_heads},) float32 array (the "
-                 "plan was built with alibi=True)", "None")
+    if x is None:
         return None
-    if not alibi:
+    if isinstance(x, (list, tuple, np.ndarray)) and allow_host_array:
+        arr = np.asarray(x)
+        if arr.dtype == bool or not np.issubdtype(arr.dtype, np.number):
+            fail(TypeError, name, "real numbers", f"dtype {arr.dtype}")
+        if arr.shape != (num_heads,):
+            fail(ValueError, name, f"shape ({num_heads},) (one per query head)", arr.shape)
+        if not np.all(np.isfinite(arr)):
+            fail(ValueError, name, "finite values", "a non-finite value")
+        return cupy.asarray(arr, dtype=cupy.float32)
+    arr = as_device_array(x, name)
+    if dtype_name(arr.dtype) != "float32":
+        fail(TypeError, name, "dtype float32", dtype_name(arr.dtype))
+    if arr.shape != (num_heads,):
+        fail(ValueError, name, f"shape ({num_heads},) (one per query head)", tuple(arr.shape))
+    if num_heads > 1 and arr.strides[0] != 4:
+        fail(ValueError, name, "a contiguous array", f"stride {arr.strides[0]} bytes")
+    check_same_device({name: arr})
+    return arr
+
+
+def check_alibi_slopes(alibi_slopes, alibi: bool, num_heads: int, allow_host_array: bool = True):
+    """``alibi_slopes`` (:func:`check_head_values`) against the plan: required where it was built
+    with ``alibi=True``, refused otherwise."""
+    if alibi_slopes is None and alibi:
+        fail(ValueError, "alibi_slopes", f"a (num_heads={num_heads},) float32 array (the plan "
+             "was built with alibi=True)", "None")
+    if alibi_slopes is not None and not alibi:
         fail(ValueError, "alibi_slopes", "None for a plan built without alibi=True "
              "(DecodePlan(..., alibi=True) adds the bias)", type(alibi_slopes).__name__)
-    if isinstance(alibi_slopes, (list, tuple, np.ndarray)) and allow_host_array:
-        arr = np.asarray(alibi_slopes)
-        if arr.dtype == bool or not np.issubdtype(arr.dtype, np.number):
-            fail(TypeError, "alibi_slopes", "real numbers", f"dtype {arr.dtype}")
-        if arr.shape != (num_heads,):
-            fail(ValueError, "alibi_slopes", f"shape ({num_heads},) (one per query head)",
-                 arr.shape)
-        if not np.all(np.isfinite(arr)):
-            fail(ValueError, "alibi_slopes", "finite slopes", "a non-finite value")
-        return cupy.asarray(arr, dtype=cupy.float32)
-    arr = as_device_array(alibi_slopes, "alibi_slopes")
-    if dtype_name(arr.dtype) != "float32":
-        fail(TypeError, "alibi_slopes", "dtype float32", dtype_name(arr.dtype))
-    if arr.shape != (num_heads,):
-        fail(ValueError, "alibi_slopes", f"shape ({num_heads},) (one per query head)",
-             tuple(arr.shape))
-    if num_heads > 1 and arr.strides[0] != 4:
-        fail(ValueError, "alibi_slopes", "a contiguous array", f"stride {arr.strides[0]} bytes")
-    check_same_device({"alibi_slopes": arr})
-    return arr
+    return check_head_values(alibi_slopes, "alibi_slopes", num_heads, allow_host_array)
 
 
 def soft_cap_args(softmax_scale: float, logits_soft_cap: float | None) -> tuple[float, float]:
@@ -507,6 +511,33 @@ def check_out(out, name: str, shape: tuple, dtype: str):
         fail(ValueError, name, "a C-contiguous array", f"strides {tuple(out.strides)}")
     check_same_device({name: out})
     return out
+
+
+def check_merge_sinks(sinks, rows_shape: tuple):
+    """merge_states' ``sinks``: None, or float32 values whose shape is a trailing part of the
+    rows' shape (broadcast from the right: row r takes sinks.flat[r % sinks.size]); host values
+    are copied to the device. Returns a contiguous float32 device array or None."""
+    import cupy
+
+    if sinks is None:
+        return None
+    if isinstance(sinks, (list, tuple, np.ndarray)):
+        arr = np.asarray(sinks)
+        if arr.dtype == bool or not np.issubdtype(arr.dtype, np.number):
+            fail(TypeError, "sinks", "real numbers", f"dtype {arr.dtype}")
+        if not np.all(np.isfinite(arr)):
+            fail(ValueError, "sinks", "finite values", "a non-finite value")
+        shape = arr.shape
+    else:
+        arr = as_device_array(sinks, "sinks")
+        if dtype_name(arr.dtype) != "float32":
+            fail(TypeError, "sinks", "dtype float32", dtype_name(arr.dtype))
+        check_same_device({"sinks": arr})
+        shape = tuple(arr.shape)
+    if not shape or len(shape) > len(rows_shape) or tuple(rows_shape[-len(shape):]) != shape:
+        fail(ValueError, "sinks", f"a shape that ends the rows' shape {rows_shape} (e.g. "
+             f"{rows_shape[-1:]}: one per last-axis row)", shape)
+    return cupy.ascontiguousarray(cupy.asarray(arr, dtype=cupy.float32)).ravel()
 
 
 def check_merge_inputs(o_parts, lse_parts):

@@ -23,7 +23,8 @@ import math
 import numpy as np
 
 from . import reference as R
-from .workloads import Workload, alibi_slopes, make_inputs, new_tokens, page_inputs
+from .workloads import (Workload, alibi_slopes, make_inputs, new_tokens, page_inputs,
+                        sink_logits)
 
 REL_TOL = {"float16": 2e-3, "bfloat16": 1e-2, "float32": 1e-4}
 LSE_ATOL = 1e-3
@@ -73,7 +74,8 @@ def reference_for(w: Workload, q, k, v, new=None):
     """Float64 ``(out, lse, kind)`` for the whole workload; out (B, H, D), lse (B, H); ``new``:
     the appended tokens (k_new, v_new) of an append workload, None otherwise."""
     options = {"logits_soft_cap": w.logits_soft_cap, "window_left": w.window_left,
-               "alibi_slopes": alibi_slopes(w.num_heads) if w.alibi else None}
+               "alibi_slopes": alibi_slopes(w.num_heads) if w.alibi else None,
+               "sinks": sink_logits(w.num_heads, w.seed) if w.sinks else None}
     lens = None if w.lengths is None else np.asarray(w.lengths)
     if k[0].size * w.batch <= NUMPY_REFERENCE_MAX_ELEMENTS:
         if new is not None:
@@ -103,7 +105,8 @@ def _row_skeleton(w: Workload) -> dict:
         "num_heads": w.num_heads, "num_kv_heads": w.num_kv_heads, "head_dim": w.head_dim,
         "lengths": None if w.lengths is None else list(w.lengths), "q_scale": w.q_scale,
         "logits_soft_cap": w.logits_soft_cap, "page_size": w.page_size, "append": w.append,
-        "window_left": w.window_left, "alibi": w.alibi, "cache_rows_wrong": None, "splits_requested": w.splits_label, "splits": None,
+        "window_left": w.window_left, "alibi": w.alibi, "sinks": w.sinks,
+        "cache_rows_wrong": None, "splits_requested": w.splits_label, "splits": None,
         "chunk_tokens": None,
         "seed": w.seed, "reference": None, "max_abs_err": None, "rel_err": None,
         "lse_err": None, "rel_tol": REL_TOL[w.dtype], "lse_tol": None, "max_abs_lse": None,
@@ -132,6 +135,8 @@ def run_check(w: Workload) -> dict:
         appended = {} if new is None else {"k_new": new[0], "v_new": new[1]}
         if w.alibi:
             appended["alibi_slopes"] = cupy.asarray(alibi_slopes(w.num_heads))
+        if w.sinks:
+            appended["sinks"] = cupy.asarray(sink_logits(w.num_heads, w.seed))
         if w.page_size:  # the same tokens in pages (random order); the reference reads k, v
             _, kc, vc, _, table = page_inputs((q, k, v, seqlens), w.page_size, w.seed)
             plan.run(q, kc, vc, seqlens, out=out, lse=lse, block_table=table, **appended)
@@ -201,4 +206,6 @@ def repro_command(row: dict) -> str:
         parts.append(f"--window {row['window_left']}")
     if row.get("alibi"):
         parts.append("--alibi")
+    if row.get("sinks"):
+        parts.append("--sinks")
     return " ".join(parts)

@@ -210,7 +210,7 @@ def main():
 
 def _single_workload(batch, seqlen, heads, kv_heads, head_dim, dtype, splits, seed, varlen,
                      lengths, q_scale, model, soft_cap=None, page_size=None,
-                     append=False, window=None, alibi=False) -> Workload:
+                     append=False, window=None, alibi=False, sinks=False) -> Workload:
     """One workload from ``check``'s options (raises click.BadParameter on bad combinations).
     ``soft_cap`` None: the model's (none without --model); 0: none. ``append`` without lengths:
     every sequence holds seqlen − 1 tokens, so that the new one fills it."""
@@ -246,7 +246,7 @@ def _single_workload(batch, seqlen, heads, kv_heads, head_dim, dtype, splits, se
     return Workload(batch, seqlen, heads, kv_heads, head_dim, dtype or "float16",
                     None if splits in (None, "auto") else splits, lengths, q_scale, seed, name,
                     logits_soft_cap=soft_cap or None, page_size=page_size, append=append,
-                    window_left=window, alibi=alibi)
+                    window_left=window, alibi=alibi, sinks=sinks)
 
 
 def _workload_label(w: Workload) -> str:
@@ -295,19 +295,20 @@ def _check_header(width: int) -> str:
 @click.option("--window", "window", type=click.IntRange(min=0),
               help="window_left W: attend only the last W + 1 tokens of each sequence.")
 @click.option("--alibi", is_flag=True, help="ALiBi's bias with the standard slopes of the heads.")
+@click.option("--sinks", is_flag=True, help="A sink logit per query head (gpt-oss), from the seed.")
 @click.option("--model", type=MODEL_CHOICE,
               help="Take heads/kv-heads/head-dim (and the soft-cap) from a preset.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), callback=_output_path,
               help="Write the result rows to this JSON file.")
 @click.pass_context
 def check(ctx, batch, seqlen, heads, kv_heads, head_dim, dtype, splits, seed, varlen, lengths,
-          q_scale, soft_cap, page_size, append, window, alibi, model, json_path):
+          q_scale, soft_cap, page_size, append, window, alibi, sinks, model, json_path):
     """Compare flash_decode with a float64 reference; one row per workload.
 
     Without shape options, runs the built-in matrix (fp16/bf16/fp32, head_dim 64/128/256,
     MHA to MQA, lengths 1 to 65536, variable lengths with an empty sequence, forced and
     automatic splits, logits of ±1e4, the soft-cap, paged caches, appended tokens, sliding
-    windows, ALiBi). Outputs are
+    windows, ALiBi, attention sinks). Outputs are
     filled with NaN before each call.
     Tolerances: relative L2 error 2e-3 (fp16), 1e-2 (bf16), 1e-4 (fp32); LSE 1e-3.
     Exit status 0 if all pass, 1 if any fails, 2 on bad usage or without a GPU.
@@ -327,11 +328,11 @@ def check(ctx, batch, seqlen, heads, kv_heads, head_dim, dtype, splits, seed, va
 
     single = any(x is not None for x in (batch, seqlen, heads, kv_heads, head_dim, dtype, splits,
                                          lengths, model, soft_cap, page_size, window)) or varlen or q_scale != 1.0
-    single = single or append or alibi
+    single = single or append or alibi or sinks
     if single:
         workloads = [_single_workload(batch, seqlen, heads, kv_heads, head_dim, dtype, splits,
                                       seed, varlen, lengths, q_scale, model, soft_cap, page_size,
-                                      append, window, alibi)]
+                                      append, window, alibi, sinks)]
     else:
         workloads = default_check_matrix()
         base = fresh_seed() if seed is None else seed

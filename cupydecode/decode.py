@@ -304,8 +304,8 @@ class DecodePlan:
             cache_seqlens: int | ArrayLike | None = None, out: ArrayLike | None = None,
             lse: ArrayLike | None = None, *, softmax_scale: float | None = None,
             block_table: ArrayLike | None = None, k_new: ArrayLike | None = None,
-            v_new: ArrayLike | None = None,
-            alibi_slopes: ArrayLike | None = None) -> tuple[cupy.ndarray, cupy.ndarray]:
+            v_new: ArrayLike | None = None, alibi_slopes: ArrayLike | None = None,
+            sinks: ArrayLike | None = None) -> tuple[cupy.ndarray, cupy.ndarray]:
         """Decode attention for this plan's shape; returns ``(out, lse)`` (the plan's own
         buffers unless ``out``/``lse`` are given). ``cache_seqlens``: None, an int or an int32
         device array (a plan never copies from the host). A plan built with ``page_size`` takes
@@ -316,7 +316,8 @@ class DecodePlan:
         token, written into the cache at position cache_seqlens[b] and attended with the rest
         (nothing is written past max_seqlen; the class docstring); their values, too, may change
         between replays. A plan built with ``alibi=True`` takes ``alibi_slopes``, a (num_heads,)
-        float32 device array (values may change between replays).
+        float32 device array (values may change between replays). ``sinks``: a (num_heads,)
+        float32 device array of sink logits (gpt-oss), any plan.
 
         Raises:
             TypeError, ValueError: inputs that do not match the plan (shape, dtype, device) or
@@ -342,8 +343,9 @@ class DecodePlan:
             k_new, v_new, self.batch, self.num_kv_heads, self.head_dim, self.dtype))
         slopes = V.check_alibi_slopes(alibi_slopes, self.alibi, self.num_heads,
                                       allow_host_array=False)
+        sinks = V.check_head_values(sinks, "sinks", self.num_heads, allow_host_array=False)
         self._launch(q, k_cache, v_cache, seqlens, seqlen_all, scale, out, lse, None, strides,
-                     block_table, new, slopes)
+                     block_table, new, slopes, sinks)
         return out, lse
 
     def _check_layout(self, q, k_cache, v_cache, block_table, layout):
@@ -395,12 +397,13 @@ class DecodePlan:
                 self.num_heads * self.head_dim, self.head_dim, bt_sb, num_pages)
 
     def _launch(self, q, k, v, seqlens, seqlen_all, scale, out, lse, stream, strides,
-                table=None, new=None, slopes=None) -> None:
+                table=None, new=None, slopes=None, sinks=None) -> None:
         """Everything after validation: the split kernel (which appends ``new``'s tokens), then
         (if split) the merge kernel, on ``stream`` (None: the current stream); ``strides``:
         ``_element_strides(...)``; ``table``: the block table of a paged plan; ``new``:
         ``_validate.check_new_tokens(...)``'s (k_new, v_new, their strides in elements);
-        ``slopes``: an ALiBi plan's (num_heads,) float32 device slopes."""
+        ``slopes``: an ALiBi plan's (num_heads,) float32 device slopes; ``sinks``: (num_heads,)
+        float32 device sink logits."""
         import cupy
 
         if self.batch == 0:
@@ -422,12 +425,14 @@ class DecodePlan:
             q.data.ptr, k.data.ptr, v.data.ptr, 0 if seqlens is None else seqlens.data.ptr,
             *self._part_ptrs, out.data.ptr, 0 if lse is None else lse.data.ptr, self._counter_ptr,
             0 if table is None else table.data.ptr, k_new, v_new,
-            0 if slopes is None else slopes.data.ptr, *strides[:11], *new_strides,
+            0 if slopes is None else slopes.data.ptr, 0 if sinks is None else sinks.data.ptr,
+            *strides[:11], *new_strides,
             *strides[11:], seqlen_all, *self._static, *self._score_args(scale), n_new,
             self._window_arg, 0 if seqlens is None else seqlens.itemsize >> 3)
         if self._merge_call is not None:
             self._merge_call(stream.ptr, *self._part_ptrs, out.data.ptr,
-                             0 if lse is None else lse.data.ptr, *self._merge_static)
+                             0 if lse is None else lse.data.ptr, *self._merge_static,
+                             0 if sinks is None else sinks.data.ptr, self.num_heads)
 
 
 # struct cd_decode_params of the split kernel, packed from its declaration in
@@ -441,7 +446,7 @@ except FileNotFoundError:  # kernel sources missing (a broken install): building
     _PARAM_LIST = ()
 _PARAMS = struct.Struct("<" + "".join(_PARAM_CODES[kind] for kind, _ in _PARAM_LIST))
 _LAUNCH_ORDER = ("q", "k", "v", "seqlens", "o_part", "lse_part", "out", "lse_out", "counters",
-                 "block_table", "k_new", "v_new", "alibi_slopes", "q_sb", "q_sh", "k_sb", "k_ss", "k_sh", "v_sb",
+                 "block_table", "k_new", "v_new", "alibi_slopes", "sinks", "q_sb", "q_sh", "k_sb", "k_ss", "k_sh", "v_sb",
                  "v_ss", "v_sh", "out_sb", "out_sh", "bt_sb", "kn_sb", "kn_ss", "kn_sh", "vn_sb",
                  "vn_ss", "vn_sh", "num_pages", "seqlen_all", "max_seqlen",
                  "num_heads", "group", "head_tiles", "chunk_tokens", "page_size", "scale_log2",
@@ -455,9 +460,10 @@ _NO_NEW = (0,) * 6  # k_new's and v_new's strides without new tokens
 
 # Parameters of cd_merge_states in kernels/merge_states.cu, packed for a plan's prepared launch:
 # o_parts, lse_parts, out, lse_out (pointers), num_states (int32), rows (int64), head_dim and
-# warps_per_item (int32); kernel parameter i starts at byte _MERGE_OFFSETS[i].
-_MERGE_PARAMS = struct.Struct("<4Qi4xqii")
-_MERGE_OFFSETS = (0, 8, 16, 24, 32, 40, 48, 52)
+# warps_per_item (int32), sinks (pointer), num_sinks (int32); kernel parameter i starts at byte
+# _MERGE_OFFSETS[i].
+_MERGE_PARAMS = struct.Struct("<4Qi4xqiiQi")
+_MERGE_OFFSETS = (0, 8, 16, 24, 32, 40, 48, 52, 56, 64)
 
 
 _FLOAT32 = np.dtype(np.float32)
@@ -518,7 +524,7 @@ def flash_decode(q: ArrayLike, k_cache: ArrayLike, v_cache: ArrayLike,
                  out: ArrayLike | None = None, split_size: int | None = None,
                  block_table: ArrayLike | None = None, k_new: ArrayLike | None = None,
                  v_new: ArrayLike | None = None, window_left: int | None = None,
-                 alibi_slopes: ArrayLike | None = None
+                 alibi_slopes: ArrayLike | None = None, sinks: ArrayLike | None = None
                  ) -> cupy.ndarray | tuple[cupy.ndarray, cupy.ndarray]:
     """Decode attention of one query token per sequence against its KV cache.
 
@@ -557,6 +563,10 @@ def flash_decode(q: ArrayLike, k_cache: ArrayLike, v_cache: ArrayLike,
         alibi_slopes: (num_heads,) float32, one slope per query head (a device array, or host
             values copied per call): each score gains −slope_h · (L − 1 − j) for key j of a
             sequence of L tokens, after the soft-cap (ALiBi: BLOOM, MPT).
+        sinks: (num_heads,) float32 sink logits σ_h (gpt-oss; a device array, or host values
+            copied per call): the softmax denominator gains e^σ_h with no value, out =
+            Σ e^s v / (e^σ + Σ e^s) and lse = ln(e^σ + Σ e^s); an empty sequence gives out = 0,
+            lse = σ_h.
 
     Returns:
         out, or (out, lse) with ``return_lse=True``. A sequence of length 0 gives out = 0 and
@@ -607,6 +617,7 @@ def flash_decode(q: ArrayLike, k_cache: ArrayLike, v_cache: ArrayLike,
     new = (None if k_new is None and v_new is None else V.check_new_tokens(
         k_new, v_new, shape["batch"], shape["num_kv_heads"], shape["head_dim"], dt))
     slopes = V.check_alibi_slopes(alibi_slopes, alibi, shape["num_heads"])
+    sinks = V.check_head_values(sinks, "sinks", shape["num_heads"])
     out_shape = (shape["batch"], shape["num_heads"], shape["head_dim"])
     # dtype objects, not names: CuPy parses a name on every call
     out = cupy.empty(out_shape, q.dtype) if out is None else V.check_out(out, "out", out_shape, dt)
@@ -624,11 +635,12 @@ def flash_decode(q: ArrayLike, k_cache: ArrayLike, v_cache: ArrayLike,
                 _EAGER.clear()
             _EAGER[key] = (dt, shape, plan, strides)
     plan._launch(q, k, v, seqlens, seqlen_all, scale, out, lse, stream, strides, table, new,
-                 slopes)
+                 slopes, sinks)
     return (out, lse) if return_lse else out
 
 
-def merge_states(o_parts: ArrayLike, lse_parts: ArrayLike) -> tuple[cupy.ndarray, cupy.ndarray]:
+def merge_states(o_parts: ArrayLike, lse_parts: ArrayLike, *,
+                 sinks: ArrayLike | None = None) -> tuple[cupy.ndarray, cupy.ndarray]:
     """Merge partial attention states through their log-sum-exp.
 
     Args:
@@ -640,6 +652,11 @@ def merge_states(o_parts: ArrayLike, lse_parts: ArrayLike) -> tuple[cupy.ndarray
         (o, lse): o of shape (*rows, head_dim) in o_parts' dtype, lse (*rows) float32.
         Rows whose states are all empty give o = 0, lse = −inf (never NaN). A NaN LSE, or a NaN
         in a live state's output, makes that row NaN and no other.
+        sinks: optional float32 sink logits σ (gpt-oss), broadcast against the rows from the
+            right (e.g. (num_heads,) for rows (batch, num_heads); a device array, or host values
+            copied): applied once to each merged row, LSE ← ln(e^LSE + e^σ), O ← O·e^(LSE_old −
+            LSE_new); an empty row gives O = 0, LSE = σ. Pass the sinks here, not to the calls
+            that made the partial states.
 
     Raises:
         TypeError, ValueError: inputs of the wrong type, dtype or shape, named in the message,
@@ -656,11 +673,14 @@ def merge_states(o_parts: ArrayLike, lse_parts: ArrayLike) -> tuple[cupy.ndarray
     num_states, head_dim = o.shape[0], o.shape[-1]
     rows_shape = tuple(o.shape[1:-1])
     rows = int(np.prod(rows_shape, dtype=np.int64))
+    sink_arr = V.check_merge_sinks(sinks, rows_shape)
     out = cupy.empty(rows_shape + (head_dim,), dt)
     lse = cupy.empty(rows_shape, cupy.float32)
     if rows:
         blocks, threads, warps_per_item = _policy.merge_launch(rows, head_dim, num_states)
         _kernels.launch(_merge_function(dt, dt, head_dim), (blocks, 1, 1), (threads, 1, 1),
                         (o, lse_in, out, lse, np.int32(num_states), np.int64(rows),
-                         np.int32(head_dim), np.int32(warps_per_item)))
+                         np.int32(head_dim), np.int32(warps_per_item),
+                         np.uint64(0) if sink_arr is None else sink_arr,
+                         np.int32(1 if sink_arr is None else sink_arr.size)))
     return out, lse

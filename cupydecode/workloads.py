@@ -73,7 +73,8 @@ class Workload:
     lengths[b] and attends it too, min(lengths[b] + 1, seqlen) tokens (lengths None: every
     sequence is full, so nothing is written). ``window_left`` W: only the last W + 1 tokens of
     each sequence are attended (None: no window). ``alibi``: ALiBi's bias with the standard
-    slopes of ``num_heads`` heads (:func:`alibi_slopes`).
+    slopes of ``num_heads`` heads (:func:`alibi_slopes`). ``sinks``: a sink logit per query
+    head (:func:`sink_logits`, from the seed).
     """
 
     batch: int
@@ -92,6 +93,7 @@ class Workload:
     append: bool = False
     window_left: int | None = None
     alibi: bool = False
+    sinks: bool = False
 
     def __post_init__(self) -> None:
         if self.lengths is not None:
@@ -136,6 +138,7 @@ class Workload:
         cap += " append" if self.append else ""
         cap += "" if self.window_left is None else f" window={self.window_left}"
         cap += " alibi" if self.alibi else ""
+        cap += " sinks" if self.sinks else ""
         return (f"B={self.batch} L={self.seqlen} H={self.num_heads}/{self.num_kv_heads} "
                 f"D={self.head_dim}{cap}")
 
@@ -147,6 +150,12 @@ def alibi_slopes(num_heads: int) -> np.ndarray:
     slopes = [2.0 ** (-8.0 * (i + 1) / n) for i in range(n)]
     extra = [2.0 ** (-4.0 * (2 * i + 1) / n) for i in range(num_heads - n)]
     return np.asarray(slopes + extra, np.float32)
+
+
+def sink_logits(num_heads: int, seed: int) -> np.ndarray:
+    """A sink logit per query head for a check (gpt-oss learns them; values in [−2, 6] make the
+    sink weigh from almost nothing to most of a short row's denominator)."""
+    return np.random.default_rng([seed, 7]).uniform(-2.0, 6.0, num_heads).astype(np.float32)
 
 
 def workload_for_model(model: str, batch: int, seqlen: int, dtype: str = "float16",
@@ -391,5 +400,17 @@ def default_check_matrix() -> list[Workload]:
         W(2, 1024, 12, 12, 64, "float32", None, name="alibi", **ali),
         W(3, 3000, 32, 8, 128, "float16", None, (3000, 17, 0), name="alibi, soft-cap, window, paged",
           page_size=16, window_left=700, **ali, **cap),
+    ]
+    # attention sinks (a logit per query head in the denominator): one split, the fused merge,
+    # the merge kernel's plans (forced split counts), an empty sequence (out 0, lse σ); with a
+    # window and pages (gpt-oss's sliding layers: a window of 127)
+    snk = {"sinks": True}
+    m += [
+        W(3, 4097, 64, 8, 64, "bfloat16", 1, (4097, 100, 0), name="sinks, 1 split", **snk),
+        W(3, 4097, 64, 8, 64, "float16", None, (4097, 100, 0), name="sinks", **snk),
+        W(2, 20000, 64, 8, 64, "float16", 40, name="sinks, 40 splits", **snk),
+        W(2, 2000, 48, 1, 128, "float32", 3, name="sinks, MQA", **snk),
+        W(3, 5000, 64, 8, 64, "bfloat16", None, (5000, 60, 0), name="sinks, window 127, paged",
+          page_size=16, window_left=127, **snk),
     ]
     return m

@@ -25,6 +25,7 @@
     X(PTR, const kv_t*, k_new)       /* n_new > 0: (batch, n_new, kv heads, dim) new tokens */ \
     X(PTR, const kv_t*, v_new)                                                                \
     X(PTR, const float*, alibi_slopes) /* ALIBI: (num_heads,) float32 slopes */               \
+    X(PTR, const float*, sinks)      /* (num_heads,) float32 sink logits (natural log), or null */ \
     X(I64, long long, q_sb)          /* strides, in elements */                               \
     X(I64, long long, q_sh)                                                                   \
     X(I64, long long, k_sb)                                                                   \

@@ -1005,11 +1005,14 @@ cd_decode_split(const cd_decode_params p) {
     };
     if (tid < rows) {
         const int R = tid;
-        float mmax = CD_NEG_INF;
+        // A single split's output is final: its sink (sinks: a logit per query head, a key with
+        // no value) joins here. Partials never hold it: the merge adds it once (cd_merge_sink).
+        const float sink2 = !o_part && p.sinks ? p.sinks[h0 + R] * CD_LOG2E : CD_NEG_INF;
+        float mmax = sink2;
 #pragma unroll
         for (int t = 0; t < SLOTS; ++t) mmax = fmaxf(mmax, sm_m[wrow(R, t)]);
         const float ref = (mmax == CD_NEG_INF) ? 0.f : mmax;
-        float sc[SLOTS], l = 0.f;
+        float sc[SLOTS], l = cd_exp2(sink2 - ref);  // 0 without a sink
 #pragma unroll
         for (int t = 0; t < SLOTS; ++t) {
             sc[t] = cd_exp2(sm_m[wrow(R, t)] - ref);
@@ -1084,6 +1087,7 @@ cd_decode_split(const cd_decode_params p) {
         cd_merge_row_pass<cd_elem<2>, E, MERGE_NV>(o_part + (bh0 + r) * HEAD_DIM, state_rows * HEAD_DIM,
                                            lse_part + bh0 + r, state_rows, live_splits, HEAD_DIM,
                                            pass, out + b * out_sb + (long long)(h0 + r) * out_sh,
-                                           lse_out ? lse_out + bh0 + r : nullptr, lane);
+                                           lse_out ? lse_out + bh0 + r : nullptr, lane,
+                                           p.sinks ? p.sinks[h0 + r] * CD_LOG2E : CD_NEG_INF);
     }
 }

@@ -474,3 +474,21 @@ def test_alibi_option_and_slopes():
     rows = [w for w in default_check_matrix() if w.alibi]
     assert len(rows) >= 4 and any(w.page_size and w.window_left and w.logits_soft_cap
                                   for w in rows)
+
+
+def test_sinks_option():
+    """--sinks reaches check's workload (label, replay command); its sink logits come from the
+    seed (the same run replays them); the matrix has sink rows in each merge of a plan."""
+    from cupydecode.check import _row_skeleton, repro_command
+    from cupydecode.workloads import sink_logits
+
+    args = (2, 300, None, None, None, None, None, 7, False, None, 1.0, None, None, None, False,
+            None, False)
+    w = cli._single_workload(*args, True)
+    assert w.sinks and "sinks" in cli._workload_label(w)
+    assert repro_command(_row_skeleton(w)).endswith("--sinks")
+    assert np.array_equal(sink_logits(32, 7), sink_logits(32, 7))
+    assert not np.array_equal(sink_logits(32, 7), sink_logits(32, 8))
+    rows = [w for w in default_check_matrix() if w.sinks]
+    assert {1, 40, None} <= {w.num_splits for w in rows} and any(w.window_left for w in rows)
+    assert any(w.lengths and 0 in w.lengths for w in rows)

@@ -215,3 +215,27 @@ def test_alibi_validation(cupy, rng):
         plan.run(q, k, k, alibi_slopes=np.ones(8, np.float32))  # a plan never copies
     with pytest.raises(TypeError, match="alibi: expected True or False"):
         cupydecode.DecodePlan(2, 8, 8, 128, 64, "float16", alibi=1)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: "{}-{}-{}".format(*x))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sinks_match_reference(cupy, rng, seed, dtype, layout):
+    """Sinks (gpt-oss: a logit per query head in the denominator) join once, whatever the merge:
+    one split (the split kernel's epilogue), the fused merge and the merge kernel; an empty
+    sequence gives out 0 and lse σ; through flash_decode (host and device sinks) and plans."""
+    num_heads = layout[0]
+    sinks = rng.uniform(-2.0, 6.0, num_heads).astype(np.float32)
+    case = DecodeCase(rng, seed, 4, *layout, 1200, dtype, [1200, 1, 0, 777], sinks=sinks)
+    plain, _ = R.decode_attention(*case.host, case.lengths)
+    assert R.relative_error(plain, case.ref_out) > 20 * OUT_TOL[dtype], case.ctx
+    d_sinks = to_device(sinks)
+    for mode in MODES:
+        plan = cupydecode.DecodePlan(*case.shape, dtype, **mode)
+        out, lse = case.poisoned()
+        case.check(*plan.run(case.q, case.k, case.v, case.seqlens, out=out, lse=lse,
+                             sinks=d_sinks), f"{mode} merge={plan.merge}")
+    case.check(*case.flash_decode(), "flash_decode, host sinks")
+    case.options = dict(case.options, sinks=d_sinks)
+    case.check(*case.flash_decode(num_splits=3), "flash_decode, device sinks, splits=3")
+    _, lse = case.flash_decode(num_splits=1)
+    assert np.allclose(lse[2].get(), sinks, atol=1e-5), case.ctx  # the empty sequence

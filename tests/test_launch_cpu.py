@@ -47,7 +47,8 @@ def captured(monkeypatch):
 
 
 # C types of cd_merge_states' parameters (kernels/merge_states.cu), in order
-_MERGE_CTYPES = [ctypes.c_uint64] * 4 + [ctypes.c_int32, ctypes.c_int64, ctypes.c_int32, ctypes.c_int32]
+_MERGE_CTYPES = [ctypes.c_uint64] * 4 + [ctypes.c_int32, ctypes.c_int64, ctypes.c_int32, ctypes.c_int32,
+                                         ctypes.c_uint64, ctypes.c_int32]
 
 
 def _merge_params(kernel_params) -> tuple:
@@ -114,13 +115,14 @@ def test_struct_launch_points_each_parameter_at_its_offset(monkeypatch):
     _intercept(monkeypatch, lambda dims, kernel_params, extra: seen.append(_merge_params(kernel_params)))
     launch = _kernels.StructLaunch(_FakeKernel(), (3, 1, 1), (256, 1, 1), 0, _MERGE_PARAMS,
                                    _MERGE_OFFSETS)
-    values = (0x7F0000001000, 0x7F0000002000, 0x7F0000003000, 0, 37, (1 << 33) + 5, 128, 4)
+    values = (0x7F0000001000, 0x7F0000002000, 0x7F0000003000, 0, 37, (1 << 33) + 5, 128, 4,
+              0x7F0000004000, 32)
     launch(0x99, *values)
-    launch(0x99, *values[:4], 5, 7, 64, 1)
-    assert seen == [values, values[:4] + (5, 7, 64, 1)]
+    launch(0x99, *values[:4], 5, 7, 64, 1, 0, 8)
+    assert seen == [values, values[:4] + (5, 7, 64, 1, 0, 8)]
     assert len(_MERGE_OFFSETS) == len(_MERGE_CTYPES)
     with pytest.raises(ValueError, match="offsets"):
-        _kernels.StructLaunch(_FakeKernel(), (1, 1, 1), (32, 1, 1), 0, _MERGE_PARAMS, (0, 56))
+        _kernels.StructLaunch(_FakeKernel(), (1, 1, 1), (32, 1, 1), 0, _MERGE_PARAMS, (0, 72))
 
 
 def test_programmatic_launch_passes_config_attribute_and_parameters(monkeypatch):
@@ -148,14 +150,14 @@ def test_programmatic_launch_passes_config_attribute_and_parameters(monkeypatch)
     launch = _kernels.StructLaunch(_FakeKernel(), (3, 2, 1), (256, 1, 1), 1024, _MERGE_PARAMS,
                                    _MERGE_OFFSETS, programmatic=True)
     assert launch.programmatic
-    values = (1, 2, 3, 0, 37, (1 << 33) + 5, 128, 4)
+    values = (1, 2, 3, 0, 37, (1 << 33) + 5, 128, 4, 0, 32)
     launch(0x5151, *values)
-    launch(0x6262, *values[:4], 5, 7, 64, 1)
+    launch(0x6262, *values[:4], 5, 7, 64, 1, 0, 32)
     assert seen == [([3, 2, 1, 256, 1, 1, 1024], 0x5151, 1, [6, 1], 0xABC0, (37, (1 << 33) + 5), None),
                     ([3, 2, 1, 256, 1, 1, 1024], 0x6262, 1, [6, 1], 0xABC0, (5, 7), None)]
     assert plain_calls == []
     launch(0xBAD, *values)  # refused: launched plainly
-    launch(0x7373, *values[:4], 9, 7, 64, 1)  # and plainly from then on
+    launch(0x7373, *values[:4], 9, 7, 64, 1, 0, 32)  # and plainly from then on
     assert not launch.programmatic and len(seen) == 3
     assert plain_calls == [((0xABC0, 3, 2, 1, 256, 1, 1, 1024, 0xBAD), 37),
                            ((0xABC0, 3, 2, 1, 256, 1, 1, 1024, 0x7373), 9)]

@@ -279,3 +279,13 @@ def test_alibi_slopes_must_match_the_plan():
     with pytest.raises(ValueError, match=r"^alibi_slopes: expected None for a plan built without"):
         V.check_alibi_slopes(np.ones(8, np.float32), False, 8)
     assert V.check_alibi_slopes(None, False, 8) is None
+
+
+def test_merge_sinks_shape_must_end_the_rows_shape():
+    with pytest.raises(ValueError, match=r"^sinks: expected a shape that ends the rows' shape"):
+        V.check_merge_sinks(np.zeros(5, np.float32), (2, 8))
+    with pytest.raises(ValueError, match=r"^sinks: expected finite values"):
+        V.check_merge_sinks([0.0, np.inf], (2, 2))
+    with pytest.raises(TypeError, match=r"^sinks: expected real numbers"):
+        V.check_merge_sinks(np.array([True, False]), (2, 2))
+    assert V.check_merge_sinks(None, (2, 8)) is None
