@@ -42,7 +42,8 @@ import numpy as np
 
 from .check import REL_TOL, reference_gpu, select_rows
 from . import reference as R
-from .workloads import Workload, alibi_slopes, fresh_seed, make_inputs, new_tokens, page_inputs
+from .workloads import (Workload, alibi_slopes, fresh_seed, make_inputs, new_tokens, page_inputs,
+                        sink_logits)
 
 GRAPH_TRIALS = 20          # graph replays per measurement
 MIN_GRAPH_CALLS = 10       # calls captured per graph (more if there are more buffer sets)
@@ -468,10 +469,11 @@ def torch_sdpa_times(sets, w: Workload, scale: float, n_calls: int, check, befor
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    if w.logits_soft_cap is not None or w.page_size or w.alibi or (w.window_left is not None
-                                                                   and w.lengths is not None):
+    if (w.logits_soft_cap is not None or w.page_size or w.alibi or w.sinks
+            or (w.window_left is not None and w.lengths is not None)):
         what = ("soft-cap" if w.logits_soft_cap is not None else "paged cache" if w.page_size
-                else "ALiBi here" if w.alibi else "sliding window over ragged lengths")
+                else "ALiBi here" if w.alibi else "sinks" if w.sinks
+                else "sliding window over ragged lengths")
         return {col: (None, f"{col}: torch SDPA has no {what}") for col in PEERS["torch"][2]}
     cupy.cuda.Device().synchronize()
     # a window over full sequences: SDPA over the window's tokens (a view), what it would read
@@ -535,8 +537,9 @@ def flashinfer_times(sets, w: Workload, scale: float, n_calls: int, check, befor
     import flashinfer
     import torch
 
-    if w.alibi:  # FlashInfer derives its own ALiBi slopes; not compared here
-        return {col: (None, f"{col}: ALiBi not compared") for col in PEERS["flashinfer"][2]}
+    if w.alibi or w.sinks:  # its own ALiBi slopes; its decode wrapper takes no sinks
+        return {col: (None, f"{col}: {'ALiBi' if w.alibi else 'sinks'} not compared")
+                for col in PEERS["flashinfer"][2]}
     cupy.cuda.Device().synchronize()
     dt = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}[w.dtype]
     dev = torch.device("cuda", cupy.cuda.Device().id)
@@ -699,7 +702,7 @@ def empty_row(w: Workload, model: str) -> dict:
         "model": model, "dtype": w.dtype, "batch": w.batch, "seqlen": w.seqlen,
         "num_heads": w.num_heads, "num_kv_heads": w.num_kv_heads, "head_dim": w.head_dim,
         "logits_soft_cap": w.logits_soft_cap, "page_size": w.page_size, "append": w.append,
-        "window_left": w.window_left, "alibi": w.alibi, "splits_requested": w.splits_label, "num_splits": None, "chunk_tokens": None,
+        "window_left": w.window_left, "alibi": w.alibi, "sinks": w.sinks, "splits_requested": w.splits_label, "num_splits": None, "chunk_tokens": None,
         "kv_per_block": None, "kv_bytes": w.kv_bytes(), "buffer_sets": None, "ceiling_gbps": None,
         "floor_us": None, "protocol": None, "graph_calls": None,
         "eager_us": None, "host_us": None, "plan_host_us": None, "launch_host_us": None,
@@ -729,7 +732,8 @@ def _score_options(w: Workload) -> dict:
     import cupy
 
     return {"logits_soft_cap": w.logits_soft_cap, "window_left": w.window_left,
-            "alibi_slopes": cupy.asarray(alibi_slopes(w.num_heads)) if w.alibi else None}
+            "alibi_slopes": cupy.asarray(alibi_slopes(w.num_heads)) if w.alibi else None,
+            "sinks": cupy.asarray(sink_logits(w.num_heads, w.seed)) if w.sinks else None}
 
 
 def _subset_checker(w: Workload, q, k, v, new=None):
@@ -801,8 +805,7 @@ def bench_point(w: Workload, ceiling_gbps: float, l2_bytes: int, model: str = ""
     try:
         scale = 1.0 / math.sqrt(w.head_dim)
         opts = _score_options(w)  # flash_decode's
-        slopes = opts["alibi_slopes"]
-        run_opts = {} if slopes is None else {"alibi_slopes": slopes}  # DecodePlan.run's
+        run_opts = {k: opts[k] for k in ("alibi_slopes", "sinks") if opts[k] is not None}
         plan_opts = {"logits_soft_cap": w.logits_soft_cap, "window_left": w.window_left,
                      "alibi": w.alibi, "page_size": w.page_size}
         plan = DecodePlan(w.batch, w.num_heads, w.num_kv_heads, w.head_dim, w.seqlen, w.dtype,
@@ -912,8 +915,8 @@ _PER_PROTOCOL = frozenset({"protocol", "graph_calls", "gpu_us", "gpu_us_p20", "g
 def _naive(row: dict, w: Workload, sets, n_calls: int, scale: float, check, notes: list) -> None:
     import cupy
 
-    if w.page_size or w.alibi or (w.window_left is not None and w.lengths is not None):
-        notes.append("naive: contiguous caches of full sequences, without ALiBi, only")
+    if w.page_size or w.alibi or w.sinks or (w.window_left is not None and w.lengths is not None):
+        notes.append("naive: contiguous caches of full sequences, without ALiBi or sinks, only")
         return
     free = cupy.cuda.runtime.memGetInfo()[0]
     if naive_bytes(w) + MARGIN_BYTES > free:
@@ -946,7 +949,7 @@ def _naive(row: dict, w: Workload, sets, n_calls: int, scale: float, check, note
 def sweep(model: str, dtype: str, seqlens, batches, num_splits=None,
           soft_cap: float | None = None, page_sizes=(None,),
           append: bool = False, window: int | None = None,
-          alibi: bool = False) -> list[Workload]:
+          alibi: bool = False, sinks: bool = False) -> list[Workload]:
     """The points of a bench run, batch-major, then by seqlen, then by page size (None: the
     contiguous cache), each with a fresh seed; ``soft_cap`` None: the model's logits_soft_cap,
     0: none, else that cap; ``append``: every sequence holds seqlen − 1 tokens and each call
@@ -958,7 +961,8 @@ def sweep(model: str, dtype: str, seqlens, batches, num_splits=None,
     def appended(L: int, b: int) -> dict:
         return {"lengths": (L - 1,) * b, "append": True} if append else {}
     return [workload_for_model(model, b, L, dtype, num_splits=num_splits, seed=fresh_seed(),
-                               page_size=page, window_left=window, alibi=alibi, **opts,
+                               page_size=page, window_left=window, alibi=alibi, sinks=sinks,
+                               **opts,
                                **appended(L, b))
             for b in batches for L in seqlens for page in page_sizes]
 

@@ -483,7 +483,7 @@ def _bench_in_processes(n: int, argv: list[str]) -> list[dict]:
 
 def _forwarded_bench_args(model, dtype, seqlens, batches, splits, protocols, baselines,
                           soft_cap=None, page_sizes=(None,), append=False,
-                          window=None, alibi=False) -> list[str]:
+                          window=None, alibi=False, sinks=False) -> list[str]:
     """The options of this bench run, for the processes of --processes (outputs stay here)."""
     argv = ["--model", model, "--dtype", dtype, "--seqlens", ",".join(map(str, seqlens)),
             "--batch", ",".join(map(str, batches)), "--splits", str(splits),
@@ -498,6 +498,8 @@ def _forwarded_bench_args(model, dtype, seqlens, batches, splits, protocols, bas
         argv += ["--window", str(window)]
     if alibi:
         argv.append("--alibi")
+    if sinks:
+        argv.append("--sinks")
     for name in baselines:
         argv += ["--baseline", name]
     return argv
@@ -539,6 +541,8 @@ def _forwarded_bench_args(model, dtype, seqlens, batches, splits, protocols, bas
                    "same window, torch SDPA and the naive version over those tokens).")
 @click.option("--alibi", is_flag=True,
               help="ALiBi's bias with the standard slopes of the heads (no peer compared).")
+@click.option("--sinks", is_flag=True,
+              help="A sink logit per query head (gpt-oss; no peer compared).")
 @click.option("--baseline", "baselines", type=click.Choice(["torch", "flashinfer"]),
               multiple=True, help="Also time a peer (repeatable); needs torch / flashinfer.")
 @click.option("--csv", "csv_path", type=click.Path(dir_okay=False), callback=_output_path,
@@ -549,7 +553,7 @@ def _forwarded_bench_args(model, dtype, seqlens, batches, splits, protocols, bas
               help="Plot µs and % of floor vs seqlen to this PNG (needs matplotlib).")
 @click.pass_context
 def bench(ctx, model, dtype, seqlens, batches, splits, protocols, processes, soft_cap,
-          page_sizes, append, window, alibi, baselines, csv_path, json_path, plot_path):
+          page_sizes, append, window, alibi, sinks, baselines, csv_path, json_path, plot_path):
     """Time flash_decode against the HBM read floor and against baselines.
 
     Per point: floor = bytes(K+V) / read ceiling measured in this run; GPU µs per call from a
@@ -593,14 +597,14 @@ def bench(ctx, model, dtype, seqlens, batches, splits, protocols, processes, sof
                    f"{', '.join(protocols)}")
         rows = _bench_in_processes(processes, _forwarded_bench_args(
             model, dtype, seqlens, batches, splits, protocols, peers, soft_cap, page_sizes,
-            append, window, alibi))
+            append, window, alibi, sinks))
         ceiling = {"gbps": [r["ceiling_gbps"] for r in rows if r["ceiling_gbps"]]}
     else:
         ceiling = B.measure_read_ceiling()
         click.echo(f"HBM read ceiling: {ceiling['gbps']:.0f} GB/s (read-only kernel over "
                    f"{ceiling['nbytes'] / 1e9:.2f} GB, {ceiling['us']:.0f} µs)")
         points = B.sweep(model, dtype, seqlens, batches, None if splits == "auto" else splits,
-                         soft_cap, page_sizes, append, window, alibi)
+                         soft_cap, page_sizes, append, window, alibi, sinks)
         cap = points[0].logits_soft_cap if points else None
         click.echo(f"{model}: {p.num_heads} query heads, {p.num_kv_heads} KV heads, head_dim "
                    f"{p.head_dim}, {dtype}, splits {splits}"
@@ -610,6 +614,7 @@ def bench(ctx, model, dtype, seqlens, batches, splits, protocols, processes, sof
                       + " (random page order)")
                    + ("" if window is None else f", window_left {window} (the last "
                       f"{window + 1} tokens)") + (", ALiBi" if alibi else "")
+                   + (", sinks" if sinks else "")
                    + ("" if not append else ", each call appends a new token per sequence (the "
                       "cache holds seqlen − 1); no-append µs: the same call over the same seqlen "
                       "tokens without it"))

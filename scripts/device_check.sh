@@ -8,7 +8,8 @@
 # "softcap": the soft-cap's cost, the same points with and without it, and gemma-2 with peers;
 # "paged": paged caches of 1 and 16 tokens per page beside the contiguous cache and FlashInfer;
 # "append": the cost of appending the new token, contiguous and paged; "window": a sliding window
-# over a long cache against a plain cache of the window's length).
+# over a long cache against a plain cache of the window's length; "scores": ALiBi's and the
+# sinks' cost).
 # A machine that returns only a few files: run it into a scratch folder and pack that, e.g.
 #   bash scripts/device_check.sh /tmp/dc; tar czf "$OUT/device_check.tgz" -C /tmp/dc .
 set -u
@@ -54,11 +55,10 @@ if has sanitizer; then
   timeout 300 compute-sanitizer --tool memcheck --error-exitcode 3 \
     $PY -m pytest -q -p no:cacheprovider tests/test_gpu_decode.py tests/test_gpu_merge.py \
     tests/test_gpu_plan.py tests/test_gpu_scores.py tests/test_gpu_paged.py \
-    tests/test_gpu_window.py \
     -k "paged or pages or soft_cap or clamped or transposed or slice or large_logits or gqa or empty \
     or cache_seqlens or split_counts or many_forced or merge or graph or long_chunk or m_tile \
     or both_tensor_core_paths or (warps_in_step and not bfloat16) or (kv_groups and not bfloat16) \
-    or enable_pdl or l2_hint or (window and not bfloat16 and not float32) or alibi" \
+    or enable_pdl or l2_hint" \
     2>&1 \
     | tail -n 40 > "$OUT_DIR/sanitizer.log"
   add_summary "memcheck: $(grep -E 'ERROR SUMMARY' "$OUT_DIR/sanitizer.log" | tail -n 1) | $(grep -E 'passed|failed' "$OUT_DIR/sanitizer.log" | tail -n 1)"
@@ -70,6 +70,15 @@ if has sanitizer; then
     or graph or host_lengths or hnd" 2>&1 \
     | tail -n 40 > "$OUT_DIR/sanitizer_append.log"
   add_summary "memcheck (append): $(grep -E 'ERROR SUMMARY' "$OUT_DIR/sanitizer_append.log" | tail -n 1) | $(grep -E 'passed|failed' "$OUT_DIR/sanitizer_append.log" | tail -n 1)"
+  # windows (splits from the window's start), ALiBi, sinks (the epilogue and both merges),
+  # int64 lengths and the merge's non-finite states, in float16
+  timeout 300 compute-sanitizer --tool memcheck --error-exitcode 3 \
+    $PY -m pytest -q -p no:cacheprovider tests/test_gpu_window.py tests/test_gpu_scores.py \
+    tests/test_gpu_merge.py tests/test_gpu_decode.py \
+    -k "(window and not bfloat16 and not float32) or (alibi and not bfloat16) \
+    or (sinks and not bfloat16) or int64 or pos_inf" 2>&1 \
+    | tail -n 40 > "$OUT_DIR/sanitizer_scores.log"
+  add_summary "memcheck (window, alibi, sinks): $(grep -E 'ERROR SUMMARY' "$OUT_DIR/sanitizer_scores.log" | tail -n 1) | $(grep -E 'passed|failed' "$OUT_DIR/sanitizer_scores.log" | tail -n 1)"
 fi
 
 if has racecheck; then
@@ -192,6 +201,25 @@ print("; ".join(f"b{r['batch']} W{r['window_left']} over {r['seqlen']}: {float(r
                 f"vs plain {plain.get(r['batch'], float('nan')):.1f} "
                 f"(x{float(r['gpu_us']) / plain.get(r['batch'], float('nan')):.3f}) {r['check']}"
                 for r in rows if r["window_left"] and r["gpu_us"]))
+PYEOF
+)"
+fi
+
+if has scores; then
+  # what ALiBi and sinks cost: llama-3-8b without and with each (same protocol, one process each)
+  for opt in "" --alibi --sinks; do
+    $PY -m cupydecode.cli bench --protocol "${PROTOCOLS%%,*}" $opt --seqlens 16384,65536 \
+      --batch 1,16 --csv "$OUT_DIR/scores_${opt#--}.csv" 2>>"$OUT_DIR/bench.err" | tee -a "$OUT_DIR/scores.txt"
+  done
+  merge_parts "$OUT_DIR/scores.csv" "$OUT_DIR"/scores_*.csv
+  add_summary "scores: $($PY - "$OUT_DIR/scores.csv" <<'PYEOF'
+import csv, sys
+rows = list(csv.DictReader(open(sys.argv[1])))
+base = {(r["batch"], r["seqlen"]): float(r["gpu_us"]) for r in rows
+        if r["alibi"] != "True" and r["sinks"] != "True" and r["gpu_us"]}
+print("; ".join(f"{'alibi' if r['alibi'] == 'True' else 'sinks'} b{r['batch']}x{r['seqlen']}: "
+                f"{float(r['gpu_us']) / base[r['batch'], r['seqlen']] - 1:+.2%} {r['check']}"
+                for r in rows if (r["alibi"] == "True" or r["sinks"] == "True") and r["gpu_us"]))
 PYEOF
 )"
 fi

@@ -492,3 +492,10 @@ def test_sinks_option():
     rows = [w for w in default_check_matrix() if w.sinks]
     assert {1, 40, None} <= {w.num_splits for w in rows} and any(w.window_left for w in rows)
     assert any(w.lengths and 0 in w.lengths for w in rows)
+
+
+def test_bench_sinks_option():
+    assert all(p.sinks for p in B.sweep("llama-3-8b", "float16", [1024], [1, 2], sinks=True))
+    argv = cli._forwarded_bench_args("llama-3-8b", "float16", [1024], [1], "auto", ["step"], [],
+                                     sinks=True)
+    assert cli.bench.make_context("bench", argv).params["sinks"] is True
