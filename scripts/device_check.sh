@@ -9,7 +9,7 @@
 # "paged": paged caches of 1 and 16 tokens per page beside the contiguous cache and FlashInfer;
 # "append": the cost of appending the new token, contiguous and paged; "window": a sliding window
 # over a long cache against a plain cache of the window's length; "scores": ALiBi's and the
-# sinks' cost).
+# sinks' cost; "soak": tests/test_gpu_soak.py, 10^5 random calls from several threads).
 # A machine that returns only a few files: run it into a scratch folder and pack that, e.g.
 #   bash scripts/device_check.sh /tmp/dc; tar czf "$OUT/device_check.tgz" -C /tmp/dc .
 set -u
@@ -222,6 +222,14 @@ print("; ".join(f"{'alibi' if r['alibi'] == 'True' else 'sinks'} b{r['batch']}x{
                 for r in rows if (r["alibi"] == "True" or r["sinks"] == "True") and r["gpu_us"]))
 PYEOF
 )"
+fi
+
+if has soak; then
+  # many random calls from 4 threads and streams and a graph replayed from a fifth, sampled
+  # outputs checked, caches and the memory pool bounded (SOAK_CALLS: default 100000)
+  CUPYDECODE_SOAK=1 CUPYDECODE_SOAK_CALLS=${SOAK_CALLS:-100000} timeout 540 \
+    $PY -m pytest -q -p no:cacheprovider tests/test_gpu_soak.py 2>&1 | tail -n 20 > "$OUT_DIR/soak.log"
+  add_summary "soak: $(grep -E 'passed|failed' "$OUT_DIR/soak.log" | tail -n 1)"
 fi
 
 if has layouts; then
