@@ -258,13 +258,14 @@ template <typename EO, int NV>
 __device__ __forceinline__ void cd_merge_store(const cd_merge_state<NV>& st,
                                                typename EO::storage* __restrict__ dst, int d0,
                                                bool mine, float* __restrict__ lse_dst, int lane) {
-    const float inv = st.sum > 0.f ? 1.f / st.sum : 0.f;  // sum ≥ 1 whenever any state is live
+    // sum ≥ 1 whenever any state is live, exactly 0 when none is; NaN (a NaN state) stays NaN
+    const float inv = st.sum != 0.f ? 1.f / st.sum : 0.f;
     if (mine) {
 #pragma unroll
         for (int e = 0; e < NV; ++e) dst[d0 + e] = EO::from_float(st.acc[e] * inv);
     }
     if (lse_dst && lane == 0)
-        *lse_dst = st.sum > 0.f ? (st.m + log2f(st.sum)) * CD_LN2 : CD_NEG_INF;
+        *lse_dst = st.sum != 0.f ? (st.m + log2f(st.sum)) * CD_LN2 : CD_NEG_INF;
 }
 
 // One pass of one row by one warp over all its states (every lane runs it: uniform control

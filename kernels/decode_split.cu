@@ -1018,10 +1018,12 @@ cd_decode_split(const cd_decode_params p) {
             sc[t] = cd_exp2(sm_m[wrow(R, t)] - ref);
             l += sm_l[wrow(R, t)] * sc[t];
         }
-        const float inv = l > 0.f ? 1.f / l : 0.f;
+        // empty: l is exactly 0; a NaN l (a NaN in a key or value this row attends) must reach
+        // the row, so the test is != 0, not > 0 (which would turn it into an empty row)
+        const float inv = l != 0.f ? 1.f / l : 0.f;
 #pragma unroll
         for (int t = 0; t < SLOTS; ++t) sm_l[wrow(R, t)] = sc[t] * inv;
-        s_lse[R] = l > 0.f ? (mmax + log2f(l)) * CD_LN2 : CD_NEG_INF;
+        s_lse[R] = l != 0.f ? (mmax + log2f(l)) * CD_LN2 : CD_NEG_INF;
     }
     __syncthreads();
     const long long bh0 = (long long)b * num_heads + h0;
