@@ -4,7 +4,8 @@
 # Steps: versions → full pytest (GPU tests included) → compute-sanitizer memcheck on a
 # representative subset → `cupydecode check` → `cupydecode bench` sweeps with peers (torch SDPA;
 # FlashInfer when importable). Logs, CSV/JSON and the plot go to OUTDIR; a summary prints last.
-# STEPS selects steps (default "tests sanitizer check bench layouts"; also "racecheck", and
+# STEPS selects steps (default "tests sanitizer check bench layouts"; also "racecheck",
+# "sanitizer-scores" (memcheck of windows, ALiBi, sinks, int64 lengths, non-finite inputs), and
 # "softcap": the soft-cap's cost, the same points with and without it, and gemma-2 with peers;
 # "paged": paged caches of 1 and 16 tokens per page beside the contiguous cache and FlashInfer;
 # "append": the cost of appending the new token, contiguous and paged; "window": a sliding window
@@ -71,13 +72,16 @@ if has sanitizer; then
     or graph or host_lengths or hnd" 2>&1 \
     | tail -n 40 > "$OUT_DIR/sanitizer_append.log"
   add_summary "memcheck (append): $(grep -E 'ERROR SUMMARY' "$OUT_DIR/sanitizer_append.log" | tail -n 1) | $(grep -E 'passed|failed' "$OUT_DIR/sanitizer_append.log" | tail -n 1)"
+fi
+
+if has sanitizer-scores; then
   # windows (splits from the window's start), ALiBi, sinks (the epilogue and both merges),
-  # int64 lengths and the merge's non-finite states, in float16
+  # int64 lengths, non-finite inputs and the merge's non-finite states, in float16
   timeout 300 compute-sanitizer --tool memcheck --error-exitcode 3 \
     $PY -m pytest -q -p no:cacheprovider tests/test_gpu_window.py tests/test_gpu_scores.py \
     tests/test_gpu_merge.py tests/test_gpu_decode.py \
     -k "(window and not bfloat16 and not float32) or (alibi and not bfloat16) \
-    or (sinks and not bfloat16) or int64 or pos_inf" 2>&1 \
+    or (sinks and not bfloat16) or int64 or pos_inf or non_finite" 2>&1 \
     | tail -n 40 > "$OUT_DIR/sanitizer_scores.log"
   add_summary "memcheck (window, alibi, sinks): $(grep -E 'ERROR SUMMARY' "$OUT_DIR/sanitizer_scores.log" | tail -n 1) | $(grep -E 'passed|failed' "$OUT_DIR/sanitizer_scores.log" | tail -n 1)"
 fi
