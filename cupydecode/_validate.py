@@ -367,7 +367,7 @@ def check_block_table(block_table, batch: int, page_size: int, num_pages: int,
     on the device.)"""
     import cupy
 
-    layout = f"({batch}, max_pages_per_seq >= {min_pages}) int32"
+    layout = f"({batch}, max_pages_per_seq >= {min_pages}) int32 (or int64)"
     if isinstance(block_table, (list, tuple, np.ndarray)):
         if not allow_host_array:
             fail(TypeError, "block_table", f"a {layout} device array (a plan never copies from "
@@ -383,21 +383,21 @@ def check_block_table(block_table, batch: int, page_size: int, num_pages: int,
         arr = cupy.asarray(arr, dtype=cupy.int32)
     else:
         arr = as_device_array(block_table, "block_table")
-        if dtype_name(arr.dtype) != "int32":
-            fail(TypeError, "block_table", "dtype int32", dtype_name(arr.dtype))
+        if dtype_name(arr.dtype) not in ("int32", "int64"):
+            fail(TypeError, "block_table", "dtype int32 or int64", dtype_name(arr.dtype))
         if arr.ndim != 2 or arr.shape[0] != batch or arr.shape[1] < min_pages:
             fail(ValueError, "block_table", f"shape {layout}", tuple(arr.shape))
-        if arr.shape[1] > 1 and arr.strides[1] != 4:
+        if arr.shape[1] > 1 and arr.strides[1] != arr.itemsize:
             fail(ValueError, "block_table", "rows contiguous (a column stride of 1 element)",
                  f"strides {tuple(arr.strides)} bytes")
-        if arr.strides[0] < 0 or arr.strides[0] % 4:
+        if arr.strides[0] < 0 or arr.strides[0] % arr.itemsize:
             fail(ValueError, "block_table", "a non-negative row stride", f"strides {tuple(arr.strides)} bytes")
         check_same_device({"block_table": arr})
     max_pages = int(arr.shape[1])
     if max_pages * page_size > MAX_TOKENS:
         fail(ValueError, "block_table", f"max_pages_per_seq × page_size <= {MAX_TOKENS}",
              f"{max_pages} × {page_size}")
-    return arr, (arr.strides[0] // 4 if batch > 1 else 0), max_pages
+    return arr, (arr.strides[0] // arr.itemsize if batch > 1 else 0), max_pages
 
 
 def check_seqlens(cache_seqlens, batch: int, max_seqlen: int, allow_host_array: bool = True):

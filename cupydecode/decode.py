@@ -428,7 +428,8 @@ class DecodePlan:
             0 if slopes is None else slopes.data.ptr, 0 if sinks is None else sinks.data.ptr,
             *strides[:11], *new_strides,
             *strides[11:], seqlen_all, *self._static, *self._score_args(scale), n_new,
-            self._window_arg, 0 if seqlens is None else seqlens.itemsize >> 3)
+            self._window_arg, 0 if seqlens is None else seqlens.itemsize >> 3,
+            0 if table is None else table.itemsize >> 3)
         if self._merge_call is not None:
             self._merge_call(stream.ptr, *self._part_ptrs, out.data.ptr,
                              0 if lse is None else lse.data.ptr, *self._merge_static,
@@ -451,7 +452,7 @@ _LAUNCH_ORDER = ("q", "k", "v", "seqlens", "o_part", "lse_part", "out", "lse_out
                  "vn_ss", "vn_sh", "num_pages", "seqlen_all", "max_seqlen",
                  "num_heads", "group", "head_tiles", "chunk_tokens", "page_size", "scale_log2",
                  "warps_in_step", "soft_cap_in", "soft_cap_out", "n_new",
-                 "window_left", "seqlens_64")
+                 "window_left", "seqlens_64", "table_64")
 if _PARAM_LIST and tuple(name for _, name in _PARAM_LIST) != _LAUNCH_ORDER:
     raise ImportError("kernels/decode_params.cuh and DecodePlan._launch disagree on the split "
                       f"kernel's parameters: {[n for _, n in _PARAM_LIST]} vs {list(_LAUNCH_ORDER)}")

@@ -57,7 +57,8 @@
     X(F32, float, soft_cap_out)      /* SOFT_CAP: cap · log2(e) */                           \
     X(I32, int, n_new)               /* new tokens per sequence (k_new, v_new); 0: none */    \
     X(I32, int, window_left)         /* W ≥ 0: only keys ≥ position − W; −1: no window */    \
-    X(I32, int, seqlens_64)          /* 1: seqlens holds int64 lengths (torch's default) */
+    X(I32, int, seqlens_64)          /* 1: seqlens holds int64 lengths (torch's default) */  \
+    X(I32, int, table_64)            /* PAGED, 1: block_table holds int64 page indices */
 
 #define CD_PARAM_FIELD(kind, type, name) type name;
 #define CD_PARAM_SIZE(kind, type, name) +sizeof(type)

@@ -489,7 +489,14 @@ cd_decode_split(const cd_decode_params p) {
         // Paged: the cache is a pool of pages (k_sb, v_sb: the page stride); token t of this
         // sequence is row t % page_size of page table[t / page_size]. Only entries of tokens
         // below the length are read, and a page index outside [0, num_pages) reads nothing.
-        const int* __restrict__ table = p.block_table + b * p.bt_sb;
+        const int* __restrict__ table = p.block_table + b * p.bt_sb * (p.table_64 ? 2 : 1);
+        // entry j of this sequence's row; an int64 table (torch's default) is read in 64 bits,
+        // and an entry outside [0, num_pages) there becomes −1 (read nothing), not a wrapped one
+        auto entry = [&](int j) -> int {
+            if (!p.table_64) return table[j];
+            const long long e = reinterpret_cast<const long long*>(table)[j];
+            return e >= 0 && e < p.num_pages ? (int)e : -1;
+        };
         const int page_size = p.page_size, num_pages = p.num_pages;
         u32* sm_live = reinterpret_cast<u32*>(smem + Q_BYTES + BODY_BYTES + ML_BYTES);
         const kv_t* kbase = k + (long long)kv_head * k_sh;
@@ -558,7 +565,7 @@ cd_decode_split(const cd_decode_params p) {
             pf_page = pf_row = 0;
             if (pf_key) {
                 const int pj = tok / page_size;
-                pf_page = table[pj];  // only consumed by the next load_tile: not waited for here
+                pf_page = entry(pj);  // only consumed by the next load_tile: not waited for here
                 pf_row = tok - pj * page_size;
             }
         };
@@ -665,7 +672,7 @@ cd_decode_split(const cd_decode_params p) {
             app_v = *reinterpret_cast<const uint4*>(p.v_new + b * p.vn_sb + (long long)app_head * p.vn_sh + app_c * EPC);
 #if PAGED
             const int pj = new_lo / page_size;  // an entry of the row: new_lo < max_seqlen
-            const int page = table[pj];
+            const int page = entry(pj);
             if ((unsigned)page < (unsigned)num_pages) {
                 app_kr = page * k_sb + (long long)(new_lo - pj * page_size) * k_ss;
                 app_vr = page * v_sb + (long long)(new_lo - pj * page_size) * v_ss;

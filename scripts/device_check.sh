@@ -79,7 +79,7 @@ if has sanitizer-scores; then
   # int64 lengths, non-finite inputs and the merge's non-finite states, in float16
   timeout 300 compute-sanitizer --tool memcheck --error-exitcode 3 \
     $PY -m pytest -q -p no:cacheprovider tests/test_gpu_window.py tests/test_gpu_scores.py \
-    tests/test_gpu_merge.py tests/test_gpu_decode.py \
+    tests/test_gpu_merge.py tests/test_gpu_decode.py tests/test_gpu_paged.py \
     -k "(window and not bfloat16 and not float32) or (alibi and not bfloat16) \
     or (sinks and not bfloat16) or int64 or pos_inf or non_finite" 2>&1 \
     | tail -n 40 > "$OUT_DIR/sanitizer_scores.log"

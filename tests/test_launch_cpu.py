@@ -354,8 +354,8 @@ def test_append_values_write_the_reference_rows(layout, dtype):
 
 
 def test_launch_flags_int64_lengths():
-    """int64 device lengths (torch's default integer type) reach the kernel as they are, with
-    seqlens_64 = 1 (the kernel reads and clamps them in 64 bits)."""
+    """int64 device lengths and block tables (torch's default integer type) reach the kernel as
+    they are, with seqlens_64 / table_64 = 1 (the kernel reads them in 64 bits)."""
     from cupydecode.decode import _LAUNCH_ORDER
 
     plan, calls = _fake_plan(False)
@@ -364,4 +364,8 @@ def test_launch_flags_int64_lengths():
                0, 0)
     plan._launch(q, k, v, _Arr(0x600, 8), 640, 0.5, out, lse, _Stream(), strides)
     split = dict(zip(_LAUNCH_ORDER, calls[0][2]))
-    assert (split["seqlens"], split["seqlens_64"]) == (0x600, 1)
+    assert (split["seqlens"], split["seqlens_64"], split["table_64"]) == (0x600, 1, 0)
+    plan, calls = _fake_plan(True)  # an int64 block table likewise
+    plan._launch(q, k, v, _Arr(0x600, 4), 640, 0.5, out, lse, _Stream(), strides, _Arr(0x700, 8))
+    split = dict(zip(_LAUNCH_ORDER, calls[0][2]))
+    assert (split["block_table"], split["seqlens_64"], split["table_64"]) == (0x700, 0, 1)
