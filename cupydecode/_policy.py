@@ -75,6 +75,7 @@ class SplitKernelConfig:
     kv_per_block: int = 1  # adjacent KV heads per block, one per warp of a slot (kv_per_block())
     l2_evict_first: bool = True  # K/V copies hint L2 evict-first (l2_evict_first())
     soft_cap: bool = False  # score_mod caps the scores (logits_soft_cap)
+    alibi: bool = False  # score_mod adds ALiBi's linear bias (alibi_slopes)
     paged: bool = False  # the KV view reads a paged cache through a block table
 
     @property
@@ -121,6 +122,7 @@ class SplitKernelConfig:
             "KV_PER_BLOCK": self.kv_per_block,
             "L2_EVICT_FIRST": int(self.l2_evict_first),
             "SOFT_CAP": int(self.soft_cap),
+            "ALIBI": int(self.alibi),
             "PAGED": int(self.paged),
         }
 
@@ -272,12 +274,12 @@ def split_kernel_configs(dtype: str, head_dim: int) -> list[SplitKernelConfig]:
 def compile_check_configs() -> list[SplitKernelConfig]:
     """What the compile checks build (tests/test_compile.py, scripts/sass_compare.py): every
     block shape of every dtype and head_dim (:func:`split_kernel_configs`), and each shape with
-    the compile-time switches on — the soft-cap and the paged KV view together, the most
-    registers either can take (each alone is a subset of that code; their code is the same in
-    all shapes, the registers not)."""
+    the compile-time switches on — the soft-cap, ALiBi and the paged KV view together, the most
+    registers any can take (each alone is a subset of that code; their code is the same in all
+    shapes, the registers not)."""
     configs = [c for dt in DTYPE_IDS for d in SUPPORTED_HEAD_DIMS
                for c in split_kernel_configs(dt, d)]
-    return configs + [replace(c, soft_cap=True, paged=True) for c in configs
+    return configs + [replace(c, soft_cap=True, alibi=True, paged=True) for c in configs
                       if c.l2_evict_first]
 
 

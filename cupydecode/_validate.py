@@ -186,6 +186,64 @@ def check_soft_cap(logits_soft_cap) -> float | None:
     return c
 
 
+def check_window(window_left) -> int | None:
+    """``window_left``: None or −1 (no window) → None; else W ≥ 0, the keys left of the query's
+    position it attends (W + 1 keys with its own), an int up to MAX_TOKENS."""
+    if window_left is None:
+        return None
+    if isinstance(window_left, bool) or not isinstance(window_left, numbers.Integral):
+        fail(TypeError, "window_left", "an int >= 0, or None (or -1) for no window",
+             f"{type(window_left).__name__} {window_left!r}")
+    w = int(window_left)
+    if w == -1:
+        return None
+    if not 0 <= w <= MAX_TOKENS:
+        fail(ValueError, "window_left", f"an int in [0, {MAX_TOKENS}], or None (or -1) for no "
+             "window", w)
+    return w
+
+
+def check_head_values(x, name: str, num_heads: int, allow_host_array: bool = True):
+    """A per-query-head float32 vector (``alibi_slopes``, ``sinks``): None, a (num_heads,)
+    float32 device array used as is (contiguous, on the current device), or (with
+    ``allow_host_array``) finite host values copied to the device. Returns the device array or
+    None."""
+    import cupy
+
+    if x is None:
+        return None
+    if isinstance(x, (list, tuple, np.ndarray)) and allow_host_array:
+        arr = np.asarray(x)
+        if arr.dtype == bool or not np.issubdtype(arr.dtype, np.number):
+            fail(TypeError, name, "real numbers", f"dtype {arr.dtype}")
+        if arr.shape != (num_heads,):
+            fail(ValueError, name, f"shape ({num_heads},) (one per query head)", arr.shape)
+        if not np.all(np.isfinite(arr)):
+            fail(ValueError, name, "finite values", "a non-finite value")
+        return cupy.asarray(arr, dtype=cupy.float32)
+    arr = as_device_array(x, name)
+    if dtype_name(arr.dtype) != "float32":
+        fail(TypeError, name, "dtype float32", dtype_name(arr.dtype))
+    if arr.shape != (num_heads,):
+        fail(ValueError, name, f"shape ({num_heads},) (one per query head)", tuple(arr.shape))
+    if num_heads > 1 and arr.strides[0] != 4:
+        fail(ValueError, name, "a contiguous array", f"stride {arr.strides[0]} bytes")
+    check_same_device({name: arr})
+    return arr
+
+
+def check_alibi_slopes(alibi_slopes, alibi: bool, num_heads: int, allow_host_array: bool = True):
+    """``alibi_slopes`` (:func:`check_head_values`) against the plan: required where it was built
+    with ``alibi=True``, refused otherwise."""
+    if alibi_slopes is None and alibi:
+        fail(ValueError, "alibi_slopes", f"a (num_heads={num_heads},) float32 array (the plan "
+             "was built with alibi=True)", "None")
+    if alibi_slopes is not None and not alibi:
+        fail(ValueError, "alibi_slopes", "None for a plan built without alibi=True "
+             "(DecodePlan(..., alibi=True) adds the bias)", type(alibi_slopes).__name__)
+    return check_head_values(alibi_slopes, "alibi_slopes", num_heads, allow_host_array)
+
+
 def soft_cap_args(softmax_scale: float, logits_soft_cap: float | None) -> tuple[float, float]:
     """The split kernel's (soft_cap_in, soft_cap_out) for score_mod (kernels/decode_split.cu):
     2·log2(e)·scale/c and c·log2(e); (0, 0) without a cap. A ratio scale/c too large for
@@ -309,7 +367,7 @@ def check_block_table(block_table, batch: int, page_size: int, num_pages: int,
     on the device.)"""
     import cupy
 
-    layout = f"({batch}, max_pages_per_seq >= {min_pages}) int32"
+    layout = f"({batch}, max_pages_per_seq >= {min_pages}) int32 (or int64)"
     if isinstance(block_table, (list, tuple, np.ndarray)):
         if not allow_host_array:
             fail(TypeError, "block_table", f"a {layout} device array (a plan never copies from "
@@ -325,28 +383,29 @@ def check_block_table(block_table, batch: int, page_size: int, num_pages: int,
         arr = cupy.asarray(arr, dtype=cupy.int32)
     else:
         arr = as_device_array(block_table, "block_table")
-        if dtype_name(arr.dtype) != "int32":
-            fail(TypeError, "block_table", "dtype int32", dtype_name(arr.dtype))
+        if dtype_name(arr.dtype) not in ("int32", "int64"):
+            fail(TypeError, "block_table", "dtype int32 or int64", dtype_name(arr.dtype))
         if arr.ndim != 2 or arr.shape[0] != batch or arr.shape[1] < min_pages:
             fail(ValueError, "block_table", f"shape {layout}", tuple(arr.shape))
-        if arr.shape[1] > 1 and arr.strides[1] != 4:
+        if arr.shape[1] > 1 and arr.strides[1] != arr.itemsize:
             fail(ValueError, "block_table", "rows contiguous (a column stride of 1 element)",
                  f"strides {tuple(arr.strides)} bytes")
-        if arr.strides[0] < 0 or arr.strides[0] % 4:
+        if arr.strides[0] < 0 or arr.strides[0] % arr.itemsize:
             fail(ValueError, "block_table", "a non-negative row stride", f"strides {tuple(arr.strides)} bytes")
         check_same_device({"block_table": arr})
     max_pages = int(arr.shape[1])
     if max_pages * page_size > MAX_TOKENS:
         fail(ValueError, "block_table", f"max_pages_per_seq × page_size <= {MAX_TOKENS}",
              f"{max_pages} × {page_size}")
-    return arr, (arr.strides[0] // 4 if batch > 1 else 0), max_pages
+    return arr, (arr.strides[0] // arr.itemsize if batch > 1 else 0), max_pages
 
 
 def check_seqlens(cache_seqlens, batch: int, max_seqlen: int, allow_host_array: bool = True):
     """Return ``(device_array_or_None, int_value)`` for the kernel's (seqlens, seqlen_all).
 
-    A device array is used as is (never read on the host; the kernel clamps each entry to
-    [0, max_seqlen]). Host sequences are range-checked here, then copied to the device.
+    A device array, int32 or int64 (torch's default integer type), is used as is (never read on
+    the host; the kernel clamps each entry to [0, max_seqlen]). Host sequences are range-checked
+    here, then copied to the device.
     """
     import cupy
 
@@ -356,7 +415,7 @@ def check_seqlens(cache_seqlens, batch: int, max_seqlen: int, allow_host_array: 
         return None, check_int(cache_seqlens, "cache_seqlens", 0, max_seqlen)
     if isinstance(cache_seqlens, (list, tuple, np.ndarray)):
         if not allow_host_array:
-            fail(TypeError, "cache_seqlens", "None, an int or an int32 device array of shape "
+            fail(TypeError, "cache_seqlens", "None, an int or an int32/int64 device array of shape "
                  f"({batch},) (host arrays would need a copy, which a plan never makes)",
                  type(cache_seqlens).__name__)
         arr = np.asarray(cache_seqlens)
@@ -369,11 +428,11 @@ def check_seqlens(cache_seqlens, batch: int, max_seqlen: int, allow_host_array: 
                  f"values in [{arr.min()}, {arr.max()}]")
         return cupy.asarray(arr, dtype=cupy.int32), max_seqlen
     arr = as_device_array(cache_seqlens, "cache_seqlens")
-    if dtype_name(arr.dtype) != "int32":
-        fail(TypeError, "cache_seqlens", "dtype int32", dtype_name(arr.dtype))
+    if dtype_name(arr.dtype) not in ("int32", "int64"):
+        fail(TypeError, "cache_seqlens", "dtype int32 or int64", dtype_name(arr.dtype))
     if arr.shape != (batch,):
         fail(ValueError, "cache_seqlens", f"shape ({batch},) (one length per sequence)", tuple(arr.shape))
-    if arr.size > 1 and arr.strides[0] != 4:
+    if arr.size > 1 and arr.strides[0] != arr.itemsize:
         fail(ValueError, "cache_seqlens", "a contiguous array", f"stride {arr.strides[0]} bytes")
     check_same_device({"cache_seqlens": arr})
     return arr, max_seqlen
@@ -452,6 +511,33 @@ def check_out(out, name: str, shape: tuple, dtype: str):
         fail(ValueError, name, "a C-contiguous array", f"strides {tuple(out.strides)}")
     check_same_device({name: out})
     return out
+
+
+def check_merge_sinks(sinks, rows_shape: tuple):
+    """merge_states' ``sinks``: None, or float32 values whose shape is a trailing part of the
+    rows' shape (broadcast from the right: row r takes sinks.flat[r % sinks.size]); host values
+    are copied to the device. Returns a contiguous float32 device array or None."""
+    import cupy
+
+    if sinks is None:
+        return None
+    if isinstance(sinks, (list, tuple, np.ndarray)):
+        arr = np.asarray(sinks)
+        if arr.dtype == bool or not np.issubdtype(arr.dtype, np.number):
+            fail(TypeError, "sinks", "real numbers", f"dtype {arr.dtype}")
+        if not np.all(np.isfinite(arr)):
+            fail(ValueError, "sinks", "finite values", "a non-finite value")
+        shape = arr.shape
+    else:
+        arr = as_device_array(sinks, "sinks")
+        if dtype_name(arr.dtype) != "float32":
+            fail(TypeError, "sinks", "dtype float32", dtype_name(arr.dtype))
+        check_same_device({"sinks": arr})
+        shape = tuple(arr.shape)
+    if not shape or len(shape) > len(rows_shape) or tuple(rows_shape[-len(shape):]) != shape:
+        fail(ValueError, "sinks", f"a shape that ends the rows' shape {rows_shape} (e.g. "
+             f"{rows_shape[-1:]}: one per last-axis row)", shape)
+    return cupy.ascontiguousarray(cupy.asarray(arr, dtype=cupy.float32)).ravel()
 
 
 def check_merge_inputs(o_parts, lse_parts):

@@ -42,7 +42,8 @@ import numpy as np
 
 from .check import REL_TOL, reference_gpu, select_rows
 from . import reference as R
-from .workloads import Workload, fresh_seed, make_inputs, new_tokens, page_inputs
+from .workloads import (Workload, alibi_slopes, fresh_seed, make_inputs, new_tokens, page_inputs,
+                        sink_logits)
 
 GRAPH_TRIALS = 20          # graph replays per measurement
 MIN_GRAPH_CALLS = 10       # calls captured per graph (more if there are more buffer sets)
@@ -441,10 +442,13 @@ def _torch_graph_time(torch, call, n_calls: int, trials: int = GRAPH_TRIALS, bef
     return stats, first
 
 
-def _torch_views(torch, sets):
-    """torch tensors sharing memory with the CuPy sets: q (B,H,1,D), k/v (B,Hkv,L,D) views."""
+def _torch_views(torch, sets, window=None):
+    """torch tensors sharing memory with the CuPy sets: q (B,H,1,D), k/v (B,Hkv,L,D) views;
+    ``window`` W: k/v only the last W + 1 tokens (full sequences: the keys a window keeps)."""
     views = []
     for q, k, v, *_ in sets:
+        if window is not None:
+            k, v = k[:, -(window + 1):], v[:, -(window + 1):]
         tq = torch.from_dlpack(q).unsqueeze(2)
         tk = torch.from_dlpack(k).permute(0, 2, 1, 3)
         tv = torch.from_dlpack(v).permute(0, 2, 1, 3)
@@ -465,11 +469,15 @@ def torch_sdpa_times(sets, w: Workload, scale: float, n_calls: int, check, befor
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    if w.logits_soft_cap is not None or w.page_size:
-        what = "soft-cap" if w.logits_soft_cap is not None else "paged cache"
+    if (w.logits_soft_cap is not None or w.page_size or w.alibi or w.sinks
+            or (w.window_left is not None and w.lengths is not None)):
+        what = ("soft-cap" if w.logits_soft_cap is not None else "paged cache" if w.page_size
+                else "ALiBi here" if w.alibi else "sinks" if w.sinks
+                else "sliding window over ragged lengths")
         return {col: (None, f"{col}: torch SDPA has no {what}") for col in PEERS["torch"][2]}
     cupy.cuda.Device().synchronize()
-    views = _torch_views(torch, sets)
+    # a window over full sequences: SDPA over the window's tokens (a view), what it would read
+    views = _torch_views(torch, sets, w.window_left)
     gqa = w.group > 1
 
     def call(i):
@@ -529,6 +537,9 @@ def flashinfer_times(sets, w: Workload, scale: float, n_calls: int, check, befor
     import flashinfer
     import torch
 
+    if w.alibi or w.sinks:  # its own ALiBi slopes; its decode wrapper takes no sinks
+        return {col: (None, f"{col}: {'ALiBi' if w.alibi else 'sinks'} not compared")
+                for col in PEERS["flashinfer"][2]}
     cupy.cuda.Device().synchronize()
     dt = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}[w.dtype]
     dev = torch.device("cuda", cupy.cuda.Device().id)
@@ -558,6 +569,8 @@ def flashinfer_times(sets, w: Workload, scale: float, n_calls: int, check, befor
             paged_kv_indptr_buffer=indptr, paged_kv_indices_buffer=indices,
             paged_kv_last_page_len_buffer=last)
         cap = {"logits_soft_cap": w.logits_soft_cap} if w.logits_soft_cap else {}
+        if w.window_left is not None:
+            cap["window_left"] = w.window_left
         try:
             wrapper.plan(indptr, indices, last, w.num_heads, w.num_kv_heads, w.head_dim, page,
                          data_type=dt, q_data_type=dt, sm_scale=scale, **cap)
@@ -689,7 +702,7 @@ def empty_row(w: Workload, model: str) -> dict:
         "model": model, "dtype": w.dtype, "batch": w.batch, "seqlen": w.seqlen,
         "num_heads": w.num_heads, "num_kv_heads": w.num_kv_heads, "head_dim": w.head_dim,
         "logits_soft_cap": w.logits_soft_cap, "page_size": w.page_size, "append": w.append,
-        "splits_requested": w.splits_label, "num_splits": None, "chunk_tokens": None,
+        "window_left": w.window_left, "alibi": w.alibi, "sinks": w.sinks, "splits_requested": w.splits_label, "num_splits": None, "chunk_tokens": None,
         "kv_per_block": None, "kv_bytes": w.kv_bytes(), "buffer_sets": None, "ceiling_gbps": None,
         "floor_us": None, "protocol": None, "graph_calls": None,
         "eager_us": None, "host_us": None, "plan_host_us": None, "launch_host_us": None,
@@ -713,22 +726,31 @@ def empty_launch_host_us() -> float:
     return host_time_cupy(lambda i: kernel((1,), (1,), ()))
 
 
+def _score_options(w: Workload) -> dict:
+    """The workload's score options, as flash_decode and the reference take them (ALiBi: its
+    standard slopes, on the device; a DecodePlan takes ``alibi=True`` and the slopes per run)."""
+    import cupy
+
+    return {"logits_soft_cap": w.logits_soft_cap, "window_left": w.window_left,
+            "alibi_slopes": cupy.asarray(alibi_slopes(w.num_heads)) if w.alibi else None,
+            "sinks": cupy.asarray(sink_logits(w.num_heads, w.seed)) if w.sinks else None}
+
+
 def _subset_checker(w: Workload, q, k, v, new=None):
     """A function out → relative error on two sequences × two KV heads (float64 on the GPU);
     ``new``: the (k_new, v_new) an append workload's call appends first."""
     b_ids = sorted({0, w.batch - 1})
     h_ids = sorted({0, w.num_kv_heads - 1})
+    opts = _score_options(w)
     if new is None:
-        ref_out, _ = reference_gpu(q, k, v, None, None, b_ids, h_ids,
-                                   logits_soft_cap=w.logits_soft_cap)
+        ref_out, _ = reference_gpu(q, k, v, None, None, b_ids, h_ids, **opts)
     else:  # those sequences' caches (copies) with their new tokens appended
         import cupy
 
         lens = None if w.lengths is None else np.asarray(w.lengths)[b_ids]
         ks, vs, lens = R.append_kv(k[b_ids], v[b_ids], lens, new[0][b_ids], new[1][b_ids],
                                    xp=cupy)
-        ref_out, _ = reference_gpu(q[b_ids], ks, vs, lens, None, None, h_ids,
-                                   logits_soft_cap=w.logits_soft_cap)
+        ref_out, _ = reference_gpu(q[b_ids], ks, vs, lens, None, None, h_ids, **opts)
         del ks, vs
 
     def check(out) -> float:
@@ -782,9 +804,12 @@ def bench_point(w: Workload, ceiling_gbps: float, l2_bytes: int, model: str = ""
     settle()
     try:
         scale = 1.0 / math.sqrt(w.head_dim)
-        cap = w.logits_soft_cap
+        opts = _score_options(w)  # flash_decode's
+        run_opts = {k: opts[k] for k in ("alibi_slopes", "sinks") if opts[k] is not None}
+        plan_opts = {"logits_soft_cap": w.logits_soft_cap, "window_left": w.window_left,
+                     "alibi": w.alibi, "page_size": w.page_size}
         plan = DecodePlan(w.batch, w.num_heads, w.num_kv_heads, w.head_dim, w.seqlen, w.dtype,
-                          num_splits=w.num_splits, logits_soft_cap=cap, page_size=w.page_size)
+                          num_splits=w.num_splits, **plan_opts)
         base.update(num_splits=plan.num_splits, chunk_tokens=plan.chunk_tokens,
                     kv_per_block=plan.kv_per_block)
 
@@ -793,11 +818,11 @@ def bench_point(w: Workload, ceiling_gbps: float, l2_bytes: int, model: str = ""
             if append:
                 def run(i):
                     q, k, v, lens, table, (k_new, v_new) = sets[i % nsets]
-                    p.run(q, k, v, lens, block_table=table, k_new=k_new, v_new=v_new)
+                    p.run(q, k, v, lens, block_table=table, k_new=k_new, v_new=v_new, **run_opts)
             else:
                 def run(i):
                     q, k, v, _, table, _ = sets[i % nsets]
-                    p.run(q, k, v, block_table=table)
+                    p.run(q, k, v, block_table=table, **run_opts)
             return run
         run_plan = runner(plan, w.append)
         timing = [(calls or max(MIN_GRAPH_CALLS, nsets), step if name == "step" else None)
@@ -817,15 +842,15 @@ def bench_point(w: Workload, ceiling_gbps: float, l2_bytes: int, model: str = ""
         if w.append:
             def eager(i):
                 q, k, v, lens, table, (k_new, v_new) = sets[i % nsets]
-                flash_decode(q, k, v, lens, num_splits=w.num_splits, logits_soft_cap=cap,
-                             block_table=table, k_new=k_new, v_new=v_new)
+                flash_decode(q, k, v, lens, num_splits=w.num_splits, block_table=table,
+                             k_new=k_new, v_new=v_new, **opts)
         else:
             def eager(i):
                 q, k, v, _, table, _ = sets[i % nsets]
                 # paged: the capacity may exceed seqlen (whole pages); attend seqlen, as the
                 # plan does
                 flash_decode(q, k, v, None if table is None else w.seqlen,
-                             num_splits=w.num_splits, logits_soft_cap=cap, block_table=table)
+                             num_splits=w.num_splits, block_table=table, **opts)
         base["eager_us"] = eager_time_cupy(eager, int(min(200, max(20, 2.5e5 / (med + 20)))))
         base["host_us"] = host_time_cupy(eager)
         base["plan_host_us"] = host_time_cupy(run_plan)
@@ -840,7 +865,7 @@ def bench_point(w: Workload, ceiling_gbps: float, l2_bytes: int, model: str = ""
             base["split1_us"] = med
         else:
             plan1 = DecodePlan(w.batch, w.num_heads, w.num_kv_heads, w.head_dim, w.seqlen,
-                               w.dtype, num_splits=1, logits_soft_cap=cap, page_size=w.page_size)
+                               w.dtype, num_splits=1, **plan_opts)
             base["split1_us"] = graph_time_cupy(runner(plan1, w.append), first_calls,
                                                 before=first_before, span=nsets)[0]
             del plan1
@@ -890,8 +915,8 @@ _PER_PROTOCOL = frozenset({"protocol", "graph_calls", "gpu_us", "gpu_us_p20", "g
 def _naive(row: dict, w: Workload, sets, n_calls: int, scale: float, check, notes: list) -> None:
     import cupy
 
-    if w.page_size:
-        notes.append("naive: contiguous caches only")
+    if w.page_size or w.alibi or w.sinks or (w.window_left is not None and w.lengths is not None):
+        notes.append("naive: contiguous caches of full sequences, without ALiBi or sinks, only")
         return
     free = cupy.cuda.runtime.memGetInfo()[0]
     if naive_bytes(w) + MARGIN_BYTES > free:
@@ -899,14 +924,19 @@ def _naive(row: dict, w: Workload, sets, n_calls: int, scale: float, check, note
         return
     try:
         mm = _matmul_dtype(w.dtype)
-        q0, k0, v0 = sets[0][:3]
         cap = w.logits_soft_cap
-        err = check(naive_decode(q0, k0, v0, scale, mm, cap))
+        # a window over full sequences: the window's tokens (views; ragged lengths: all of them)
+        lo = 0 if w.window_left is None else max(0, w.seqlen - 1 - w.window_left)
+
+        def inputs(i):
+            q, k, v = sets[i % len(sets)][:3]
+            return q, k[:, lo:], v[:, lo:]
+        err = check(naive_decode(*inputs(0), scale, mm, cap))
         if err > REL_TOL[w.dtype] * 5:
             notes.append(f"naive: rel err {err:.1e}")
         # CuPy cannot capture cuBLAS in a graph: back-to-back calls timed by events instead.
         row["naive_us"] = stream_time_cupy(
-            lambda i: naive_decode(*sets[i % len(sets)][:3], scale, mm, cap), n_calls,
+            lambda i: naive_decode(*inputs(i), scale, mm, cap), n_calls,
             trials=max(3, GRAPH_TRIALS // 4))[0]
         if mm != w.dtype:
             notes.append(f"naive: matmul in {mm}")
@@ -917,20 +947,24 @@ def _naive(row: dict, w: Workload, sets, n_calls: int, scale: float, check, note
 
 
 def sweep(model: str, dtype: str, seqlens, batches, num_splits=None,
-          soft_cap: float | None = None, page_size: int | None = None,
-          append: bool = False) -> list[Workload]:
-    """The points of a bench run, batch-major, each with a fresh seed; ``soft_cap`` None: the
-    model's logits_soft_cap, 0: none, else that cap; ``page_size``: paged caches; ``append``:
-    every sequence holds seqlen − 1 tokens and each call appends the last one."""
+          soft_cap: float | None = None, page_sizes=(None,),
+          append: bool = False, window: int | None = None,
+          alibi: bool = False, sinks: bool = False) -> list[Workload]:
+    """The points of a bench run, batch-major, then by seqlen, then by page size (None: the
+    contiguous cache), each with a fresh seed; ``soft_cap`` None: the model's logits_soft_cap,
+    0: none, else that cap; ``append``: every sequence holds seqlen − 1 tokens and each call
+    appends the last one; ``window``: window_left of every point."""
     from .workloads import workload_for_model
 
     opts = {} if soft_cap is None else {"logits_soft_cap": soft_cap or None}
-    opts["page_size"] = page_size
 
     def appended(L: int, b: int) -> dict:
         return {"lengths": (L - 1,) * b, "append": True} if append else {}
     return [workload_for_model(model, b, L, dtype, num_splits=num_splits, seed=fresh_seed(),
-                               **opts, **appended(L, b)) for b in batches for L in seqlens]
+                               page_size=page, window_left=window, alibi=alibi, sinks=sinks,
+                               **opts,
+                               **appended(L, b))
+            for b in batches for L in seqlens for page in page_sizes]
 
 
 # ---------------------------------------------------------------------------- plot

@@ -23,7 +23,8 @@ import math
 import numpy as np
 
 from . import reference as R
-from .workloads import Workload, make_inputs, new_tokens, page_inputs
+from .workloads import (Workload, alibi_slopes, make_inputs, new_tokens, page_inputs,
+                        sink_logits)
 
 REL_TOL = {"float16": 2e-3, "bfloat16": 1e-2, "float32": 1e-4}
 LSE_ATOL = 1e-3
@@ -72,7 +73,9 @@ def select_rows(x, num_kv_heads: int, batch_ids=None, kv_heads=None):
 def reference_for(w: Workload, q, k, v, new=None):
     """Float64 ``(out, lse, kind)`` for the whole workload; out (B, H, D), lse (B, H); ``new``:
     the appended tokens (k_new, v_new) of an append workload, None otherwise."""
-    options = {"logits_soft_cap": w.logits_soft_cap}
+    options = {"logits_soft_cap": w.logits_soft_cap, "window_left": w.window_left,
+               "alibi_slopes": alibi_slopes(w.num_heads) if w.alibi else None,
+               "sinks": sink_logits(w.num_heads, w.seed) if w.sinks else None}
     lens = None if w.lengths is None else np.asarray(w.lengths)
     if k[0].size * w.batch <= NUMPY_REFERENCE_MAX_ELEMENTS:
         if new is not None:
@@ -102,6 +105,7 @@ def _row_skeleton(w: Workload) -> dict:
         "num_heads": w.num_heads, "num_kv_heads": w.num_kv_heads, "head_dim": w.head_dim,
         "lengths": None if w.lengths is None else list(w.lengths), "q_scale": w.q_scale,
         "logits_soft_cap": w.logits_soft_cap, "page_size": w.page_size, "append": w.append,
+        "window_left": w.window_left, "alibi": w.alibi, "sinks": w.sinks,
         "cache_rows_wrong": None, "splits_requested": w.splits_label, "splits": None,
         "chunk_tokens": None,
         "seed": w.seed, "reference": None, "max_abs_err": None, "rel_err": None,
@@ -122,13 +126,17 @@ def run_check(w: Workload) -> dict:
         row["seed"] = w.seed
         plan = DecodePlan(w.batch, w.num_heads, w.num_kv_heads, w.head_dim, w.seqlen, w.dtype,
                           num_splits=w.num_splits, logits_soft_cap=w.logits_soft_cap,
-                          page_size=w.page_size)
+                          page_size=w.page_size, window_left=w.window_left, alibi=w.alibi)
         row["splits"], row["chunk_tokens"] = plan.num_splits, plan.chunk_tokens
         # Poisoned outputs: a row the kernels forget to write stays NaN and fails the check.
         out = cupy.full((w.batch, w.num_heads, w.head_dim), math.nan, w.dtype)
         lse = cupy.full((w.batch, w.num_heads), math.nan, cupy.float32)
         new = new_tokens(w) if w.append else None
         appended = {} if new is None else {"k_new": new[0], "v_new": new[1]}
+        if w.alibi:
+            appended["alibi_slopes"] = cupy.asarray(alibi_slopes(w.num_heads))
+        if w.sinks:
+            appended["sinks"] = cupy.asarray(sink_logits(w.num_heads, w.seed))
         if w.page_size:  # the same tokens in pages (random order); the reference reads k, v
             _, kc, vc, _, table = page_inputs((q, k, v, seqlens), w.page_size, w.seed)
             plan.run(q, kc, vc, seqlens, out=out, lse=lse, block_table=table, **appended)
@@ -194,4 +202,10 @@ def repro_command(row: dict) -> str:
         parts.append(f"--page-size {row['page_size']}")
     if row["append"]:
         parts.append("--append")
+    if row.get("window_left") is not None:
+        parts.append(f"--window {row['window_left']}")
+    if row.get("alibi"):
+        parts.append("--alibi")
+    if row.get("sinks"):
+        parts.append("--sinks")
     return " ".join(parts)

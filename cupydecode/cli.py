@@ -75,12 +75,15 @@ class SplitsType(click.ParamType):
 
 
 class IntListType(click.ParamType):
-    """Comma-separated integers, each >= ``minimum``; a k suffix multiplies by 1024 (64k)."""
+    """Comma-separated integers, each >= ``minimum``; a k suffix multiplies by 1024 (64k);
+    with ``none`` set, that word stands for None (e.g. the contiguous cache among page sizes)."""
 
     name = "N,N,..."
 
-    def __init__(self, minimum: int = 1):
-        self.minimum = minimum
+    def __init__(self, minimum: int = 1, none: str | None = None):
+        self.minimum, self.none = minimum, none
+        if none:
+            self.name = f"{none}|N,..."
 
     def convert(self, value, param, ctx):
         if isinstance(value, (list, tuple)):
@@ -88,18 +91,22 @@ class IntListType(click.ParamType):
         out = []
         for part in str(value).split(","):
             text = part.strip().lower()
+            if self.none and text == self.none:
+                out.append(None)
+                continue
             mult = 1024 if text.endswith("k") else 1
             try:
                 n = int(text[:-1] if mult > 1 else text) * mult
             except ValueError:
-                self.fail(f"expected comma-separated integers (e.g. 1024,4096,64k), got {value!r}",
-                          param, ctx)
+                words = f" or '{self.none}'" if self.none else ""
+                self.fail(f"expected comma-separated integers{words} (e.g. 1024,4096,64k), got "
+                          f"{value!r}", param, ctx)
             if n < self.minimum:
                 self.fail(f"expected integers >= {self.minimum}, got {n}", param, ctx)
             out.append(n)
         if not out:
             self.fail("expected at least one integer", param, ctx)
-        return out
+        return list(dict.fromkeys(out)) if self.none else out
 
 
 def _output_path(ctx, param, value):
@@ -203,7 +210,7 @@ def main():
 
 def _single_workload(batch, seqlen, heads, kv_heads, head_dim, dtype, splits, seed, varlen,
                      lengths, q_scale, model, soft_cap=None, page_size=None,
-                     append=False) -> Workload:
+                     append=False, window=None, alibi=False, sinks=False) -> Workload:
     """One workload from ``check``'s options (raises click.BadParameter on bad combinations).
     ``soft_cap`` None: the model's (none without --model); 0: none. ``append`` without lengths:
     every sequence holds seqlen − 1 tokens, so that the new one fills it."""
@@ -238,7 +245,8 @@ def _single_workload(batch, seqlen, heads, kv_heads, head_dim, dtype, splits, se
         lengths = (seqlen - 1,) * batch
     return Workload(batch, seqlen, heads, kv_heads, head_dim, dtype or "float16",
                     None if splits in (None, "auto") else splits, lengths, q_scale, seed, name,
-                    logits_soft_cap=soft_cap or None, page_size=page_size, append=append)
+                    logits_soft_cap=soft_cap or None, page_size=page_size, append=append,
+                    window_left=window, alibi=alibi, sinks=sinks)
 
 
 def _workload_label(w: Workload) -> str:
@@ -284,18 +292,23 @@ def _check_header(width: int) -> str:
 @click.option("--append", is_flag=True,
               help="Append a new token per sequence in the call (k_new, v_new) at its length "
                    "(default lengths: seqlen − 1); the cache after it is checked bit for bit.")
+@click.option("--window", "window", type=click.IntRange(min=0),
+              help="window_left W: attend only the last W + 1 tokens of each sequence.")
+@click.option("--alibi", is_flag=True, help="ALiBi's bias with the standard slopes of the heads.")
+@click.option("--sinks", is_flag=True, help="A sink logit per query head (gpt-oss), from the seed.")
 @click.option("--model", type=MODEL_CHOICE,
               help="Take heads/kv-heads/head-dim (and the soft-cap) from a preset.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), callback=_output_path,
               help="Write the result rows to this JSON file.")
 @click.pass_context
 def check(ctx, batch, seqlen, heads, kv_heads, head_dim, dtype, splits, seed, varlen, lengths,
-          q_scale, soft_cap, page_size, append, model, json_path):
+          q_scale, soft_cap, page_size, append, window, alibi, sinks, model, json_path):
     """Compare flash_decode with a float64 reference; one row per workload.
 
     Without shape options, runs the built-in matrix (fp16/bf16/fp32, head_dim 64/128/256,
     MHA to MQA, lengths 1 to 65536, variable lengths with an empty sequence, forced and
-    automatic splits, logits of ±1e4, the soft-cap, paged caches, appended tokens). Outputs are
+    automatic splits, logits of ±1e4, the soft-cap, paged caches, appended tokens, sliding
+    windows, ALiBi, attention sinks). Outputs are
     filled with NaN before each call.
     Tolerances: relative L2 error 2e-3 (fp16), 1e-2 (bf16), 1e-4 (fp32); LSE 1e-3.
     Exit status 0 if all pass, 1 if any fails, 2 on bad usage or without a GPU.
@@ -308,17 +321,18 @@ def check(ctx, batch, seqlen, heads, kv_heads, head_dim, dtype, splits, seed, va
       cupydecode check --model gemma-2-9b --q-scale 60        (its soft-cap 50, logits past it)
       cupydecode check --model llama-3-8b --seqlen 5000 --page-size 16 --varlen
       cupydecode check --append --page-size 16 --varlen
+      cupydecode check --seqlen 20000 --window 4095 --varlen       (Mistral's sliding window)
       cupydecode check --json check.json
     """
     from .workloads import default_check_matrix
 
     single = any(x is not None for x in (batch, seqlen, heads, kv_heads, head_dim, dtype, splits,
-                                         lengths, model, soft_cap, page_size)) or varlen or q_scale != 1.0
-    single = single or append
+                                         lengths, model, soft_cap, page_size, window)) or varlen or q_scale != 1.0
+    single = single or append or alibi or sinks
     if single:
         workloads = [_single_workload(batch, seqlen, heads, kv_heads, head_dim, dtype, splits,
                                       seed, varlen, lengths, q_scale, model, soft_cap, page_size,
-                                      append)]
+                                      append, window, alibi, sinks)]
     else:
         workloads = default_check_matrix()
         base = fresh_seed() if seed is None else seed
@@ -355,12 +369,16 @@ def check(ctx, batch, seqlen, heads, kv_heads, head_dim, dtype, splits, seed, va
 
 # ---------------------------------------------------------------------------- bench
 
-def _bench_columns(peer_cols: dict, processes: bool = False,
-                   append: bool = False) -> list[tuple[str, str, str]]:
+def _bench_columns(peer_cols: dict, processes: bool = False, append: bool = False,
+                   paged: bool = False) -> list[tuple[str, str, str]]:
     """Table columns (label, row key, format); ``peer_cols`` maps peer columns to labels;
-    ``append``: the same call without the append, and the difference."""
-    cols = [("batch", "batch", "d"), ("seqlen", "seqlen", "d"), ("KV MB", "kv_mb", ".1f"),
-            ("splits", "num_splits", "d"), ("protocol", "protocol_label", "s")]
+    ``append``: the same call without the append, and the difference; ``paged``: the page
+    size ("-": contiguous)."""
+    cols = [("batch", "batch", "d"), ("seqlen", "seqlen", "d")]
+    if paged:
+        cols.append(("page", "page_label", "s"))
+    cols += [("KV MB", "kv_mb", ".1f"), ("splits", "num_splits", "d"),
+             ("protocol", "protocol_label", "s")]
     if processes:
         cols.append(("proc", "process", "d"))
     cols += [("floor µs", "floor_us", ".1f"), ("GPU µs", "gpu_us", ".1f"),
@@ -384,23 +402,27 @@ def _bench_display(row: dict) -> dict:
               if row.get("gpu_us_p20") is not None else None)
     name = str(row["protocol"]).partition(":")[0]
     label = f"{name}×{row['graph_calls']}" if row.get("graph_calls") else name
-    return dict(row, kv_mb=row.get("kv_bytes", 0) / 1e6, spread=spread, protocol_label=label)
+    page = row.get("page_size")
+    return dict(row, kv_mb=row.get("kv_bytes", 0) / 1e6, spread=spread, protocol_label=label,
+                page_label="-" if page is None else str(page))
 
 
 def stability(rows: list[dict]) -> list[dict]:
-    """Per point (batch, seqlen), over every protocol and process that timed it: the best and
-    the worst GPU µs, the spread (worst / best − 1, %), and the lowest speed-up over the best
-    peer of the same row (None without peers)."""
+    """Per point (batch, seqlen, page size), over every protocol and process that timed it: the
+    best and the worst GPU µs, the spread (worst / best − 1, %), and the lowest speed-up over
+    the best peer of the same row (None without peers)."""
     points: dict = {}
     for r in rows:
         if r["gpu_us"]:
-            points.setdefault((r["batch"], r["seqlen"]), []).append(r)
+            points.setdefault((r["batch"], r["seqlen"], r.get("page_size")), []).append(r)
     out = []
-    for (batch, seqlen), rs in points.items():
+    for (batch, seqlen, page), rs in points.items():
         us = [r["gpu_us"] for r in rs]
         ratios = [r["speedup_vs_best_peer"] for r in rs if r.get("speedup_vs_best_peer")]
         worst = max(rs, key=lambda r: r["gpu_us"])
-        out.append({"batch": batch, "seqlen": seqlen, "runs": len(rs), "best_us": min(us),
+        out.append({"batch": batch, "seqlen": seqlen, "page_size": page,
+                    "page_label": "-" if page is None else str(page), "runs": len(rs),
+                    "best_us": min(us),
                     "worst_us": max(us), "spread_pct": 100.0 * (max(us) / min(us) - 1),
                     "worst_in": _bench_display(worst)["protocol_label"]
                     + (f" (process {worst['process']})" if "process" in worst else ""),
@@ -460,17 +482,24 @@ def _bench_in_processes(n: int, argv: list[str]) -> list[dict]:
 
 
 def _forwarded_bench_args(model, dtype, seqlens, batches, splits, protocols, baselines,
-                          soft_cap=None, page_size=None, append=False) -> list[str]:
+                          soft_cap=None, page_sizes=(None,), append=False,
+                          window=None, alibi=False, sinks=False) -> list[str]:
     """The options of this bench run, for the processes of --processes (outputs stay here)."""
     argv = ["--model", model, "--dtype", dtype, "--seqlens", ",".join(map(str, seqlens)),
             "--batch", ",".join(map(str, batches)), "--splits", str(splits),
             "--protocol", ",".join(protocols)]
     if soft_cap is not None:
         argv += ["--soft-cap", repr(float(soft_cap))]
-    if page_size is not None:
-        argv += ["--page-size", str(page_size)]
+    if list(page_sizes) != [None]:
+        argv += ["--page-size", ",".join("none" if p is None else str(p) for p in page_sizes)]
     if append:
         argv.append("--append")
+    if window is not None:
+        argv += ["--window", str(window)]
+    if alibi:
+        argv.append("--alibi")
+    if sinks:
+        argv.append("--sinks")
     for name in baselines:
         argv += ["--baseline", name]
     return argv
@@ -498,12 +527,22 @@ def _forwarded_bench_args(model, dtype, seqlens, batches, splits, protocols, bas
 @click.option("--soft-cap", "soft_cap", type=SOFT_CAP_TYPE,
               help="logits_soft_cap c (default: the model's, e.g. 50 for gemma-2; 0: none). "
                    "torch SDPA has none: its columns stay empty.")
-@click.option("--page-size", "page_size", type=click.IntRange(min=1),
-              help="Time a paged cache: pages of this many tokens in random order (FlashInfer "
-                   "reads the same pages; torch SDPA and the naive version have no paging).")
+@click.option("--page-size", "page_sizes", type=IntListType(none="none"), default="none",
+              show_default=True,
+              help="Comma list of page sizes to time, 'none' for the contiguous cache (e.g. "
+                   "none,1,16: each point contiguous and paged side by side); pages in random "
+                   "order, FlashInfer reads the same pages (torch SDPA and the naive version "
+                   "have no paging).")
 @click.option("--append", is_flag=True,
               help="Each call also appends a new token per sequence (k_new, v_new; the cache "
                    "holds seqlen − 1 tokens); the same call without the append is timed too.")
+@click.option("--window", "window", type=click.IntRange(min=0),
+              help="window_left W: attend only the last W + 1 tokens (peers: FlashInfer with the "
+                   "same window, torch SDPA and the naive version over those tokens).")
+@click.option("--alibi", is_flag=True,
+              help="ALiBi's bias with the standard slopes of the heads (no peer compared).")
+@click.option("--sinks", is_flag=True,
+              help="A sink logit per query head (gpt-oss; no peer compared).")
 @click.option("--baseline", "baselines", type=click.Choice(["torch", "flashinfer"]),
               multiple=True, help="Also time a peer (repeatable); needs torch / flashinfer.")
 @click.option("--csv", "csv_path", type=click.Path(dir_okay=False), callback=_output_path,
@@ -513,8 +552,8 @@ def _forwarded_bench_args(model, dtype, seqlens, batches, splits, protocols, bas
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), callback=_output_path,
               help="Plot µs and % of floor vs seqlen to this PNG (needs matplotlib).")
 @click.pass_context
-def bench(ctx, model, dtype, seqlens, batches, splits, protocols, processes, soft_cap, page_size,
-          append, baselines, csv_path, json_path, plot_path):
+def bench(ctx, model, dtype, seqlens, batches, splits, protocols, processes, soft_cap,
+          page_sizes, append, window, alibi, sinks, baselines, csv_path, json_path, plot_path):
     """Time flash_decode against the HBM read floor and against baselines.
 
     Per point: floor = bytes(K+V) / read ceiling measured in this run; GPU µs per call from a
@@ -532,8 +571,9 @@ def bench(ctx, model, dtype, seqlens, batches, splits, protocols, processes, sof
       cupydecode bench --seqlens 4096,65536 --batch 1,16 --csv out.csv --plot out.png
       cupydecode bench --model qwen2.5-7b --dtype bf16 --baseline torch
       cupydecode bench --model gemma-2-9b --baseline flashinfer     (soft-cap 50, the model's)
-      cupydecode bench --page-size 16 --baseline flashinfer
+      cupydecode bench --page-size none,1,16 --baseline flashinfer
       cupydecode bench --append --page-size 16
+      cupydecode bench --seqlens 131072 --batch 1,16 --window 4095 --baseline flashinfer
       cupydecode bench --protocol step,back-to-back:2,back-to-back:10 --processes 3
     """
     from . import bench as B
@@ -556,21 +596,25 @@ def bench(ctx, model, dtype, seqlens, batches, splits, protocols, processes, sof
                    f"{p.head_dim}, {dtype}, splits {splits}; {processes} processes, protocols "
                    f"{', '.join(protocols)}")
         rows = _bench_in_processes(processes, _forwarded_bench_args(
-            model, dtype, seqlens, batches, splits, protocols, peers, soft_cap, page_size,
-            append))
+            model, dtype, seqlens, batches, splits, protocols, peers, soft_cap, page_sizes,
+            append, window, alibi, sinks))
         ceiling = {"gbps": [r["ceiling_gbps"] for r in rows if r["ceiling_gbps"]]}
     else:
         ceiling = B.measure_read_ceiling()
         click.echo(f"HBM read ceiling: {ceiling['gbps']:.0f} GB/s (read-only kernel over "
                    f"{ceiling['nbytes'] / 1e9:.2f} GB, {ceiling['us']:.0f} µs)")
         points = B.sweep(model, dtype, seqlens, batches, None if splits == "auto" else splits,
-                         soft_cap, page_size, append)
+                         soft_cap, page_sizes, append, window, alibi, sinks)
         cap = points[0].logits_soft_cap if points else None
         click.echo(f"{model}: {p.num_heads} query heads, {p.num_kv_heads} KV heads, head_dim "
                    f"{p.head_dim}, {dtype}, splits {splits}"
                    + ("" if cap is None else f", logits_soft_cap {cap:g}")
-                   + ("" if page_size is None else f", paged: {page_size} tokens per page, "
-                      "random page order")
+                   + ("" if page_sizes == [None] else ", page sizes " + ", ".join(
+                      "contiguous" if p is None else str(p) for p in page_sizes)
+                      + " (random page order)")
+                   + ("" if window is None else f", window_left {window} (the last "
+                      f"{window + 1} tokens)") + (", ALiBi" if alibi else "")
+                   + (", sinks" if sinks else "")
                    + ("" if not append else ", each call appends a new token per sequence (the "
                       "cache holds seqlen − 1); no-append µs: the same call over the same seqlen "
                       "tokens without it"))
@@ -596,7 +640,8 @@ def bench(ctx, model, dtype, seqlens, batches, splits, protocols, processes, sof
     done = [r for r in rows if not r["skipped"]]
     if done:
         for line in format_table([_bench_display(r) for r in done],
-                                 _bench_columns(peer_cols, processes > 1, append)):
+                                 _bench_columns(peer_cols, processes > 1, append,
+                                                page_sizes != [None])):
             click.echo(line)
     for r in rows:
         if r["skipped"]:
@@ -607,7 +652,9 @@ def bench(ctx, model, dtype, seqlens, batches, splits, protocols, processes, sof
     spread = stability(done) if (processes > 1 or len(protocols) > 1) else []
     if spread:
         click.echo("\nspread per point over every protocol and process:")
-        for line in format_table(spread, STABILITY_COLUMNS):
+        columns = STABILITY_COLUMNS if page_sizes == [None] else (
+            STABILITY_COLUMNS[:2] + [("page", "page_label", "s")] + STABILITY_COLUMNS[2:])
+        for line in format_table(spread, columns):
             click.echo(line)
     payload = {"device": device, "ceiling": ceiling, "model": model, "protocols": protocols,
                "processes": processes, "rows": rows, "stability": spread}
@@ -619,8 +666,11 @@ def bench(ctx, model, dtype, seqlens, batches, splits, protocols, processes, sof
         click.echo(f"wrote {json_path}")
     if plot_path:
         first = protocols[0]
-        B.plot_rows([r for r in rows if r["protocol"] == first and r.get("process", 1) == 1],
-                    plot_path, f"{model} {dtype} on {device['name']}, {first} protocol")
+        page = page_sizes[0]
+        B.plot_rows([r for r in rows if r["protocol"] == first and r.get("process", 1) == 1
+                     and r.get("page_size") == page], plot_path,
+                    f"{model} {dtype} on {device['name']}, {first} protocol"
+                    + ("" if page is None else f", pages of {page}"))
         click.echo(f"wrote {plot_path}")
     if any(r["check"] in ("FAIL", "ERROR") for r in rows):
         click.echo("error: a timed configuration failed its correctness check", err=True)

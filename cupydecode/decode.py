@@ -124,6 +124,9 @@ class DecodePlan:
     cache_seqlens[b] (through the block table when paged; a full sequence, or a page index outside
     [0, num_pages), writes nothing). The caller advances cache_seqlens.
 
+    ``window_left`` W ≥ 0 makes every run attend only the last W + 1 tokens of each sequence
+    (the new one included); the split count and size come from min(max_seqlen, W + 1) (``span``).
+
     A plan's workspace (partials and the fused merge's arrival counters) is shared by its runs:
     run one plan on one stream at a time, and make one plan per stream for concurrent decoding
     (``flash_decode`` keeps its cached plans per stream for this reason, and per thread on the
@@ -133,7 +136,8 @@ class DecodePlan:
     def __init__(self, batch: int, num_heads: int, num_kv_heads: int, head_dim: int,
                  max_seqlen: int, dtype, num_splits: int | None = None,
                  split_size: int | None = None, merge: str = "auto", enable_pdl: bool = False,
-                 *, logits_soft_cap: float | None = None, page_size: int | None = None):
+                 *, logits_soft_cap: float | None = None, page_size: int | None = None,
+                 window_left: int | None = None, alibi: bool = False):
         cupy = _kernels.import_cupy()
 
         self.batch = V.check_int(batch, "batch", 0, _policy.MAX_BATCH)
@@ -159,6 +163,13 @@ class DecodePlan:
             V.fail(TypeError, "enable_pdl", "True or False", repr(enable_pdl))
         self.enable_pdl = enable_pdl
         self.logits_soft_cap = V.check_soft_cap(logits_soft_cap)
+        self.window_left = V.check_window(window_left)
+        if not isinstance(alibi, bool):
+            V.fail(TypeError, "alibi", "True or False", repr(alibi))
+        self.alibi = alibi
+        # the tokens a sequence's attention reads at most: the splits are sized from these
+        self.span = (self.max_seqlen if self.window_left is None
+                     else min(self.max_seqlen, self.window_left + 1))
         self.page_size = (None if page_size is None
                           else V.check_int(page_size, "page_size", 1, _policy.MAX_TOKENS))
         self.group = self.num_heads // self.num_kv_heads
@@ -175,15 +186,16 @@ class DecodePlan:
                 f"{self.dtype} head_dim {self.head_dim}, but GPU {self.device_id} allows "
                 f"{smem_optin}: supported are GPUs with >= 160 KB per block (A100, H100, H200, B200)")
         if (split_size is not None
-                and _policy.fixed_split_size(self.max_seqlen, split_size)[0] > _policy.MAX_SPLITS):
-            V.fail(ValueError, "split_size", f"at least max_seqlen / {_policy.MAX_SPLITS} = "
-                   f"{-(-self.max_seqlen // _policy.MAX_SPLITS)}", split_size)
+                and _policy.fixed_split_size(self.span, split_size)[0] > _policy.MAX_SPLITS):
+            what = "max_seqlen" if self.window_left is None else "min(max_seqlen, window_left + 1)"
+            V.fail(ValueError, "split_size", f"at least {what} / {_policy.MAX_SPLITS} = "
+                   f"{-(-self.span // _policy.MAX_SPLITS)}", split_size)
 
         # where the GPU allows, the merge kernel is launched as a programmatic dependent of the
         # split kernel: its blocks are then resident and waiting when the split kernel ends
         programmatic = _kernels.programmatic_launch_supported(self.device_id)
         self.m_tiles, self.num_splits, self.chunk_tokens, self.kv_per_block = _policy.plan_shape(
-            self.dtype, self.head_dim, self.group, self.batch, self.num_kv_heads, self.max_seqlen,
+            self.dtype, self.head_dim, self.group, self.batch, self.num_kv_heads, self.span,
             _sm_count(self.device_id), lambda cfg: _blocks_per_sm(cfg, self.device_id),
             num_splits, split_size, merge, programmatic)
         self.head_tiles = _policy.head_tiles(self.group, self.m_tiles)
@@ -196,12 +208,14 @@ class DecodePlan:
         # The block shape depends on how long each block streams.
         self.config = _policy.split_kernel_config(self.dtype, self.head_dim, self.chunk_tokens,
                                                   self.m_tiles, self.group, kpb)
-        kv_bytes = (2 * self.batch * self.max_seqlen * self.num_kv_heads * self.head_dim
-                    * _policy.ITEMSIZE[self.dtype])
+        kv_bytes = (2 * self.batch * self.span * self.num_kv_heads * self.head_dim
+                    * _policy.ITEMSIZE[self.dtype])  # what a run reads at most
         if not _policy.l2_evict_first(self.dtype, kv_bytes):
             self.config = dataclasses.replace(self.config, l2_evict_first=False)
         if self.logits_soft_cap is not None:
             self.config = dataclasses.replace(self.config, soft_cap=True)
+        if self.alibi:
+            self.config = dataclasses.replace(self.config, alibi=True)
         if self.page_size is not None:
             self.config = dataclasses.replace(self.config, paged=True)
         self.merge = _policy.merge_mode(self.num_splits, rows_per_block, self.head_dim,
@@ -242,6 +256,7 @@ class DecodePlan:
         # Kernel scalars that never change for this plan, packed once.
         self._static = (self.max_seqlen, self.num_heads, self.group, self.head_tiles,
                         self.chunk_tokens, self.page_size or 0)
+        self._window_arg = -1 if self.window_left is None else self.window_left
         # pages per sequence a block table must have for this plan's max_seqlen
         self._min_pages = 0 if self.page_size is None else -(-self.max_seqlen // self.page_size)
         self._in_step = int(_policy.warps_in_step(self.config, self.chunk_tokens))
@@ -262,6 +277,8 @@ class DecodePlan:
     def __repr__(self) -> str:
         cap = "" if self.logits_soft_cap is None else f", logits_soft_cap={self.logits_soft_cap:g}"
         cap += "" if self.page_size is None else f", page_size={self.page_size}"
+        cap += "" if self.window_left is None else f", window_left={self.window_left}"
+        cap += ", alibi=True" if self.alibi else ""
         return (f"DecodePlan(batch={self.batch}, num_heads={self.num_heads}, "
                 f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
                 f"max_seqlen={self.max_seqlen}, dtype={self.dtype}{cap}, "
@@ -287,7 +304,8 @@ class DecodePlan:
             cache_seqlens: int | ArrayLike | None = None, out: ArrayLike | None = None,
             lse: ArrayLike | None = None, *, softmax_scale: float | None = None,
             block_table: ArrayLike | None = None, k_new: ArrayLike | None = None,
-            v_new: ArrayLike | None = None) -> tuple[cupy.ndarray, cupy.ndarray]:
+            v_new: ArrayLike | None = None, alibi_slopes: ArrayLike | None = None,
+            sinks: ArrayLike | None = None) -> tuple[cupy.ndarray, cupy.ndarray]:
         """Decode attention for this plan's shape; returns ``(out, lse)`` (the plan's own
         buffers unless ``out``/``lse`` are given). ``cache_seqlens``: None, an int or an int32
         device array (a plan never copies from the host). A plan built with ``page_size`` takes
@@ -297,7 +315,9 @@ class DecodePlan:
         (batch, num_kv_heads, head_dim) device arrays of the cache's dtype: each sequence's new
         token, written into the cache at position cache_seqlens[b] and attended with the rest
         (nothing is written past max_seqlen; the class docstring); their values, too, may change
-        between replays.
+        between replays. A plan built with ``alibi=True`` takes ``alibi_slopes``, a (num_heads,)
+        float32 device array (values may change between replays). ``sinks``: a (num_heads,)
+        float32 device array of sink logits (gpt-oss), any plan.
 
         Raises:
             TypeError, ValueError: inputs that do not match the plan (shape, dtype, device) or
@@ -321,8 +341,11 @@ class DecodePlan:
         lse = self.lse if lse is None else V.check_out(lse, "lse", self.lse.shape, "float32")
         new = (None if k_new is None and v_new is None else V.check_new_tokens(
             k_new, v_new, self.batch, self.num_kv_heads, self.head_dim, self.dtype))
+        slopes = V.check_alibi_slopes(alibi_slopes, self.alibi, self.num_heads,
+                                      allow_host_array=False)
+        sinks = V.check_head_values(sinks, "sinks", self.num_heads, allow_host_array=False)
         self._launch(q, k_cache, v_cache, seqlens, seqlen_all, scale, out, lse, None, strides,
-                     block_table, new)
+                     block_table, new, slopes, sinks)
         return out, lse
 
     def _check_layout(self, q, k_cache, v_cache, block_table, layout):
@@ -374,11 +397,13 @@ class DecodePlan:
                 self.num_heads * self.head_dim, self.head_dim, bt_sb, num_pages)
 
     def _launch(self, q, k, v, seqlens, seqlen_all, scale, out, lse, stream, strides,
-                table=None, new=None) -> None:
+                table=None, new=None, slopes=None, sinks=None) -> None:
         """Everything after validation: the split kernel (which appends ``new``'s tokens), then
         (if split) the merge kernel, on ``stream`` (None: the current stream); ``strides``:
         ``_element_strides(...)``; ``table``: the block table of a paged plan; ``new``:
-        ``_validate.check_new_tokens(...)``'s (k_new, v_new, their strides in elements)."""
+        ``_validate.check_new_tokens(...)``'s (k_new, v_new, their strides in elements);
+        ``slopes``: an ALiBi plan's (num_heads,) float32 device slopes; ``sinks``: (num_heads,)
+        float32 device sink logits."""
         import cupy
 
         if self.batch == 0:
@@ -399,11 +424,16 @@ class DecodePlan:
             stream.ptr,
             q.data.ptr, k.data.ptr, v.data.ptr, 0 if seqlens is None else seqlens.data.ptr,
             *self._part_ptrs, out.data.ptr, 0 if lse is None else lse.data.ptr, self._counter_ptr,
-            0 if table is None else table.data.ptr, k_new, v_new, *strides[:11], *new_strides,
-            *strides[11:], seqlen_all, *self._static, *self._score_args(scale), n_new)
+            0 if table is None else table.data.ptr, k_new, v_new,
+            0 if slopes is None else slopes.data.ptr, 0 if sinks is None else sinks.data.ptr,
+            *strides[:11], *new_strides,
+            *strides[11:], seqlen_all, *self._static, *self._score_args(scale), n_new,
+            self._window_arg, 0 if seqlens is None else seqlens.itemsize >> 3,
+            0 if table is None else table.itemsize >> 3)
         if self._merge_call is not None:
             self._merge_call(stream.ptr, *self._part_ptrs, out.data.ptr,
-                             0 if lse is None else lse.data.ptr, *self._merge_static)
+                             0 if lse is None else lse.data.ptr, *self._merge_static,
+                             0 if sinks is None else sinks.data.ptr, self.num_heads)
 
 
 # struct cd_decode_params of the split kernel, packed from its declaration in
@@ -417,11 +447,12 @@ except FileNotFoundError:  # kernel sources missing (a broken install): building
     _PARAM_LIST = ()
 _PARAMS = struct.Struct("<" + "".join(_PARAM_CODES[kind] for kind, _ in _PARAM_LIST))
 _LAUNCH_ORDER = ("q", "k", "v", "seqlens", "o_part", "lse_part", "out", "lse_out", "counters",
-                 "block_table", "k_new", "v_new", "q_sb", "q_sh", "k_sb", "k_ss", "k_sh", "v_sb",
+                 "block_table", "k_new", "v_new", "alibi_slopes", "sinks", "q_sb", "q_sh", "k_sb", "k_ss", "k_sh", "v_sb",
                  "v_ss", "v_sh", "out_sb", "out_sh", "bt_sb", "kn_sb", "kn_ss", "kn_sh", "vn_sb",
                  "vn_ss", "vn_sh", "num_pages", "seqlen_all", "max_seqlen",
                  "num_heads", "group", "head_tiles", "chunk_tokens", "page_size", "scale_log2",
-                 "warps_in_step", "soft_cap_in", "soft_cap_out", "n_new")
+                 "warps_in_step", "soft_cap_in", "soft_cap_out", "n_new",
+                 "window_left", "seqlens_64", "table_64")
 if _PARAM_LIST and tuple(name for _, name in _PARAM_LIST) != _LAUNCH_ORDER:
     raise ImportError("kernels/decode_params.cuh and DecodePlan._launch disagree on the split "
                       f"kernel's parameters: {[n for _, n in _PARAM_LIST]} vs {list(_LAUNCH_ORDER)}")
@@ -430,9 +461,10 @@ _NO_NEW = (0,) * 6  # k_new's and v_new's strides without new tokens
 
 # Parameters of cd_merge_states in kernels/merge_states.cu, packed for a plan's prepared launch:
 # o_parts, lse_parts, out, lse_out (pointers), num_states (int32), rows (int64), head_dim and
-# warps_per_item (int32); kernel parameter i starts at byte _MERGE_OFFSETS[i].
-_MERGE_PARAMS = struct.Struct("<4Qi4xqii")
-_MERGE_OFFSETS = (0, 8, 16, 24, 32, 40, 48, 52)
+# warps_per_item (int32), sinks (pointer), num_sinks (int32); kernel parameter i starts at byte
+# _MERGE_OFFSETS[i].
+_MERGE_PARAMS = struct.Struct("<4Qi4xqiiQi")
+_MERGE_OFFSETS = (0, 8, 16, 24, 32, 40, 48, 52, 56, 64)
 
 
 _FLOAT32 = np.dtype(np.float32)
@@ -452,21 +484,23 @@ def _thread_token() -> object:
     return token
 
 
-def _cached_plan(shape: dict, dtype: str, num_splits, split_size, soft_cap, device: int,
-                 stream: int) -> DecodePlan:
+def _cached_plan(shape: dict, dtype: str, num_splits, split_size, soft_cap, window,
+                 alibi: bool, device: int, stream: int) -> DecodePlan:
     """Plans (and their workspaces) reused across eager calls of the same shape on one stream
     (``device``: the current device, ``stream``: the current stream's handle)."""
     # The per-thread default stream has the same handle in every thread but is a different
     # stream in each: those plans (workspaces) must not be shared across threads.
     owner = _thread_token() if stream == _PER_THREAD_STREAM else None
-    key = (tuple(shape.values()), dtype, num_splits, split_size, soft_cap, device, stream, owner)
+    key = (tuple(shape.values()), dtype, num_splits, split_size, soft_cap, window, alibi, device,
+           stream, owner)
     with _PLAN_LOCK:  # threads may share the cache (not a plan: see the key)
         plan = _PLAN_CACHE.get(key)
         if plan is None:
             plan = DecodePlan(shape["batch"], shape["num_heads"], shape["num_kv_heads"],
                               shape["head_dim"], shape["max_seqlen"], dtype,
                               num_splits=num_splits, split_size=split_size,
-                              logits_soft_cap=soft_cap, page_size=shape.get("page_size"))
+                              logits_soft_cap=soft_cap, page_size=shape.get("page_size"),
+                              window_left=window, alibi=alibi)
             _PLAN_CACHE[key] = plan
             if len(_PLAN_CACHE) > _PLAN_CACHE_SIZE:
                 _PLAN_CACHE.popitem(last=False)
@@ -476,10 +510,10 @@ def _cached_plan(shape: dict, dtype: str, num_splits, split_size, soft_cap, devi
 
 
 # flash_decode's lookups folded into one per call: (the inputs' layout key (_validate.layout_key),
-# stream, num_splits, split_size, soft-cap, per-thread owner) → (dtype name, shape, plan, kernel
-# strides). An entry exists only for inputs that passed the checks with those values; num_splits,
-# split_size, cache_seqlens, softmax_scale and logits_soft_cap are checked on every call all the
-# same.
+# stream, num_splits, split_size, soft-cap, window, per-thread owner) → (dtype name, shape, plan,
+# kernel strides). An entry exists only for inputs that passed the checks with those values;
+# num_splits, split_size, cache_seqlens, softmax_scale, logits_soft_cap and window_left are
+# checked on every call all the same.
 _EAGER: dict = {}
 _EAGER_SIZE = 16
 
@@ -490,7 +524,8 @@ def flash_decode(q: ArrayLike, k_cache: ArrayLike, v_cache: ArrayLike,
                  num_splits: int | None = None, return_lse: bool = False,
                  out: ArrayLike | None = None, split_size: int | None = None,
                  block_table: ArrayLike | None = None, k_new: ArrayLike | None = None,
-                 v_new: ArrayLike | None = None
+                 v_new: ArrayLike | None = None, window_left: int | None = None,
+                 alibi_slopes: ArrayLike | None = None, sinks: ArrayLike | None = None
                  ) -> cupy.ndarray | tuple[cupy.ndarray, cupy.ndarray]:
     """Decode attention of one query token per sequence against its KV cache.
 
@@ -500,7 +535,8 @@ def flash_decode(q: ArrayLike, k_cache: ArrayLike, v_cache: ArrayLike,
             contiguous, other strides honoured. num_heads must be a multiple of num_kv_heads.
             With ``block_table``: paged, (num_pages, page_size, num_kv_heads, head_dim).
         cache_seqlens: None (all max_seqlen), an int, a host sequence of ``batch`` ints, or a
-            (batch,) int32 device array (never read on the host; clamped to [0, max_seqlen]).
+            (batch,) int32 or int64 device array (never read on the host; clamped to
+            [0, max_seqlen]).
         softmax_scale: default 1/sqrt(head_dim).
         logits_soft_cap: c > 0 caps every score s = softmax_scale · q·k as c·tanh(s/c) before
             the softmax (Gemma-2: 50.0); None or 0: no cap.
@@ -521,6 +557,17 @@ def flash_decode(q: ArrayLike, k_cache: ArrayLike, v_cache: ArrayLike,
             length stays max_seqlen; a page index outside [0, num_pages) is not written.
             cache_seqlens=None (every sequence full) writes nothing. The caller advances
             cache_seqlens.
+        window_left: W ≥ 0 attends only the keys at positions ≥ L − 1 − W of a sequence of L
+            tokens (W + 1 keys: a sliding window, e.g. Mistral's 4096); the splits cover only
+            those, so a window over a long cache costs about what a cache of W + 1 tokens does.
+            None or −1: no window.
+        alibi_slopes: (num_heads,) float32, one slope per query head (a device array, or host
+            values copied per call): each score gains −slope_h · (L − 1 − j) for key j of a
+            sequence of L tokens, after the soft-cap (ALiBi: BLOOM, MPT).
+        sinks: (num_heads,) float32 sink logits σ_h (gpt-oss; a device array, or host values
+            copied per call): the softmax denominator gains e^σ_h with no value, out =
+            Σ e^s v / (e^σ + Σ e^s) and lse = ln(e^σ + Σ e^s); an empty sequence gives out = 0,
+            lse = σ_h.
 
     Returns:
         out, or (out, lse) with ``return_lse=True``. A sequence of length 0 gives out = 0 and
@@ -537,13 +584,15 @@ def flash_decode(q: ArrayLike, k_cache: ArrayLike, v_cache: ArrayLike,
 
     layout = V.layout_key(q, k_cache, v_cache)  # (no CUDA call before a host array is refused)
     soft_cap = V.check_soft_cap(logits_soft_cap)
+    window = V.check_window(window_left)
+    alibi = alibi_slopes is not None
     tkey = V.table_key(block_table)
     stream = key = hit = None
     table = block_table
     if layout is not None and tkey is not None:
         stream = cupy.cuda.get_current_stream()
         ptr = stream.ptr
-        key = (layout, tkey, ptr, num_splits, split_size, soft_cap,
+        key = (layout, tkey, ptr, num_splits, split_size, soft_cap, window, alibi,
                _thread_token() if ptr == _PER_THREAD_STREAM else None)
         try:
             hit = _EAGER.get(key)
@@ -568,6 +617,8 @@ def flash_decode(q: ArrayLike, k_cache: ArrayLike, v_cache: ArrayLike,
     num_splits, split_size = V.check_splits(num_splits, split_size)
     new = (None if k_new is None and v_new is None else V.check_new_tokens(
         k_new, v_new, shape["batch"], shape["num_kv_heads"], shape["head_dim"], dt))
+    slopes = V.check_alibi_slopes(alibi_slopes, alibi, shape["num_heads"])
+    sinks = V.check_head_values(sinks, "sinks", shape["num_heads"])
     out_shape = (shape["batch"], shape["num_heads"], shape["head_dim"])
     # dtype objects, not names: CuPy parses a name on every call
     out = cupy.empty(out_shape, q.dtype) if out is None else V.check_out(out, "out", out_shape, dt)
@@ -577,26 +628,36 @@ def flash_decode(q: ArrayLike, k_cache: ArrayLike, v_cache: ArrayLike,
         ptr = stream.ptr
     if plan is None:
         # validation put q on the current device: its id, without asking the runtime again
-        plan = _cached_plan(shape, dt, num_splits, split_size, soft_cap, q.data.device_id, ptr)
+        plan = _cached_plan(shape, dt, num_splits, split_size, soft_cap, window, alibi,
+                            q.data.device_id, ptr)
         strides = plan._element_strides(q, k, v, bt_sb, num_pages)
         if key is not None:
             if len(_EAGER) >= _EAGER_SIZE:
                 _EAGER.clear()
             _EAGER[key] = (dt, shape, plan, strides)
-    plan._launch(q, k, v, seqlens, seqlen_all, scale, out, lse, stream, strides, table, new)
+    plan._launch(q, k, v, seqlens, seqlen_all, scale, out, lse, stream, strides, table, new,
+                 slopes, sinks)
     return (out, lse) if return_lse else out
 
 
-def merge_states(o_parts: ArrayLike, lse_parts: ArrayLike) -> tuple[cupy.ndarray, cupy.ndarray]:
+def merge_states(o_parts: ArrayLike, lse_parts: ArrayLike, *,
+                 sinks: ArrayLike | None = None) -> tuple[cupy.ndarray, cupy.ndarray]:
     """Merge partial attention states through their log-sum-exp.
 
     Args:
         o_parts: (num_states, *rows, head_dim) float16/bfloat16/float32: locally normalised outputs.
-        lse_parts: (num_states, *rows) float32: their log-sum-exp (natural log; −inf = empty).
+        lse_parts: (num_states, *rows) float32: their log-sum-exp (natural log; −inf = empty,
+            and +inf too: the value some libraries give an empty row).
 
     Returns:
         (o, lse): o of shape (*rows, head_dim) in o_parts' dtype, lse (*rows) float32.
-        Rows whose states are all empty give o = 0, lse = −inf (never NaN).
+        Rows whose states are all empty give o = 0, lse = −inf (never NaN). A NaN LSE, or a NaN
+        in a live state's output, makes that row NaN and no other.
+        sinks: optional float32 sink logits σ (gpt-oss), broadcast against the rows from the
+            right (e.g. (num_heads,) for rows (batch, num_heads); a device array, or host values
+            copied): applied once to each merged row, LSE ← ln(e^LSE + e^σ), O ← O·e^(LSE_old −
+            LSE_new); an empty row gives O = 0, LSE = σ. Pass the sinks here, not to the calls
+            that made the partial states.
 
     Raises:
         TypeError, ValueError: inputs of the wrong type, dtype or shape, named in the message,
@@ -613,11 +674,14 @@ def merge_states(o_parts: ArrayLike, lse_parts: ArrayLike) -> tuple[cupy.ndarray
     num_states, head_dim = o.shape[0], o.shape[-1]
     rows_shape = tuple(o.shape[1:-1])
     rows = int(np.prod(rows_shape, dtype=np.int64))
+    sink_arr = V.check_merge_sinks(sinks, rows_shape)
     out = cupy.empty(rows_shape + (head_dim,), dt)
     lse = cupy.empty(rows_shape, cupy.float32)
     if rows:
         blocks, threads, warps_per_item = _policy.merge_launch(rows, head_dim, num_states)
         _kernels.launch(_merge_function(dt, dt, head_dim), (blocks, 1, 1), (threads, 1, 1),
                         (o, lse_in, out, lse, np.int32(num_states), np.int64(rows),
-                         np.int32(head_dim), np.int32(warps_per_item)))
+                         np.int32(head_dim), np.int32(warps_per_item),
+                         np.uint64(0) if sink_arr is None else sink_arr,
+                         np.int32(1 if sink_arr is None else sink_arr.size)))
     return out, lse

@@ -257,12 +257,17 @@ def split_states(scores: np.ndarray, values: np.ndarray, boundaries) -> tuple[np
 def merge_states(o_parts, lse_parts, sinks=None) -> tuple[np.ndarray, np.ndarray]:
     """Kernel 2 of docs/DESIGN.md in float64: o_parts (S, *rows, D), lse_parts (S, *rows).
 
-    Empty states (LSE_i = −inf) are skipped; all empty gives (0, −inf) without NaN. ``sinks``
+    Empty states (LSE_i = −inf, or +inf: the value some libraries give an empty row) are
+    skipped; all empty gives (0, −inf) without NaN. A NaN LSE or a NaN in a live state's output
+    makes its row NaN (and only its row). ``sinks``
     (broadcast against *rows, e.g. (num_heads,) for rows (batch, num_heads)): a sink logit σ
     applied once to the merged state, LSE ← ln(e^LSE + e^σ), O ← O · e^(LSE_old − LSE_new).
     """
     o = to_float64(o_parts)
     lse = to_float64(lse_parts)
+    lse = np.where(np.isposinf(lse), -np.inf, lse)              # +inf: empty, as −inf
+    bad = np.isnan(lse).any(axis=0)                             # a NaN LSE: its row is NaN
+    lse = np.where(np.isnan(lse), -np.inf, lse)
     mx = lse.max(axis=0)
     live = np.isfinite(mx)
     ref = np.where(live, mx, 0.0)
@@ -273,6 +278,8 @@ def merge_states(o_parts, lse_parts, sinks=None) -> tuple[np.ndarray, np.ndarray
     merged = merged / safe[..., None]
     out_lse = np.where(live, ref + np.log(safe), -np.inf)
     merged = np.where(live[..., None], merged, 0.0)
+    merged = np.where(bad[..., None], np.nan, merged)
+    out_lse = np.where(bad, np.nan, out_lse)
     if sinks is not None:
         with_sink = np.logaddexp(out_lse, to_float64(sinks))
         merged = merged * np.where(live, np.exp(out_lse - with_sink), 0.0)[..., None]

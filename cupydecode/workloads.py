@@ -71,7 +71,10 @@ class Workload:
     on a paged copy of the cache (:func:`page_inputs`), None for the contiguous cache.
     ``append``: the call appends one new token per sequence (:func:`new_tokens`) at position
     lengths[b] and attends it too, min(lengths[b] + 1, seqlen) tokens (lengths None: every
-    sequence is full, so nothing is written).
+    sequence is full, so nothing is written). ``window_left`` W: only the last W + 1 tokens of
+    each sequence are attended (None: no window). ``alibi``: ALiBi's bias with the standard
+    slopes of ``num_heads`` heads (:func:`alibi_slopes`). ``sinks``: a sink logit per query
+    head (:func:`sink_logits`, from the seed).
     """
 
     batch: int
@@ -88,6 +91,9 @@ class Workload:
     logits_soft_cap: float | None = None
     page_size: int | None = None
     append: bool = False
+    window_left: int | None = None
+    alibi: bool = False
+    sinks: bool = False
 
     def __post_init__(self) -> None:
         if self.lengths is not None:
@@ -110,9 +116,11 @@ class Workload:
     def live_tokens(self) -> int:
         """Σ_b live length: the tokens whose K and V must be read (with ``append``, the new one
         of each sequence with room for it included)."""
-        if self.lengths is None:
-            return self.batch * self.seqlen
-        return sum(min(n + 1, self.seqlen) if self.append else n for n in self.lengths)
+        lens = ((self.seqlen,) * self.batch if self.lengths is None else
+                tuple(min(n + 1, self.seqlen) if self.append else n for n in self.lengths))
+        if self.window_left is not None:
+            lens = tuple(min(n, self.window_left + 1) for n in lens)
+        return sum(lens)
 
     def kv_bytes(self) -> int:
         """Bytes of K and V that one call must read (live tokens only)."""
@@ -128,8 +136,26 @@ class Workload:
         cap = "" if self.logits_soft_cap is None else f" cap={self.logits_soft_cap:g}"
         cap += "" if self.page_size is None else f" page={self.page_size}"
         cap += " append" if self.append else ""
+        cap += "" if self.window_left is None else f" window={self.window_left}"
+        cap += " alibi" if self.alibi else ""
+        cap += " sinks" if self.sinks else ""
         return (f"B={self.batch} L={self.seqlen} H={self.num_heads}/{self.num_kv_heads} "
                 f"D={self.head_dim}{cap}")
+
+
+def alibi_slopes(num_heads: int) -> np.ndarray:
+    """ALiBi's slopes for ``num_heads`` heads (Press et al.; BLOOM's code): 2^(−8(i+1)/n) for
+    the n = largest power of two ≤ num_heads, then every other slope of 2n for the rest."""
+    n = 1 << (num_heads.bit_length() - 1)
+    slopes = [2.0 ** (-8.0 * (i + 1) / n) for i in range(n)]
+    extra = [2.0 ** (-4.0 * (2 * i + 1) / n) for i in range(num_heads - n)]
+    return np.asarray(slopes + extra, np.float32)
+
+
+def sink_logits(num_heads: int, seed: int) -> np.ndarray:
+    """A sink logit per query head for a check (gpt-oss learns them; values in [−2, 6] make the
+    sink weigh from almost nothing to most of a short row's denominator)."""
+    return np.random.default_rng([seed, 7]).uniform(-2.0, 6.0, num_heads).astype(np.float32)
 
 
 def workload_for_model(model: str, batch: int, seqlen: int, dtype: str = "float16",
@@ -346,5 +372,45 @@ def default_check_matrix() -> list[Workload]:
           **new),
         W(3, 257, 32, 2, 128, "float16", 3, (256, 100, 0), name="append, soft-cap 50",
           **new, **cap),
+    ]
+    # sliding windows (window_left W: the last W + 1 tokens): a window shorter than a tile, one
+    # ending mid-tile, one longer than some sequences, a window of 0 (the last token only);
+    # varlen with an empty sequence; each math path; paged, appended, with the soft-cap
+    m += [
+        W(3, 20000, 32, 8, 128, "float16", None, (20000, 4000, 0), name="window 4095",
+          window_left=4095),
+        W(2, 4097, 28, 4, 128, "bfloat16", 3, name="window 100, GQA 7", window_left=100),
+        W(2, 2000, 48, 1, 128, "float16", None, (2000, 7), name="window 9, M-tiles",
+          window_left=9),
+        W(3, 257, 16, 8, 256, "float32", None, (257, 100, 1), name="window 0", window_left=0),
+        W(4, 3000, 32, 8, 128, "bfloat16", None, (3000, 1500, 17, 0), name="window 1000, paged 16",
+          page_size=16, window_left=1000),
+        W(3, 5000, 32, 8, 128, "float16", 3, (4999, 99, 5000), name="window 127, append, paged 100",
+          page_size=100, append=True, window_left=127),
+        W(2, 4097, 16, 8, 256, "float16", None, q_scale=60.0, name="window 511, soft-cap 50",
+          window_left=511, **cap),
+    ]
+    # ALiBi (the standard slopes): heads as N, 16 rows, M-tiles, CUDA cores; varlen with an empty
+    # sequence; with the soft-cap, a window and a paged cache
+    ali = {"alibi": True}
+    m += [
+        W(3, 4097, 32, 8, 128, "float16", None, (4097, 1000, 0), name="alibi, varlen", **ali),
+        W(2, 2000, 32, 2, 128, "bfloat16", 3, name="alibi, G 16", **ali),
+        W(2, 2000, 48, 1, 128, "float16", 1, name="alibi, M-tiles", **ali),
+        W(2, 1024, 12, 12, 64, "float32", None, name="alibi", **ali),
+        W(3, 3000, 32, 8, 128, "float16", None, (3000, 17, 0), name="alibi, soft-cap, window, paged",
+          page_size=16, window_left=700, **ali, **cap),
+    ]
+    # attention sinks (a logit per query head in the denominator): one split, the fused merge,
+    # the merge kernel's plans (forced split counts), an empty sequence (out 0, lse σ); with a
+    # window and pages (gpt-oss's sliding layers: a window of 127)
+    snk = {"sinks": True}
+    m += [
+        W(3, 4097, 64, 8, 64, "bfloat16", 1, (4097, 100, 0), name="sinks, 1 split", **snk),
+        W(3, 4097, 64, 8, 64, "float16", None, (4097, 100, 0), name="sinks", **snk),
+        W(2, 20000, 64, 8, 64, "float16", 40, name="sinks, 40 splits", **snk),
+        W(2, 2000, 48, 1, 128, "float32", 3, name="sinks, MQA", **snk),
+        W(3, 5000, 64, 8, 64, "bfloat16", None, (5000, 60, 0), name="sinks, window 127, paged",
+          page_size=16, window_left=127, **snk),
     ]
     return m

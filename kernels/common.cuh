@@ -12,6 +12,7 @@ typedef unsigned short u16;
 typedef unsigned int u32;
 
 #define CD_NEG_INF (__int_as_float(0xff800000))
+#define CD_POS_INF (__int_as_float(0x7f800000))
 #define CD_LN2 0.693147180559945309f
 #define CD_LOG2E 1.442695040888963407f
 
@@ -204,7 +205,10 @@ __device__ __forceinline__ void cd_merge_fold(const typename EI::storage* __rest
         og += step * o_stride;
         lg += step * lse_stride;
 #pragma unroll
-        for (int j = 0; j < CD_MERGE_GROUP; ++j) x[j] = j < left ? x[j] * CD_LOG2E : CD_NEG_INF;
+        // absent states and +inf (empty, as some libraries mark an empty row) weigh 0; a NaN
+        // stays NaN: fmaxf skips it in the maximum, and its weight makes the row NaN
+        for (int j = 0; j < CD_MERGE_GROUP; ++j)
+            x[j] = j < left && x[j] != CD_POS_INF ? x[j] * CD_LOG2E : CD_NEG_INF;
         float mg = st.m;
 #pragma unroll
         for (int j = 0; j < CD_MERGE_GROUP; ++j) mg = fmaxf(mg, x[j]);
@@ -235,34 +239,51 @@ __device__ __forceinline__ void cd_merge_combine(cd_merge_state<NV>& st, float m
     for (int e = 0; e < NV; ++e) st.acc[e] = st.acc[e] * r.a + acc[e] * r.b;
 }
 
+// A sink (gpt-oss: one logit σ per query head, sink2 = σ · log2(e)) joins a finished state once,
+// as a key with no value: the denominator gains 2^(sink2 − m) and the output shrinks to match;
+// sink2 = −inf (no sink) leaves the state as it is. An empty state becomes (sink2, 1, 0): out 0,
+// LSE σ.
+template <int NV>
+__device__ __forceinline__ void cd_merge_sink(cd_merge_state<NV>& st, float sink2) {
+    if (sink2 == CD_NEG_INF) return;
+    const cd_rescale r = cd_merge_scales(st.m, sink2);
+    st.m = r.m;
+    st.sum = st.sum * r.a + r.b;
+#pragma unroll
+    for (int e = 0; e < NV; ++e) st.acc[e] *= r.a;
+}
+
 // Write a pass's O elements (and, if lse_dst, the row's LSE from lane 0).
 template <typename EO, int NV>
 __device__ __forceinline__ void cd_merge_store(const cd_merge_state<NV>& st,
                                                typename EO::storage* __restrict__ dst, int d0,
                                                bool mine, float* __restrict__ lse_dst, int lane) {
-    const float inv = st.sum > 0.f ? 1.f / st.sum : 0.f;  // sum ≥ 1 whenever any state is live
+    // sum ≥ 1 whenever any state is live, exactly 0 when none is; NaN (a NaN state) stays NaN
+    const float inv = st.sum != 0.f ? 1.f / st.sum : 0.f;
     if (mine) {
 #pragma unroll
         for (int e = 0; e < NV; ++e) dst[d0 + e] = EO::from_float(st.acc[e] * inv);
     }
     if (lse_dst && lane == 0)
-        *lse_dst = st.sum > 0.f ? (st.m + log2f(st.sum)) * CD_LN2 : CD_NEG_INF;
+        *lse_dst = st.sum != 0.f ? (st.m + log2f(st.sum)) * CD_LN2 : CD_NEG_INF;
 }
 
 // One pass of one row by one warp over all its states (every lane runs it: uniform control
-// flow; lanes past the end of the row read the row's first elements and skip their stores). The
-// row's LSE is written by pass 0.
+// flow; lanes past the end of the row read the row's first elements and skip their stores), then
+// the row's sink (sink2 in log2 units, −inf: none). The row's LSE is written by pass 0.
 template <typename EI, typename EO, int NV>
 __device__ __forceinline__ void cd_merge_row_pass(const typename EI::storage* __restrict__ o,
                                                   long long o_stride,
                                                   const float* __restrict__ lse, long long lse_stride,
                                                   int num_states, int head_dim, int pass,
                                                   typename EO::storage* __restrict__ dst,
-                                                  float* __restrict__ lse_dst, int lane) {
+                                                  float* __restrict__ lse_dst, int lane,
+                                                  float sink2) {
     const int d0 = pass * 32 * NV + lane * NV;
     const bool mine = d0 < head_dim;
     cd_merge_state<NV> st;
     st.clear();
     cd_merge_fold<EI, NV>(o, o_stride, lse, lse_stride, num_states, 0, 1, d0, mine, st);
+    cd_merge_sink<NV>(st, sink2);
     cd_merge_store<EO, NV>(st, dst, d0, mine, pass == 0 ? lse_dst : nullptr, lane);
 }

@@ -15,7 +15,7 @@
     X(PTR, const q_t*, q)            /* (batch, num_heads, head_dim) */                       \
     X(PTR, const kv_t*, k)           /* (batch, max_seqlen, kv heads, dim); PAGED: pages */   \
     X(PTR, const kv_t*, v)                                                                    \
-    X(PTR, const int*, seqlens)      /* (batch,) device lengths, or null: use seqlen_all */   \
+    X(PTR, const int*, seqlens)      /* (batch,) lengths (int64: seqlens_64); null: all */    \
     X(PTR, float*, o_part)           /* partials; null for a single split (direct output) */  \
     X(PTR, float*, lse_part)                                                                  \
     X(PTR, out_t*, out)                                                                       \
@@ -24,6 +24,8 @@
     X(PTR, const int*, block_table)  /* PAGED: (batch, pages per sequence) page indices */    \
     X(PTR, const kv_t*, k_new)       /* n_new > 0: (batch, n_new, kv heads, dim) new tokens */ \
     X(PTR, const kv_t*, v_new)                                                                \
+    X(PTR, const float*, alibi_slopes) /* ALIBI: (num_heads,) float32 slopes */               \
+    X(PTR, const float*, sinks)      /* (num_heads,) float32 sink logits (natural log), or null */ \
     X(I64, long long, q_sb)          /* strides, in elements */                               \
     X(I64, long long, q_sh)                                                                   \
     X(I64, long long, k_sb)                                                                   \
@@ -53,7 +55,10 @@
     X(I32, int, warps_in_step)       /* 1: the block's warps take their tiles in step */     \
     X(F32, float, soft_cap_in)       /* SOFT_CAP: 2·log2(e) · scale / cap (else unused) */   \
     X(F32, float, soft_cap_out)      /* SOFT_CAP: cap · log2(e) */                           \
-    X(I32, int, n_new)               /* new tokens per sequence (k_new, v_new); 0: none */
+    X(I32, int, n_new)               /* new tokens per sequence (k_new, v_new); 0: none */    \
+    X(I32, int, window_left)         /* W ≥ 0: only keys ≥ position − W; −1: no window */    \
+    X(I32, int, seqlens_64)          /* 1: seqlens holds int64 lengths (torch's default) */  \
+    X(I32, int, table_64)            /* PAGED, 1: block_table holds int64 page indices */
 
 #define CD_PARAM_FIELD(kind, type, name) type name;
 #define CD_PARAM_SIZE(kind, type, name) +sizeof(type)

@@ -210,22 +210,34 @@ __device__ __forceinline__ float warp_sum16(float x) {
 //   one ex2 and one fast division. Its error in the capped score is a few ulps of c (~1e-5 at
 //   c = 50), which is what the softmax sees; tanh.approx's 2⁻¹¹ relative error would move a
 //   capped logit of 50 by 0.02, 2% of its weight. ±inf scores give ±c, NaN stays NaN.
+//   ALIBI (alibi_slopes, one per query head, natural units): s ← s − slope_h · (pos − key), after
+//   the cap (the reference's order), pos the query's position (the sequence's last token); in
+//   log2 units the slope is multiplied by log2(e). The slope is read through the read-only
+//   cache: one 4-byte load per score, the same address for a thread's scores of one head.
 #ifndef SOFT_CAP
 #define SOFT_CAP 0
+#endif
+#ifndef ALIBI
+#define ALIBI 0
 #endif
 struct cd_score_params {
     float scale_log2;  // softmax scale · log2(e)
     int chunk_end;     // keys at or past this position do not count
     float cap_in;      // SOFT_CAP: 2·log2(e) · scale / c
     float cap_out;     // SOFT_CAP: c · log2(e)
+    const float* __restrict__ slopes;  // ALIBI: (num_heads,) slopes
+    int pos;           // ALIBI: the query's position, seqlen − 1
 };
 __device__ __forceinline__ float score_mod(float qk, int key, int head,
                                            const cd_score_params& sp) {
     (void)head;
 #if SOFT_CAP
-    const float s = sp.cap_out - __fdividef(2.f * sp.cap_out, cd_exp2(qk * sp.cap_in) + 1.f);
+    float s = sp.cap_out - __fdividef(2.f * sp.cap_out, cd_exp2(qk * sp.cap_in) + 1.f);
 #else
-    const float s = qk * sp.scale_log2;
+    float s = qk * sp.scale_log2;
+#endif
+#if ALIBI
+    s -= __ldg(sp.slopes + head) * CD_LOG2E * (float)(sp.pos - key);
 #endif
     return key < sp.chunk_end ? s : CD_NEG_INF;
 }
@@ -447,13 +459,21 @@ cd_decode_split(const cd_decode_params p) {
     // token (k_new, v_new: n_new = 1) takes position new_lo, the clamped length, if that is
     // inside the capacity (a full sequence appends nothing; reference.append_kv's order), so a
     // length below 0 appends at 0 and one near 2³¹ cannot overflow.
-    int seqlen = seqlens ? seqlens[b] : seqlen_all;
+    int seqlen = seqlen_all;
+    if (seqlens)  // int64 lengths clamped in 64 bits: one past 2³¹ must not wrap to a small one
+        seqlen = p.seqlens_64 ? (int)max(0LL, min(reinterpret_cast<const long long*>(seqlens)[b],
+                                                  (long long)max_seqlen))
+                              : seqlens[b];
     seqlen = max(0, min(seqlen, max_seqlen));
     const int new_lo = seqlen;
     seqlen += min(p.n_new, max_seqlen - seqlen);
-    const int chunk_start = split * chunk_tokens;
+    // A window (window_left W ≥ 0) keeps the keys [seqlen − 1 − W, seqlen): the splits cover only
+    // those (the host sizes them from min(max_seqlen, W + 1)), so nothing before is read at all.
+    const int lo = p.window_left >= 0 ? max(0, seqlen - 1 - p.window_left) : 0;
+    const int chunk_start = lo + split * chunk_tokens;
     const int chunk_end = min(chunk_start + chunk_tokens, seqlen);
-    const cd_score_params score_params{scale_log2, chunk_end, p.soft_cap_in, p.soft_cap_out};
+    const cd_score_params score_params{scale_log2, chunk_end, p.soft_cap_in, p.soft_cap_out,
+                                       p.alibi_slopes, seqlen - 1};
 
     float* sm_acc = reinterpret_cast<float*>(smem + Q_BYTES);                // aliases the ring
     float* sm_m = reinterpret_cast<float*>(smem + Q_BYTES + BODY_BYTES);
@@ -469,7 +489,14 @@ cd_decode_split(const cd_decode_params p) {
         // Paged: the cache is a pool of pages (k_sb, v_sb: the page stride); token t of this
         // sequence is row t % page_size of page table[t / page_size]. Only entries of tokens
         // below the length are read, and a page index outside [0, num_pages) reads nothing.
-        const int* __restrict__ table = p.block_table + b * p.bt_sb;
+        const int* __restrict__ table = p.block_table + b * p.bt_sb * (p.table_64 ? 2 : 1);
+        // entry j of this sequence's row; an int64 table (torch's default) is read in 64 bits,
+        // and an entry outside [0, num_pages) there becomes −1 (read nothing), not a wrapped one
+        auto entry = [&](int j) -> int {
+            if (!p.table_64) return table[j];
+            const long long e = reinterpret_cast<const long long*>(table)[j];
+            return e >= 0 && e < p.num_pages ? (int)e : -1;
+        };
         const int page_size = p.page_size, num_pages = p.num_pages;
         u32* sm_live = reinterpret_cast<u32*>(smem + Q_BYTES + BODY_BYTES + ML_BYTES);
         const kv_t* kbase = k + (long long)kv_head * k_sh;
@@ -538,7 +565,7 @@ cd_decode_split(const cd_decode_params p) {
             pf_page = pf_row = 0;
             if (pf_key) {
                 const int pj = tok / page_size;
-                pf_page = table[pj];  // only consumed by the next load_tile: not waited for here
+                pf_page = entry(pj);  // only consumed by the next load_tile: not waited for here
                 pf_row = tok - pj * page_size;
             }
         };
@@ -645,7 +672,7 @@ cd_decode_split(const cd_decode_params p) {
             app_v = *reinterpret_cast<const uint4*>(p.v_new + b * p.vn_sb + (long long)app_head * p.vn_sh + app_c * EPC);
 #if PAGED
             const int pj = new_lo / page_size;  // an entry of the row: new_lo < max_seqlen
-            const int page = table[pj];
+            const int page = entry(pj);
             if ((unsigned)page < (unsigned)num_pages) {
                 app_kr = page * k_sb + (long long)(new_lo - pj * page_size) * k_ss;
                 app_vr = page * v_sb + (long long)(new_lo - pj * page_size) * v_ss;
@@ -985,20 +1012,25 @@ cd_decode_split(const cd_decode_params p) {
     };
     if (tid < rows) {
         const int R = tid;
-        float mmax = CD_NEG_INF;
+        // A single split's output is final: its sink (sinks: a logit per query head, a key with
+        // no value) joins here. Partials never hold it: the merge adds it once (cd_merge_sink).
+        const float sink2 = !o_part && p.sinks ? p.sinks[h0 + R] * CD_LOG2E : CD_NEG_INF;
+        float mmax = sink2;
 #pragma unroll
         for (int t = 0; t < SLOTS; ++t) mmax = fmaxf(mmax, sm_m[wrow(R, t)]);
         const float ref = (mmax == CD_NEG_INF) ? 0.f : mmax;
-        float sc[SLOTS], l = 0.f;
+        float sc[SLOTS], l = cd_exp2(sink2 - ref);  // 0 without a sink
 #pragma unroll
         for (int t = 0; t < SLOTS; ++t) {
             sc[t] = cd_exp2(sm_m[wrow(R, t)] - ref);
             l += sm_l[wrow(R, t)] * sc[t];
         }
-        const float inv = l > 0.f ? 1.f / l : 0.f;
+        // empty: l is exactly 0; a NaN l (a NaN in a key or value this row attends) must reach
+        // the row, so the test is != 0, not > 0 (which would turn it into an empty row)
+        const float inv = l != 0.f ? 1.f / l : 0.f;
 #pragma unroll
         for (int t = 0; t < SLOTS; ++t) sm_l[wrow(R, t)] = sc[t] * inv;
-        s_lse[R] = l > 0.f ? (mmax + log2f(l)) * CD_LN2 : CD_NEG_INF;
+        s_lse[R] = l != 0.f ? (mmax + log2f(l)) * CD_LN2 : CD_NEG_INF;
     }
     __syncthreads();
     const long long bh0 = (long long)b * num_heads + h0;
@@ -1050,7 +1082,9 @@ cd_decode_split(const cd_decode_params p) {
     }
     __syncthreads();
     if (!s_last) return;
-    const int live_splits = min(num_splits, (seqlen + chunk_tokens - 1) / chunk_tokens);
+    // the tokens the splits cover: seqlen − lo (recomputed: no register held through the loop)
+    const int covered = p.window_left >= 0 ? min(seqlen, p.window_left + 1) : seqlen;
+    const int live_splits = min(num_splits, (covered + chunk_tokens - 1) / chunk_tokens);
     const long long state_rows = (long long)batch * num_heads;
     // One warp per pass of a row (32 lanes × MERGE_NV elements). merge="auto" picks this merge
     // only where every warp gets at most one pass of ≤ 16 splits: one trip to L2
@@ -1062,6 +1096,7 @@ cd_decode_split(const cd_decode_params p) {
         cd_merge_row_pass<cd_elem<2>, E, MERGE_NV>(o_part + (bh0 + r) * HEAD_DIM, state_rows * HEAD_DIM,
                                            lse_part + bh0 + r, state_rows, live_splits, HEAD_DIM,
                                            pass, out + b * out_sb + (long long)(h0 + r) * out_sh,
-                                           lse_out ? lse_out + bh0 + r : nullptr, lane);
+                                           lse_out ? lse_out + bh0 + r : nullptr, lane,
+                                           p.sinks ? p.sinks[h0 + r] * CD_LOG2E : CD_NEG_INF);
     }
 }

@@ -30,7 +30,8 @@ extern "C" __global__ void __launch_bounds__(32 * CD_MERGE_MAX_WARPS, 1)
 cd_merge_states(const cd_elem<IN_DTYPE>::storage* __restrict__ o_parts,
                 const float* __restrict__ lse_parts,
                 cd_elem<OUT_DTYPE>::storage* __restrict__ out, float* __restrict__ lse_out,
-                int num_states, long long rows, int head_dim, int warps_per_item) {
+                int num_states, long long rows, int head_dim, int warps_per_item,
+                const float* __restrict__ sinks, int num_sinks) {
     __shared__ float share[CD_MERGE_MAX_WARPS][VEC + 2][32];  // a warp's running state, per lane
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int passes = (head_dim + 32 * VEC - 1) / (32 * VEC);
@@ -63,6 +64,8 @@ cd_merge_states(const cd_elem<IN_DTYPE>::storage* __restrict__ o_parts,
             }
         }
     }
+    if (valid && sub == 0 && sinks)  // row r's sink: sinks[r % num_sinks] (broadcast over rows)
+        cd_merge_sink<VEC>(st, sinks[row % num_sinks] * CD_LOG2E);
     if (valid && sub == 0)
         cd_merge_store<cd_elem<OUT_DTYPE>, VEC>(st, out + row * head_dim, d0, mine,
                                                 pass == 0 && lse_out ? lse_out + row : nullptr, lane);

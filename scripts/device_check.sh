@@ -4,10 +4,13 @@
 # Steps: versions → full pytest (GPU tests included) → compute-sanitizer memcheck on a
 # representative subset → `cupydecode check` → `cupydecode bench` sweeps with peers (torch SDPA;
 # FlashInfer when importable). Logs, CSV/JSON and the plot go to OUTDIR; a summary prints last.
-# STEPS selects steps (default "tests sanitizer check bench layouts"; also "racecheck", and
+# STEPS selects steps (default "tests sanitizer check bench layouts"; also "racecheck",
+# "sanitizer-scores" (memcheck of windows, ALiBi, sinks, int64 lengths, non-finite inputs), and
 # "softcap": the soft-cap's cost, the same points with and without it, and gemma-2 with peers;
 # "paged": paged caches of 1 and 16 tokens per page beside the contiguous cache and FlashInfer;
-# "append": the cost of appending the new token, contiguous and paged).
+# "append": the cost of appending the new token, contiguous and paged; "window": a sliding window
+# over a long cache against a plain cache of the window's length; "scores": ALiBi's and the
+# sinks' cost; "soak": tests/test_gpu_soak.py, 10^5 random calls from several threads).
 # A machine that returns only a few files: run it into a scratch folder and pack that, e.g.
 #   bash scripts/device_check.sh /tmp/dc; tar czf "$OUT/device_check.tgz" -C /tmp/dc .
 set -u
@@ -50,7 +53,8 @@ if has tests; then
 fi
 
 if has sanitizer; then
-  timeout 300 compute-sanitizer --tool memcheck --error-exitcode 3 \
+  # (about 290 s on the H200: a device call of its own, STEPS=sanitizer)
+  timeout 420 compute-sanitizer --tool memcheck --error-exitcode 3 \
     $PY -m pytest -q -p no:cacheprovider tests/test_gpu_decode.py tests/test_gpu_merge.py \
     tests/test_gpu_plan.py tests/test_gpu_scores.py tests/test_gpu_paged.py \
     -k "paged or pages or soft_cap or clamped or transposed or slice or large_logits or gqa or empty \
@@ -68,6 +72,18 @@ if has sanitizer; then
     or graph or host_lengths or hnd" 2>&1 \
     | tail -n 40 > "$OUT_DIR/sanitizer_append.log"
   add_summary "memcheck (append): $(grep -E 'ERROR SUMMARY' "$OUT_DIR/sanitizer_append.log" | tail -n 1) | $(grep -E 'passed|failed' "$OUT_DIR/sanitizer_append.log" | tail -n 1)"
+fi
+
+if has sanitizer-scores; then
+  # windows (splits from the window's start), ALiBi, sinks (the epilogue and both merges),
+  # int64 lengths, non-finite inputs and the merge's non-finite states, in float16
+  timeout 300 compute-sanitizer --tool memcheck --error-exitcode 3 \
+    $PY -m pytest -q -p no:cacheprovider tests/test_gpu_window.py tests/test_gpu_scores.py \
+    tests/test_gpu_merge.py tests/test_gpu_decode.py tests/test_gpu_paged.py \
+    -k "(window and not bfloat16 and not float32) or (alibi and not bfloat16) \
+    or (sinks and not bfloat16) or int64 or pos_inf or non_finite" 2>&1 \
+    | tail -n 40 > "$OUT_DIR/sanitizer_scores.log"
+  add_summary "memcheck (window, alibi, sinks): $(grep -E 'ERROR SUMMARY' "$OUT_DIR/sanitizer_scores.log" | tail -n 1) | $(grep -E 'passed|failed' "$OUT_DIR/sanitizer_scores.log" | tail -n 1)"
 fi
 
 if has racecheck; then
@@ -127,17 +143,16 @@ PYEOF
 fi
 
 if has paged; then
-  # the same points contiguous and paged (random page order), FlashInfer on the same pages
-  for page in none 1 16; do
-    opt=$([ "$page" = none ] || echo "--page-size $page")
-    fi_opt=$([ "$page" = none ] || echo "$BASELINES" | grep -o -- "--baseline flashinfer")
-    for pt in "16384,65536 1" "8192 4" "32768 16"; do
-      set -- $pt
-      $PY -m cupydecode.cli bench $fi_opt --protocol "${PROTOCOLS%%,*}" $opt --seqlens "$1" --batch "$2" \
-        --csv "$OUT_DIR/paged_${page}_$2.csv" 2>>"$OUT_DIR/bench.err" | tee -a "$OUT_DIR/paged.txt"
-    done
+  # the same points contiguous and paged (random page order) side by side in one process,
+  # FlashInfer on the same pages
+  fi_opt=$(echo "$BASELINES" | grep -o -- "--baseline flashinfer")
+  for pt in "16384,65536 1" "8192 4" "32768 16"; do
+    set -- $pt
+    $PY -m cupydecode.cli bench $fi_opt --protocol "${PROTOCOLS%%,*}" --page-size none,1,16 \
+      --seqlens "$1" --batch "$2" --csv "$OUT_DIR/paged_$2.csv" 2>>"$OUT_DIR/bench.err" \
+      | tee -a "$OUT_DIR/paged.txt"
   done
-  merge_parts "$OUT_DIR/paged.csv" "$OUT_DIR"/paged_*_*.csv
+  merge_parts "$OUT_DIR/paged.csv" "$OUT_DIR"/paged_*.csv
   add_summary "paged: $($PY - "$OUT_DIR/paged.csv" <<'PYEOF'
 import csv, sys
 rows = list(csv.DictReader(open(sys.argv[1])))
@@ -158,12 +173,9 @@ fi
 if has append; then
   # what appending the new token costs: the same call with and without the append (bench
   # --append times both in the same process), contiguous and paged (16 tokens a page)
-  for page in none 16; do
-    opt=$([ "$page" = none ] || echo "--page-size $page")
-    $PY -m cupydecode.cli bench --protocol "${PROTOCOLS%%,*}" --append $opt --seqlens 16384,65536 \
-      --batch 1,16 --csv "$OUT_DIR/append_$page.csv" 2>>"$OUT_DIR/bench.err" | tee -a "$OUT_DIR/append.txt"
-  done
-  merge_parts "$OUT_DIR/append.csv" "$OUT_DIR"/append_*.csv
+  $PY -m cupydecode.cli bench --protocol "${PROTOCOLS%%,*}" --append --page-size none,16 \
+    --seqlens 16384,65536 --batch 1,16 --csv "$OUT_DIR/append.csv" 2>>"$OUT_DIR/bench.err" \
+    | tee -a "$OUT_DIR/append.txt"
   add_summary "append: $($PY - "$OUT_DIR/append.csv" <<'PYEOF'
 import csv, sys
 out = []
@@ -175,6 +187,54 @@ for r in csv.DictReader(open(sys.argv[1])):
 print("; ".join(out))
 PYEOF
 )"
+fi
+
+if has window; then
+  # a window of 4095 over 128k tokens against a plain cache of 4096 (the target: <= 1.10x),
+  # FlashInfer with the same window, torch SDPA over the window's tokens
+  $PY -m cupydecode.cli bench $BASELINES --protocol "${PROTOCOLS%%,*}" --window 4095 \
+    --seqlens 131072 --batch 1,16 --csv "$OUT_DIR/window_w.csv" 2>>"$OUT_DIR/bench.err" \
+    | tee -a "$OUT_DIR/window.txt"
+  $PY -m cupydecode.cli bench $BASELINES --protocol "${PROTOCOLS%%,*}" --seqlens 4096 \
+    --batch 1,16 --csv "$OUT_DIR/window_plain.csv" 2>>"$OUT_DIR/bench.err" | tee -a "$OUT_DIR/window.txt"
+  merge_parts "$OUT_DIR/window.csv" "$OUT_DIR"/window_*.csv
+  add_summary "window: $($PY - "$OUT_DIR/window.csv" <<'PYEOF'
+import csv, sys
+rows = list(csv.DictReader(open(sys.argv[1])))
+plain = {r["batch"]: float(r["gpu_us"]) for r in rows if not r["window_left"] and r["gpu_us"]}
+print("; ".join(f"b{r['batch']} W{r['window_left']} over {r['seqlen']}: {float(r['gpu_us']):.1f} us "
+                f"vs plain {plain.get(r['batch'], float('nan')):.1f} "
+                f"(x{float(r['gpu_us']) / plain.get(r['batch'], float('nan')):.3f}) {r['check']}"
+                for r in rows if r["window_left"] and r["gpu_us"]))
+PYEOF
+)"
+fi
+
+if has scores; then
+  # what ALiBi and sinks cost: llama-3-8b without and with each (same protocol, one process each)
+  for opt in "" --alibi --sinks; do
+    $PY -m cupydecode.cli bench --protocol "${PROTOCOLS%%,*}" $opt --seqlens 16384,65536 \
+      --batch 1,16 --csv "$OUT_DIR/scores_${opt#--}.csv" 2>>"$OUT_DIR/bench.err" | tee -a "$OUT_DIR/scores.txt"
+  done
+  merge_parts "$OUT_DIR/scores.csv" "$OUT_DIR"/scores_*.csv
+  add_summary "scores: $($PY - "$OUT_DIR/scores.csv" <<'PYEOF'
+import csv, sys
+rows = list(csv.DictReader(open(sys.argv[1])))
+base = {(r["batch"], r["seqlen"]): float(r["gpu_us"]) for r in rows
+        if r["alibi"] != "True" and r["sinks"] != "True" and r["gpu_us"]}
+print("; ".join(f"{'alibi' if r['alibi'] == 'True' else 'sinks'} b{r['batch']}x{r['seqlen']}: "
+                f"{float(r['gpu_us']) / base[r['batch'], r['seqlen']] - 1:+.2%} {r['check']}"
+                for r in rows if (r["alibi"] == "True" or r["sinks"] == "True") and r["gpu_us"]))
+PYEOF
+)"
+fi
+
+if has soak; then
+  # many random calls from 4 threads and streams and a graph replayed from a fifth, sampled
+  # outputs checked, caches and the memory pool bounded (SOAK_CALLS: default 100000)
+  CUPYDECODE_SOAK=1 CUPYDECODE_SOAK_CALLS=${SOAK_CALLS:-100000} timeout 540 \
+    $PY -m pytest -q -p no:cacheprovider tests/test_gpu_soak.py 2>&1 | tail -n 20 > "$OUT_DIR/soak.log"
+  add_summary "soak: $(grep -E 'passed|failed' "$OUT_DIR/soak.log" | tail -n 1)"
 fi
 
 if has layouts; then

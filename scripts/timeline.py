@@ -47,7 +47,8 @@ INJECT = [
     ("    const long long bh0 = (long long)b * num_heads + h0;\n", stamp(7), "before"),
     ("    if (!o_part || !counters) return;\n", stamp(3, sync=True), "before"),
     ("    if (!s_last) return;\n", stamp(5), "before"),
-    ("                                           lse_out ? lse_out + bh0 + r : nullptr, lane);\n    }\n",
+    ("                                           p.sinks ? p.sinks[h0 + r] * CD_LOG2E : CD_NEG_INF);\n"
+     "    }\n",
      stamp(4, sync=True), "after"),
 ]
 

@@ -181,7 +181,7 @@ def test_soft_cap_from_the_model_or_the_option():
     assert {w.logits_soft_cap for w in B.sweep("llama-3-8b", "float16", [1024], [1], None, 50)} == {50}
 
 
-def test_page_size_option():
+def test_page_size_option(runner):
     """--page-size reaches the workloads of check and bench (and the replay command)."""
     from cupydecode.check import _row_skeleton, repro_command
 
@@ -190,10 +190,25 @@ def test_page_size_option():
     assert w.page_size == 16 and "page=16" in cli._workload_label(w)
     assert repro_command(_row_skeleton(w)).endswith("--page-size 16")
     assert cli.check.make_context("check", ["--page-size", "5"]).params["page_size"] == 5
-    assert {w.page_size for w in B.sweep("llama-3-8b", "float16", [1024], [1, 4], None, None, 64)} == {64}
+    assert {w.page_size for w in B.sweep("llama-3-8b", "float16", [1024], [1, 4], None, None,
+                                         [64])} == {64}
+    points = B.sweep("llama-3-8b", "float16", [1024, 4096], [1, 4], None, None, [None, 1, 16])
+    assert [(w.batch, w.seqlen, w.page_size) for w in points[:4]] == [
+        (1, 1024, None), (1, 1024, 1), (1, 1024, 16), (1, 4096, None)] and len(points) == 12
     argv = cli._forwarded_bench_args("llama-3-8b", "float16", [1024], [1], "auto", ["step"], [],
-                                     None, 64)
-    assert cli.bench.make_context("bench", argv).params["page_size"] == 64
+                                     None, [None, 64])
+    assert cli.bench.make_context("bench", argv).params["page_sizes"] == [None, 64]
+    assert cli.bench.make_context("bench", []).params["page_sizes"] == [None]
+    assert "--page-size" not in cli._forwarded_bench_args("llama-3-8b", "float16", [1024], [1],
+                                                          "auto", ["step"], [])
+    for bad, why in (("0", ">= 1"), ("x", "or 'none'"), ("16,-1", ">= 1")):
+        result = runner.invoke(cli.main, ["bench", "--page-size", bad])
+        assert result.exit_code == 2 and why in result.output, result.output
+    labels = [c[1] for c in cli._bench_columns({}, paged=True)]
+    assert "page_label" in labels and "page_label" not in [c[1] for c in cli._bench_columns({})]
+    rows = [{"batch": 1, "seqlen": 1024, "page_size": p, "gpu_us": us, "protocol": "step",
+             "graph_calls": 10, "speedup_vs_best_peer": None} for p, us in ((None, 10.0), (16, 11.0))]
+    assert {(r["page_size"], r["runs"]) for r in cli.stability(rows)} == {(None, 1), (16, 1)}
     assert any(w.page_size == 1 for w in default_check_matrix())
 
 
@@ -213,13 +228,13 @@ def test_append_option():
     assert w.lengths == random_lengths(2, 300, 7) and w.page_size == 16 and w.append
     assert cli.check.make_context("check", ["--append"]).params["append"] is True
     assert cli.check.make_context("check", []).params["append"] is False
-    points = B.sweep("llama-3-8b", "float16", [1024, 17], [1, 3], None, None, 16, True)
+    points = B.sweep("llama-3-8b", "float16", [1024, 17], [1, 3], None, None, [16], True)
     assert all(w.append and w.lengths == (w.seqlen - 1,) * w.batch for w in points)
     assert all(w.kv_bytes() == dataclasses.replace(w, lengths=None, append=False).kv_bytes()
                for w in points)
     assert not any(w.append for w in B.sweep("llama-3-8b", "float16", [1024], [1]))
     argv = cli._forwarded_bench_args("llama-3-8b", "float16", [1024], [1], "auto", ["step"], [],
-                                     None, None, True)
+                                     None, [None], True)
     assert cli.bench.make_context("bench", argv).params["append"] is True
     labels = [c[1] for c in cli._bench_columns({}, False, True)]
     assert "no_append_us" in labels and "append_cost_us" in labels
@@ -402,3 +417,85 @@ def test_processes_forward_the_sweep_options():
     assert (p["model"], p["dtype"], p["seqlens"], p["batches"], p["splits"]) == (
         "qwen2.5-7b", "bfloat16", [1024, 65536], [1, 16], "auto")
     assert p["protocols"] == ["step", "back-to-back:2"] and p["baselines"] == ("torch",)
+
+
+def test_window_option():
+    """--window reaches check's workload (its label, the replay command, the bytes it reads) and
+    the default matrix has windowed rows on every math path's kind of shape."""
+    from cupydecode.check import _row_skeleton, repro_command
+
+    args = (3, 20000, None, None, None, None, None, 7, False, (20000, 4000, 0), 1.0, None,
+            None, None, False)
+    w = cli._single_workload(*args, 4095)
+    assert w.window_left == 4095 and "window=4095" in cli._workload_label(w)
+    assert repro_command(_row_skeleton(w)).endswith("--window 4095")
+    assert w.live_tokens() == 4096 + 4000 + 0
+    assert cli.check.make_context("check", ["--window", "0"]).params["window"] == 0
+    windowed = [w for w in default_check_matrix() if w.window_left is not None]
+    assert {0, 9, 100, 4095} <= {w.window_left for w in windowed}
+    assert any(w.page_size for w in windowed) and any(w.append for w in windowed)
+    assert any(w.window_left + 1 < w.seqlen for w in windowed)
+
+
+def test_bench_window_option():
+    """--window reaches bench's points (the bytes a windowed call reads) and the forwarded
+    options of --processes."""
+    points = B.sweep("llama-3-8b", "float16", [65536], [1, 2], window=4095)
+    assert all(w.window_left == 4095 for w in points)
+    assert points[0].kv_bytes() == Workload(1, 4096, 32, 8, 128).kv_bytes()
+    argv = cli._forwarded_bench_args("llama-3-8b", "float16", [65536], [1], "auto", ["step"], [],
+                                     window=4095)
+    assert cli.bench.make_context("bench", argv).params["window"] == 4095
+    assert cli.bench.make_context("bench", []).params["window"] is None
+
+
+def test_alibi_option_and_slopes():
+    """--alibi reaches check's workload (label, replay command) and bench's points; the standard
+    slopes: 2^(−8(i+1)/H) for H a power of two, the interleaved extension otherwise; the default
+    matrix has ALiBi rows, one with the soft-cap, a window and pages."""
+    from cupydecode.check import _row_skeleton, repro_command
+    from cupydecode.workloads import alibi_slopes
+
+    assert np.allclose(alibi_slopes(8), [2.0 ** -(i + 1) for i in range(8)])
+    s12 = alibi_slopes(12)
+    assert s12.dtype == np.float32 and s12.shape == (12,)
+    assert np.allclose(s12[:8], alibi_slopes(8))
+    assert np.allclose(s12[8:], [2.0 ** (-0.5 * (2 * i + 1)) for i in range(4)])
+    args = (2, 300, None, None, None, None, None, 7, False, None, 1.0, None, None, None, False,
+            None)
+    w = cli._single_workload(*args, True)
+    assert w.alibi and "alibi" in cli._workload_label(w)
+    assert repro_command(_row_skeleton(w)).endswith("--alibi")
+    assert cli.check.make_context("check", ["--alibi"]).params["alibi"] is True
+    assert all(p.alibi for p in B.sweep("llama-3-8b", "float16", [1024], [1], alibi=True))
+    argv = cli._forwarded_bench_args("llama-3-8b", "float16", [1024], [1], "auto", ["step"], [],
+                                     alibi=True)
+    assert cli.bench.make_context("bench", argv).params["alibi"] is True
+    rows = [w for w in default_check_matrix() if w.alibi]
+    assert len(rows) >= 4 and any(w.page_size and w.window_left and w.logits_soft_cap
+                                  for w in rows)
+
+
+def test_sinks_option():
+    """--sinks reaches check's workload (label, replay command); its sink logits come from the
+    seed (the same run replays them); the matrix has sink rows in each merge of a plan."""
+    from cupydecode.check import _row_skeleton, repro_command
+    from cupydecode.workloads import sink_logits
+
+    args = (2, 300, None, None, None, None, None, 7, False, None, 1.0, None, None, None, False,
+            None, False)
+    w = cli._single_workload(*args, True)
+    assert w.sinks and "sinks" in cli._workload_label(w)
+    assert repro_command(_row_skeleton(w)).endswith("--sinks")
+    assert np.array_equal(sink_logits(32, 7), sink_logits(32, 7))
+    assert not np.array_equal(sink_logits(32, 7), sink_logits(32, 8))
+    rows = [w for w in default_check_matrix() if w.sinks]
+    assert {1, 40, None} <= {w.num_splits for w in rows} and any(w.window_left for w in rows)
+    assert any(w.lengths and 0 in w.lengths for w in rows)
+
+
+def test_bench_sinks_option():
+    assert all(p.sinks for p in B.sweep("llama-3-8b", "float16", [1024], [1, 2], sinks=True))
+    argv = cli._forwarded_bench_args("llama-3-8b", "float16", [1024], [1], "auto", ["step"], [],
+                                     sinks=True)
+    assert cli.bench.make_context("bench", argv).params["sinks"] is True

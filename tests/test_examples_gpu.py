@@ -36,3 +36,10 @@ def test_jax_interop_example(cupy):
     if not any(importlib.util.find_spec(f"jax_cuda{v}_plugin") for v in (12, 13)):
         pytest.skip("JAX has no CUDA plugin here (it would make host arrays)")
     assert "flash_decode on JAX arrays" in _run_example("jax_interop.py")
+
+
+def test_transformers_example(cupy):
+    for name in ("torch", "transformers"):
+        if importlib.util.find_spec(name) is None:
+            pytest.skip(f"{name} is not installed (an optional package for this example only)")
+    assert "logits within" in _run_example("transformers_decode.py")

@@ -291,6 +291,31 @@ def test_device_seqlens_are_clamped(cupy, rng, seed, splits):
     assert cupy.array_equal(got[:2], full[:2]) and cupy.array_equal(lse[:2], full_lse[:2]), ctx
 
 
+@pytest.mark.parametrize("splits", [1, 3, None])
+def test_int64_device_seqlens(cupy, rng, seed, splits):
+    """int64 device lengths (torch's default integer type) work as int32 ones do, in
+    flash_decode and a plan (eager and in a graph), and are clamped in 64 bits: 2³² + 5 is past
+    max_seqlen (full), not 5; −2³² is empty."""
+    batch, num_heads, num_kv_heads, head_dim, max_seqlen = 5, 32, 8, 128, 700
+    ctx = context(seed, splits=splits)
+    q, k, v = decode_inputs(rng, batch, num_heads, num_kv_heads, head_dim, max_seqlen, "float16")
+    dq, dk, dv = to_device(q), to_device(k), to_device(v)
+    lens64 = cupy.asarray(np.array([700, 17, 2**32 + 5, -(2**32), 0], np.int64))
+    want = [700, 17, 700, 0, 0]
+    ref_out, ref_lse = R.decode_attention(q, k, v, want)
+    got, lse = cupydecode.flash_decode(dq, dk, dv, lens64, num_splits=splits, return_lse=True)
+    assert_out_close(got, ref_out, OUT_TOL["float16"], ctx)
+    assert_lse_close(lse, ref_lse, LSE_TOL["float16"], ctx)
+    lens32 = cupy.asarray(np.array(want, np.int32))
+    same, same_lse = cupydecode.flash_decode(dq, dk, dv, lens32, num_splits=splits,
+                                             return_lse=True)
+    assert cupy.array_equal(got, same) and cupy.array_equal(lse, same_lse), ctx
+    plan = cupydecode.DecodePlan(batch, num_heads, num_kv_heads, head_dim, max_seqlen,
+                                 "float16", num_splits=splits)
+    out, plan_lse = plan.run(dq, dk, dv, lens64)
+    assert cupy.array_equal(out, same) and cupy.array_equal(plan_lse, same_lse), ctx
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_transposed_cache(cupy, rng, seed, dtype):
     """A (batch, kv_heads, seq, dim) cache passed as its (0, 2, 1, 3) view."""
@@ -543,3 +568,40 @@ def test_empty_cache(cupy, rng):
     for splits in (None, 1, 3):
         got, lse = cupydecode.flash_decode(q, k, k, num_splits=splits, return_lse=True)
         assert not cupy.any(got) and bool(cupy.all(cupy.isneginf(lse))), splits
+
+
+@pytest.mark.parametrize("mode", [{"num_splits": 1}, {"num_splits": 4, "merge": "fused"},
+                                  {"num_splits": 4, "merge": "kernel"}, {}],
+                         ids=["split1", "fused", "kernel", "auto"])
+@pytest.mark.parametrize("layout", [(32, 8, 128), (48, 1, 128), (12, 4, 64)],
+                         ids=lambda x: "{}-{}-{}".format(*x))
+def test_non_finite_values_reach_exactly_their_own_rows(cupy, rng, seed, layout, mode):
+    """A NaN in one attended key, an inf in one attended value: exactly the rows that attend
+    them are non-finite (out and lse), in every merge (a NaN must not turn a row empty); a NaN
+    past a length or before a window changes nothing; every other row matches the reference."""
+    num_heads, num_kv_heads, head_dim = layout
+    batch, max_seqlen, window = 4, 900, 400
+    ctx = context(seed, layout=layout, mode=mode)
+    q, k, v = decode_inputs(rng, batch, num_heads, num_kv_heads, head_dim, max_seqlen, "float16")
+    lens = [900, 600, 300, 900]
+    k[0, 850, num_kv_heads - 1] = np.nan   # sequence 0, last KV head
+    v[1, 599, 0] = np.inf                  # sequence 1, KV head 0 (its last token)
+    k[2, 300:] = np.nan                    # past sequence 2's length
+    v[3, :400] = np.nan                    # before sequence 3's window (keys 499 … 899)
+    ref_out, ref_lse = R.decode_attention(q, k, v, lens, window_left=window)
+    bad = ~np.isfinite(ref_out).all(axis=-1) | ~np.isfinite(ref_lse)
+    group = num_heads // num_kv_heads
+    expect = np.zeros_like(bad)
+    expect[0, (num_kv_heads - 1) * group:] = True
+    expect[1, :group] = True
+    assert np.array_equal(bad, expect), ctx
+    plan = cupydecode.DecodePlan(batch, num_heads, num_kv_heads, head_dim, max_seqlen, "float16",
+                                 window_left=window, **mode)
+    out, lse = plan.run(to_device(q), to_device(k), to_device(v),
+                        cupy.asarray(np.asarray(lens, np.int32)))
+    got_out, got_lse = R.to_float64(out), R.to_float64(lse)
+    got_bad = ~np.isfinite(got_out).all(axis=-1) | ~np.isfinite(got_lse)
+    assert np.array_equal(got_bad, expect), (np.argwhere(got_bad != expect)[:8].tolist(), ctx)
+    good = ~expect
+    assert_out_close(got_out[good], ref_out[good], OUT_TOL["float16"], ctx)
+    assert_lse_close(got_lse[good], ref_lse[good], LSE_TOL["float16"], ctx)

@@ -143,3 +143,45 @@ def test_empty_rows_shape(cupy):
     o, lse = cupydecode.merge_states(cupy.zeros((3, 0, 64), cupy.float16),
                                      cupy.zeros((3, 0), cupy.float32))
     assert o.shape == (0, 64) and lse.shape == (0,)
+
+
+@pytest.mark.parametrize("num_states", [3, 40])
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_pos_inf_is_empty_and_nan_stays_in_its_row(cupy, rng, seed, dtype, num_states):
+    """+inf LSE (some libraries' empty row) is an empty state; a NaN LSE or a NaN output of a
+    live state makes only its own row NaN (out and lse); every other row matches the reference."""
+    ctx = context(seed, dtype=dtype, num_states=num_states)
+    o, lse = _states(rng, (num_states, 6, 128), dtype)
+    lse[1, 0], o[1, 0] = np.inf, np.nan           # row 0: state 1 empty (+inf)
+    lse[:, 1] = np.inf                            # row 1: every state empty
+    lse[num_states - 1, 2] = np.nan               # row 2: a NaN LSE
+    o[0, 3, 17] = np.nan                          # row 3: a NaN in a live state's output
+    ref_o, ref_lse = R.merge_states(o, lse)
+    got_o, got_lse = cupydecode.merge_states(to_device(o), to_device(lse))
+    got_o, got_lse = R.to_float64(got_o), R.to_float64(got_lse)
+    assert np.all(np.isnan(got_o[2])) and np.isnan(got_lse[2]), ctx
+    assert np.isnan(got_o[3]).any() and np.isnan(ref_o[3]).any(), ctx
+    assert np.all(got_o[1] == 0) and np.isneginf(got_lse[1]), ctx
+    rows = [0, 4, 5]
+    assert_out_close(got_o[rows], ref_o[rows], OUT_TOL[dtype], ctx)
+    assert_lse_close(got_lse[rows], ref_lse[rows], LSE_ATOL, ctx, rtol=1e-6)
+
+
+@pytest.mark.parametrize("shape", [(5, 3, 8, 128), (40, 2, 6, 64), (1, 4, 8, 256)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_merge_applies_sinks_once(cupy, rng, seed, shape):
+    """sinks (one per head, broadcast over the batch) join each merged row once: against the
+    reference's merge with sinks, empty rows included (out 0, lse σ); host and device sinks."""
+    ctx = context(seed, shape=shape)
+    o, lse = _states(rng, shape, "float32", empty_fraction=0.3)
+    lse[:, 0, 0] = -np.inf  # an empty row: its result is the sink alone
+    o[:, 0, 0] = np.nan
+    sinks = rng.uniform(-3, 5, shape[2]).astype(np.float32)
+    ref_o, ref_lse = R.merge_states(o, lse, sinks)
+    for given in (sinks, to_device(sinks)):
+        got_o, got_lse = cupydecode.merge_states(to_device(o), to_device(lse), sinks=given)
+        assert_out_close(got_o, ref_o, OUT_TOL["float32"], ctx)
+        assert_lse_close(got_lse, ref_lse, LSE_ATOL, ctx, rtol=1e-6)
+    assert float(got_lse[0, 0].get()) == pytest.approx(float(sinks[0]), abs=1e-5), ctx
+    with pytest.raises(ValueError, match="sinks: expected a shape that ends"):
+        cupydecode.merge_states(to_device(o), to_device(lse), sinks=np.zeros(shape[2] + 1))

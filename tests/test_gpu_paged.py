@@ -129,6 +129,34 @@ def test_out_of_range_pages_count_for_nothing(cupy, rng, seed, dtype):
     assert R.relative_error(ref_out[0], case.ref_out[0]) > 10 * OUT_TOL[dtype]
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_int64_block_tables(cupy, rng, seed, dtype):
+    """An int64 block table (torch's default integer type) gives what its int32 copy gives, in
+    flash_decode and a plan; int64 entries outside [0, num_pages) — 2³² + a valid page, −2³² —
+    count for nothing (they must not wrap to a valid int32 page)."""
+    lens = [600, 600, 300]
+    case = PagedCase(cupy, rng, seed, 3, 32, 8, 128, 600, dtype, lens, 16)
+    kp, vp, table = case.host_paged
+    t64 = table.astype(np.int64)
+    t64[0, 3] = 2**32 + int(table[0, 3])  # would wrap to a valid page in 32 bits
+    t64[1, 10] = -(2**32)
+    t32 = table.copy()
+    t32[0, 3] = -1
+    t32[1, 10] = -1
+    ref_out, ref_lse = R.decode_attention(case.host[0], kp, vp, lens, block_table=t32)
+    want = cupydecode.flash_decode(case.q, case.k, case.v, case.seqlens,
+                                   block_table=cupy.asarray(t32), return_lse=True)
+    out, _ = case.poisoned(cupy)
+    got = cupydecode.flash_decode(case.q, case.k, case.v, case.seqlens, out=out,
+                                  block_table=cupy.asarray(t64), return_lse=True)
+    assert_out_close(got[0], ref_out, OUT_TOL[dtype], case.ctx)
+    assert_lse_close(got[1], ref_lse, LSE_TOL[dtype], case.ctx)
+    assert cupy.array_equal(got[0], want[0]) and cupy.array_equal(got[1], want[1]), case.ctx
+    plan = cupydecode.DecodePlan(3, 32, 8, 128, 600, dtype, page_size=16)
+    out, lse = plan.run(case.q, case.k, case.v, case.seqlens, block_table=cupy.asarray(t64))
+    assert cupy.array_equal(out, want[0]) and cupy.array_equal(lse, want[1]), case.ctx
+
+
 def test_paged_kv_groups(cupy, rng, seed, monkeypatch):
     """Blocks of several KV heads (forced) read pages alike (page sizes 16 and 5)."""
     from cupydecode import _policy
@@ -200,8 +228,8 @@ def test_paged_validation(cupy, rng):
     kp, vp, table = (to_device(x) for x in to_paged(rng, *(x.get() for x in (k, v)), 16))
     f = cupydecode.flash_decode
 
-    with pytest.raises(TypeError, match=r"^block_table: expected dtype int32, got int64"):
-        f(q, kp, vp, block_table=table.astype(cupy.int64))
+    with pytest.raises(TypeError, match=r"^block_table: expected dtype int32 or int64, got uint32"):
+        f(q, kp, vp, block_table=table.astype(cupy.uint32))
     with pytest.raises(ValueError, match=r"^block_table: expected shape \(2, max_pages_per_seq"):
         f(q, kp, vp, block_table=table[:1])
     with pytest.raises(ValueError, match=r"^block_table: expected rows contiguous"):

@@ -382,8 +382,8 @@ def test_eager_plans_are_not_shared_across_per_thread_default_streams(cupy):
     plans = []
 
     def cached():  # as flash_decode looks its plan up: by the current stream's handle
-        return D._cached_plan(shape, "float16", None, None, None, cupy.cuda.Device().id,
-                              cupy.cuda.get_current_stream().ptr)
+        return D._cached_plan(shape, "float16", None, None, None, None, False,
+                              cupy.cuda.Device().id, cupy.cuda.get_current_stream().ptr)
 
     def worker():
         with cupy.cuda.Stream.ptds:

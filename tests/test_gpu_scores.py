@@ -126,3 +126,116 @@ def test_no_cap_is_the_plain_kernel(cupy):
         plan = cupydecode.DecodePlan(2, 32, 8, 128, 256, "float16", logits_soft_cap=cap)
         assert plan.logits_soft_cap is None and not plan.config.soft_cap
         assert plan.config.defines()["SOFT_CAP"] == 0
+
+
+def _alibi_case(rng, seed, layout, dtype, lengths, max_seqlen, **options):
+    """A DecodeCase whose reference has ALiBi with random positive slopes (as large as 0.5, so
+    the bias is far from negligible over hundreds of tokens); returns (case, host and device
+    slopes)."""
+    num_heads = layout[0]
+    slopes = rng.uniform(0.001, 0.5, num_heads).astype(np.float32)
+    case = DecodeCase(rng, seed, len(lengths), *layout, max_seqlen, dtype, lengths,
+                      alibi_slopes=slopes, **options)
+    case.plan_options = options  # what a DecodePlan takes (the slopes go to each run)
+    return case, slopes, to_device(slopes)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: "{}-{}-{}".format(*x))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_alibi_matches_reference(cupy, rng, seed, dtype, layout):
+    """ALiBi through each merge mode of a plan and through flash_decode (device and host
+    slopes); ragged lengths with a 1-token and an empty sequence. The bias matters: the
+    reference without it is far off."""
+    case, slopes, d_slopes = _alibi_case(rng, seed, layout, dtype, [1200, 1, 0, 777], 1200)
+    plain, _ = R.decode_attention(*case.host, case.lengths)
+    assert R.relative_error(plain, case.ref_out) > 20 * OUT_TOL[dtype], case.ctx
+    for mode in MODES:
+        plan = cupydecode.DecodePlan(*case.shape, dtype, alibi=True, **mode)
+        assert plan.config.alibi and plan.alibi, plan
+        out, lse = case.poisoned()
+        case.check(*plan.run(case.q, case.k, case.v, case.seqlens, out=out, lse=lse,
+                             alibi_slopes=d_slopes), f"{mode} merge={plan.merge}")
+    case.check(*case.flash_decode(), "flash_decode, host slopes")
+    case.options = dict(case.options, alibi_slopes=d_slopes)
+    case.check(*case.flash_decode(num_splits=2), "flash_decode, device slopes, splits=2")
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_alibi_with_the_soft_cap_a_window_and_pages(cupy, rng, seed, dtype):
+    """ALiBi after the soft-cap (the reference's order), with a window, on a paged cache."""
+    from helpers import to_paged
+
+    lens = [3000, 800, 17, 0]
+    case, slopes, d_slopes = _alibi_case(rng, seed, (32, 8, 128), dtype, lens, 3000, q_scale=4.0,
+                                         logits_soft_cap=30.0, window_left=700)
+    kp, vp, table = to_paged(rng, case.host[1], case.host[2], 16)
+    plan = cupydecode.DecodePlan(4, 32, 8, 128, 3000, dtype, page_size=16, alibi=True,
+                                 logits_soft_cap=30.0, window_left=700)
+    out, lse = case.poisoned()
+    case.check(*plan.run(case.q, to_device(kp), to_device(vp), case.seqlens, out=out, lse=lse,
+                         block_table=cupy.asarray(table), alibi_slopes=d_slopes))
+
+
+def test_alibi_slopes_change_in_place_between_replays(cupy, rng, seed):
+    """A captured ALiBi plan reads the slopes' current values on every replay."""
+    case, slopes, d_slopes = _alibi_case(rng, seed, (32, 8, 128), "float16", [2000, 999], 2000)
+    plan = cupydecode.DecodePlan(*case.shape, "float16", alibi=True)
+    out, lse = case.poisoned()
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        plan.run(case.q, case.k, case.v, case.seqlens, out=out, lse=lse, alibi_slopes=d_slopes)
+        stream.synchronize()
+        stream.begin_capture()
+        plan.run(case.q, case.k, case.v, case.seqlens, out=out, lse=lse, alibi_slopes=d_slopes)
+        graph = stream.end_capture()
+        for scale in (1.0, 0.1):
+            d_slopes[...] = cupy.asarray(slopes * np.float32(scale))
+            out[...] = np.nan
+            graph.launch(stream)
+            stream.synchronize()
+            case.ref_out, case.ref_lse = R.decode_attention(
+                *case.host, case.lengths, alibi_slopes=slopes * np.float32(scale))
+            case.check(out, lse, f"slopes x{scale}")
+
+
+def test_alibi_validation(cupy, rng):
+    q = to_device(rng.standard_normal((2, 8, 128)).astype(np.float16))
+    k = to_device(rng.standard_normal((2, 64, 8, 128)).astype(np.float16))
+    f = cupydecode.flash_decode
+    with pytest.raises(ValueError, match="alibi_slopes: expected shape \\(8,\\)"):
+        f(q, k, k, alibi_slopes=cupy.ones(4, cupy.float32))
+    with pytest.raises(TypeError, match="alibi_slopes: expected dtype float32"):
+        f(q, k, k, alibi_slopes=cupy.ones(8, cupy.float16))
+    with pytest.raises(ValueError, match="alibi_slopes: expected a contiguous"):
+        f(q, k, k, alibi_slopes=cupy.ones(16, cupy.float32)[::2])
+    plan = cupydecode.DecodePlan(2, 8, 8, 128, 64, "float16", alibi=True)
+    with pytest.raises(ValueError, match="alibi_slopes: expected a \\(num_heads=8,\\)"):
+        plan.run(q, k, k)
+    with pytest.raises(TypeError, match="alibi_slopes"):
+        plan.run(q, k, k, alibi_slopes=np.ones(8, np.float32))  # a plan never copies
+    with pytest.raises(TypeError, match="alibi: expected True or False"):
+        cupydecode.DecodePlan(2, 8, 8, 128, 64, "float16", alibi=1)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: "{}-{}-{}".format(*x))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sinks_match_reference(cupy, rng, seed, dtype, layout):
+    """Sinks (gpt-oss: a logit per query head in the denominator) join once, whatever the merge:
+    one split (the split kernel's epilogue), the fused merge and the merge kernel; an empty
+    sequence gives out 0 and lse σ; through flash_decode (host and device sinks) and plans."""
+    num_heads = layout[0]
+    sinks = rng.uniform(-2.0, 6.0, num_heads).astype(np.float32)
+    case = DecodeCase(rng, seed, 4, *layout, 1200, dtype, [1200, 1, 0, 777], sinks=sinks)
+    plain, _ = R.decode_attention(*case.host, case.lengths)
+    assert R.relative_error(plain, case.ref_out) > 20 * OUT_TOL[dtype], case.ctx
+    d_sinks = to_device(sinks)
+    for mode in MODES:
+        plan = cupydecode.DecodePlan(*case.shape, dtype, **mode)
+        out, lse = case.poisoned()
+        case.check(*plan.run(case.q, case.k, case.v, case.seqlens, out=out, lse=lse,
+                             sinks=d_sinks), f"{mode} merge={plan.merge}")
+    case.check(*case.flash_decode(), "flash_decode, host sinks")
+    case.options = dict(case.options, sinks=d_sinks)
+    case.check(*case.flash_decode(num_splits=3), "flash_decode, device sinks, splits=3")
+    _, lse = case.flash_decode(num_splits=1)
+    assert np.allclose(lse[2].get(), sinks, atol=1e-5), case.ctx  # the empty sequence

@@ -117,8 +117,12 @@ def test_cache_seqlens_errors(cupy, good):
         f(q, k, v, cupy.zeros(3, cupy.int32))
     with raises(ValueError, "cache_seqlens:", "shape (2,)"):
         f(q, k, v, [1, 2, 3])
-    with raises(TypeError, "cache_seqlens:", "int32", "int64"):
-        f(q, k, v, cupy.zeros(2, cupy.int64))
+    with raises(TypeError, "cache_seqlens:", "int32 or int64", "uint32"):
+        f(q, k, v, cupy.zeros(2, cupy.uint32))
+    with raises(TypeError, "cache_seqlens:", "int32 or int64", "float32"):
+        f(q, k, v, cupy.zeros(2, cupy.float32))
+    with raises(ValueError, "cache_seqlens:", "contiguous"):
+        f(q, k, v, cupy.zeros(4, cupy.int64)[::2])
     with raises(TypeError, "cache_seqlens:", "int32"):
         f(q, k, v, cupy.zeros(2, cupy.bool_))
     with raises(ValueError, "cache_seqlens:", f"max_seqlen={L}"):         # host out of range

@@ -42,7 +42,7 @@ def test_merge_kernel_parameters_match_prepared_launch():
     text = (KERNELS / "merge_states.cu").read_text()
     params = re.search(r"cd_merge_states\(([^)]*)\)", text).group(1).split(",")
     codes = ["Q" if "*" in p else "q" if "long long" in p else "i" for p in params]
-    assert codes == ["Q", "Q", "Q", "Q", "i", "q", "i", "i"]
+    assert codes == ["Q", "Q", "Q", "Q", "i", "q", "i", "i", "Q", "i"]
     offsets, at = [], 0
     for c in codes:  # natural alignment, as the CUDA ABI lays the parameters out
         size = struct.calcsize(c)
@@ -50,22 +50,23 @@ def test_merge_kernel_parameters_match_prepared_launch():
         offsets.append(at)
         at += size
     assert tuple(offsets) == _MERGE_OFFSETS
-    assert _MERGE_PARAMS.format.lstrip("<") == "4Qi4xqii" and _MERGE_PARAMS.size == at
+    assert _MERGE_PARAMS.format.lstrip("<") == "4Qi4xqiiQi" and _MERGE_PARAMS.size == at
 
 
 def test_split_kernel_parameters_are_declared_once():
     """struct cd_decode_params is built from the list in kernels/decode_params.cuh, and the host
     packs that same list (decode._PARAMS, in the order _launch passes the values): the packing
-    of the fields: 12 pointers (k_new's and v_new's last), 17 int64 strides (k_new's and
-    v_new's last), 8 int32, a float32, an int32, the soft-cap's two float32 and n_new (last).
-    284 bytes: the struct is 288 with its tail padded to 8 bytes, all inside the buffer
+    of the fields: 14 pointers (ALiBi's slopes and the sinks last), 17 int64 strides (k_new's and
+    v_new's last), 8 int32, a float32, an int32, the soft-cap's two float32, n_new,
+    window_left, seqlens_64 and table_64 (last). 312 bytes, a whole number of 8-byte words, all
+    inside the buffer
     StructLaunch packs into (whole 8-byte words). The list keeps falling alignment, which the
     kernel asserts (cd_falling_alignment)."""
     from cupydecode.decode import _LAUNCH_ORDER, _PARAM_LIST, _PARAMS  # imports no CuPy
 
-    assert _PARAMS.format == "<" + "Q" * 12 + "q" * 17 + "i" * 8 + "fiffi" and _PARAMS.size == 284
-    assert _LAUNCH_ORDER[-1] == "n_new"
-    assert -(-_PARAMS.size // 8) * 8 == 288
+    assert _PARAMS.format == "<" + "Q" * 14 + "q" * 17 + "i" * 8 + "fiffiiii" and _PARAMS.size == 312
+    assert _LAUNCH_ORDER[-1] == "table_64"
+    assert -(-_PARAMS.size // 8) * 8 == 312
     rank = {"PTR": 8, "I64": 8, "I32": 4, "F32": 4}
     sizes = [rank[kind] for kind, _ in _PARAM_LIST]
     assert sizes == sorted(sizes, reverse=True), _PARAM_LIST
@@ -86,7 +87,7 @@ def test_a_variant_with_another_parameter_list_is_refused(tmp_path):
 
     text = (KERNELS / "decode_params.cuh").read_text()
     (tmp_path / "decode_params.cuh").write_text(
-        text.replace("X(I32, int, n_new)", "X(I32, int, n_new) X(I32, int, extra)"))
+        text.replace("X(I32, int, table_64)", "X(I32, int, table_64) X(I32, int, extra)"))
     with _kernels.kernel_sources(tmp_path):
         assert _kernels.param_list("decode_params.cuh", "CD_DECODE_PARAMS")[-1] == ("I32", "extra")
         with pytest.raises(RuntimeError, match="parameter list"):

@@ -47,7 +47,8 @@ def captured(monkeypatch):
 
 
 # C types of cd_merge_states' parameters (kernels/merge_states.cu), in order
-_MERGE_CTYPES = [ctypes.c_uint64] * 4 + [ctypes.c_int32, ctypes.c_int64, ctypes.c_int32, ctypes.c_int32]
+_MERGE_CTYPES = [ctypes.c_uint64] * 4 + [ctypes.c_int32, ctypes.c_int64, ctypes.c_int32, ctypes.c_int32,
+                                         ctypes.c_uint64, ctypes.c_int32]
 
 
 def _merge_params(kernel_params) -> tuple:
@@ -114,13 +115,14 @@ def test_struct_launch_points_each_parameter_at_its_offset(monkeypatch):
     _intercept(monkeypatch, lambda dims, kernel_params, extra: seen.append(_merge_params(kernel_params)))
     launch = _kernels.StructLaunch(_FakeKernel(), (3, 1, 1), (256, 1, 1), 0, _MERGE_PARAMS,
                                    _MERGE_OFFSETS)
-    values = (0x7F0000001000, 0x7F0000002000, 0x7F0000003000, 0, 37, (1 << 33) + 5, 128, 4)
+    values = (0x7F0000001000, 0x7F0000002000, 0x7F0000003000, 0, 37, (1 << 33) + 5, 128, 4,
+              0x7F0000004000, 32)
     launch(0x99, *values)
-    launch(0x99, *values[:4], 5, 7, 64, 1)
-    assert seen == [values, values[:4] + (5, 7, 64, 1)]
+    launch(0x99, *values[:4], 5, 7, 64, 1, 0, 8)
+    assert seen == [values, values[:4] + (5, 7, 64, 1, 0, 8)]
     assert len(_MERGE_OFFSETS) == len(_MERGE_CTYPES)
     with pytest.raises(ValueError, match="offsets"):
-        _kernels.StructLaunch(_FakeKernel(), (1, 1, 1), (32, 1, 1), 0, _MERGE_PARAMS, (0, 56))
+        _kernels.StructLaunch(_FakeKernel(), (1, 1, 1), (32, 1, 1), 0, _MERGE_PARAMS, (0, 72))
 
 
 def test_programmatic_launch_passes_config_attribute_and_parameters(monkeypatch):
@@ -148,14 +150,14 @@ def test_programmatic_launch_passes_config_attribute_and_parameters(monkeypatch)
     launch = _kernels.StructLaunch(_FakeKernel(), (3, 2, 1), (256, 1, 1), 1024, _MERGE_PARAMS,
                                    _MERGE_OFFSETS, programmatic=True)
     assert launch.programmatic
-    values = (1, 2, 3, 0, 37, (1 << 33) + 5, 128, 4)
+    values = (1, 2, 3, 0, 37, (1 << 33) + 5, 128, 4, 0, 32)
     launch(0x5151, *values)
-    launch(0x6262, *values[:4], 5, 7, 64, 1)
+    launch(0x6262, *values[:4], 5, 7, 64, 1, 0, 32)
     assert seen == [([3, 2, 1, 256, 1, 1, 1024], 0x5151, 1, [6, 1], 0xABC0, (37, (1 << 33) + 5), None),
                     ([3, 2, 1, 256, 1, 1, 1024], 0x6262, 1, [6, 1], 0xABC0, (5, 7), None)]
     assert plain_calls == []
     launch(0xBAD, *values)  # refused: launched plainly
-    launch(0x7373, *values[:4], 9, 7, 64, 1)  # and plainly from then on
+    launch(0x7373, *values[:4], 9, 7, 64, 1, 0, 32)  # and plainly from then on
     assert not launch.programmatic and len(seen) == 3
     assert plain_calls == [((0xABC0, 3, 2, 1, 256, 1, 1, 1024, 0xBAD), 37),
                            ((0xABC0, 3, 2, 1, 256, 1, 1, 1024, 0x7373), 9)]
@@ -196,6 +198,7 @@ def _fake_plan(paged: bool):
     plan._counters_wait, plan._counters_refill, plan._merge_call = None, False, None
     plan._part_ptrs, plan._counter_ptr = (0xA0, 0xB0), 0xC0
     plan._static = (640, 32, 4, 1, 64, plan.page_size or 0)
+    plan._window_arg = 4095 if paged else -1
     plan._scale, plan._score_default = 0.5, (0.72, 1, 0.0, 0.0)
     plan._split_launch = lambda stream, *values: calls.append(("split", stream, values))
     return plan, calls
@@ -223,12 +226,13 @@ def test_launch_packs_the_new_tokens_into_the_split_values(paged):
                                                     (calls[1], 0, 17, False)):
         split = dict(zip(_LAUNCH_ORDER, call[2]))
         assert len(call[2]) == len(_LAUNCH_ORDER) == len(_PARAMS.format) - 1
-        assert (split["seqlens"], split["seqlen_all"]) == (seqlens_ptr, seqlen_all)
+        assert (split["seqlens"], split["seqlen_all"], split["seqlens_64"]) == (
+            seqlens_ptr, seqlen_all, 0)
         assert (split["k"], split["block_table"], split["k_sb"], split["bt_sb"],
                 split["num_pages"]) == (0x200, 0x700 if paged else 0, 8 * 81920,
                                         40 if paged else 0, 123 if paged else 0)
-        assert (split["max_seqlen"], split["page_size"], split["scale_log2"]) == (
-            640, 16 if paged else 0, 0.72)
+        assert (split["max_seqlen"], split["page_size"], split["scale_log2"],
+                split["window_left"]) == (640, 16 if paged else 0, 0.72, 4095 if paged else -1)
         got = tuple(split[n] for n in ("k_new", "v_new", "kn_sb", "kn_ss", "kn_sh", "vn_sb",
                                        "vn_ss", "vn_sh", "n_new"))
         assert got == ((0x800, 0x900, 1024, 0, 128, 2048, 1024, 256, 1) if with_new
@@ -325,6 +329,7 @@ def test_append_values_write_the_reference_rows(layout, dtype):
     plan._counters_wait, plan._counters_refill, plan._merge_call = None, False, None
     plan._part_ptrs, plan._counter_ptr = (0, 0), 0
     plan._static = (cap, heads, heads // hkv, 1, cap, plan.page_size or 0)
+    plan._window_arg = -1
     plan._scale, plan._score_default = 0.125, (0.125 * _policy.LOG2E, 0, 0.0, 0.0)
     split = []
     plan._split_launch = lambda stream, *values: split.append(values)
@@ -346,3 +351,21 @@ def test_append_values_write_the_reference_rows(layout, dtype):
     # not vacuous: one row per sequence with room (and, paged, a page in range) was written
     changed = (k != k_before).reshape(k.shape[0], k.shape[1], -1).any(axis=-1).sum()
     assert changed == (5 if table is None else 3)
+
+
+def test_launch_flags_int64_lengths():
+    """int64 device lengths and block tables (torch's default integer type) reach the kernel as
+    they are, with seqlens_64 / table_64 = 1 (the kernel reads them in 64 bits)."""
+    from cupydecode.decode import _LAUNCH_ORDER
+
+    plan, calls = _fake_plan(False)
+    q, k, v, out, lse = (_Arr(p) for p in (0x100, 0x200, 0x300, 0x400, 0x500))
+    strides = (4096, 128, 8 * 81920, 8 * 1024, 8 * 128, 8 * 81920, 8 * 1024, 8 * 128, 4096, 128,
+               0, 0)
+    plan._launch(q, k, v, _Arr(0x600, 8), 640, 0.5, out, lse, _Stream(), strides)
+    split = dict(zip(_LAUNCH_ORDER, calls[0][2]))
+    assert (split["seqlens"], split["seqlens_64"], split["table_64"]) == (0x600, 1, 0)
+    plan, calls = _fake_plan(True)  # an int64 block table likewise
+    plan._launch(q, k, v, _Arr(0x600, 4), 640, 0.5, out, lse, _Stream(), strides, _Arr(0x700, 8))
+    split = dict(zip(_LAUNCH_ORDER, calls[0][2]))
+    assert (split["block_table"], split["seqlens_64"], split["table_64"]) == (0x700, 0, 1)

@@ -443,3 +443,27 @@ def test_non_finite_values_reach_exactly_their_own_rows(rng):
     assert np.array_equal(nan, expect), np.argwhere(nan != expect)
     same = ~expect
     assert np.array_equal(out[same], clean[0][same]) and np.array_equal(lse[same], clean[1][same])
+
+
+def test_merge_treats_pos_inf_as_empty_and_keeps_nan_in_its_row(rng, seed):
+    """+inf LSE (some libraries' empty row) weighs like −inf; a NaN LSE or a NaN output of a
+    live state makes its own row NaN and leaves every other row as it was."""
+    ctx = context(seed)
+    o = rng.standard_normal((4, 5, 8))
+    lse = rng.uniform(-20, 20, (4, 5))
+    want_o, want_lse = R.merge_states(o, lse)
+    o2, lse2 = o.copy(), lse.copy()
+    lse2[1, 0], o2[1, 0] = np.inf, np.nan         # row 0: state 1 empty (+inf)
+    lse2[:, 1] = np.inf                           # row 1: every state empty
+    lse2[2, 2] = np.nan                           # row 2: a NaN LSE
+    o2[0, 3, 5] = np.nan                          # row 3: a NaN in a live state's output
+    got_o, got_lse = R.merge_states(o2, lse2)
+    keep = [i for i in range(4) if i != 1]
+    ref0_o, ref0_lse = R.merge_states(o[keep, :1], lse[keep, :1])
+    np.testing.assert_allclose(got_o[0], ref0_o[0], rtol=1e-12, err_msg=ctx)
+    assert math.isclose(got_lse[0], ref0_lse[0], rel_tol=1e-14), ctx
+    assert np.all(got_o[1] == 0) and np.isneginf(got_lse[1]), ctx
+    assert np.all(np.isnan(got_o[2])) and np.isnan(got_lse[2]), ctx
+    assert np.isnan(got_o[3, 5]), ctx
+    np.testing.assert_array_equal(got_o[4], want_o[4], err_msg=ctx)
+    assert got_lse[4] == want_lse[4], ctx

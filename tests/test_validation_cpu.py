@@ -255,3 +255,37 @@ def test_new_token_strides_are_in_elements():
     assert V.new_token_strides(x[:, 0]) == (4 * 64, 0, 64)
     assert V.new_token_strides(np.zeros((3, 8, 2, 64), np.float32)[:, 0, ::2]) == (
         8 * 2 * 64, 0, 2 * 64)
+
+
+@pytest.mark.parametrize("window,exc", [(-2, ValueError), (1.5, TypeError), (True, TypeError),
+                                        ("16", TypeError), (2**31, ValueError)])
+def test_window_errors_name_the_argument(window, exc):
+    with pytest.raises(exc, match=r"^window_left: expected an int"):
+        V.check_window(window)
+
+
+def test_window_values():
+    """None and −1 (FlashAttention's "no window") mean none; W ≥ 0 (NumPy ints too) is kept."""
+    assert V.check_window(None) is None and V.check_window(-1) is None
+    assert V.check_window(0) == 0 and V.check_window(np.int64(4095)) == 4095
+    assert V.check_window(V.MAX_TOKENS) == V.MAX_TOKENS
+
+
+def test_alibi_slopes_must_match_the_plan():
+    """An ALiBi plan needs its slopes; a plan without ALiBi refuses them (both before any
+    launch, naming alibi_slopes)."""
+    with pytest.raises(ValueError, match=r"^alibi_slopes: expected a \(num_heads=8,\) float32"):
+        V.check_alibi_slopes(None, True, 8)
+    with pytest.raises(ValueError, match=r"^alibi_slopes: expected None for a plan built without"):
+        V.check_alibi_slopes(np.ones(8, np.float32), False, 8)
+    assert V.check_alibi_slopes(None, False, 8) is None
+
+
+def test_merge_sinks_shape_must_end_the_rows_shape():
+    with pytest.raises(ValueError, match=r"^sinks: expected a shape that ends the rows' shape"):
+        V.check_merge_sinks(np.zeros(5, np.float32), (2, 8))
+    with pytest.raises(ValueError, match=r"^sinks: expected finite values"):
+        V.check_merge_sinks([0.0, np.inf], (2, 2))
+    with pytest.raises(TypeError, match=r"^sinks: expected real numbers"):
+        V.check_merge_sinks(np.array([True, False]), (2, 2))
+    assert V.check_merge_sinks(None, (2, 8)) is None
