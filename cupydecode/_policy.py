@@ -13,7 +13,22 @@ from dataclasses import dataclass, replace
 # Element type codes shared with kernels/common.cuh.
 DTYPE_IDS = {"float16": 0, "bfloat16": 1, "float32": 2}
 ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
-SUPPORTED_HEAD_DIMS = (64, 128, 256)
+# The widths the split kernel computes in (HEAD_DIM in kernels/decode_split.cu). Any head_dim
+# that is a multiple of 8 from MIN_HEAD_DIM to MAX_HEAD_DIM runs in the next width up: its K/V
+# and Q rows are read as they are and zero-filled to the width in shared memory (REAL_DIM there),
+# so the bytes read are the data's; only the tile math and the ring's shared memory are the
+# width's. Each head_dim is its own build, compiled when first used.
+KERNEL_HEAD_DIMS = (64, 128, 256)
+MIN_HEAD_DIM, MAX_HEAD_DIM, HEAD_DIM_STEP = 32, 256, 8
+SUPPORTED_HEAD_DIMS = tuple(range(MIN_HEAD_DIM, MAX_HEAD_DIM + 1, HEAD_DIM_STEP))
+HEAD_DIMS_TEXT = f"a multiple of {HEAD_DIM_STEP} from {MIN_HEAD_DIM} to {MAX_HEAD_DIM}"
+
+
+def kernel_head_dim(head_dim: int) -> int:
+    """The width the split kernel computes ``head_dim`` in: the next of KERNEL_HEAD_DIMS."""
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"unsupported head_dim {head_dim}: expected {HEAD_DIMS_TEXT}")
+    return next(w for w in KERNEL_HEAD_DIMS if w >= head_dim)
 
 ROWS = 16     # query rows per M-tile (one mma M dimension) of the G query heads of a KV head
 TILE_N = 16   # tokens per warp tile
@@ -67,7 +82,7 @@ class SplitKernelConfig:
     """Compile-time shape of kernels/decode_split.cu for one (dtype, head_dim)."""
 
     dtype: str
-    head_dim: int
+    head_dim: int  # the data's (REAL_DIM); the kernel computes in ``width``
     num_warps: int
     stages: int
     m_tiles: int = 1  # M-tiles of 16 query rows per block; the warps are slots × m_tiles
@@ -77,6 +92,11 @@ class SplitKernelConfig:
     soft_cap: bool = False  # score_mod caps the scores (logits_soft_cap)
     alibi: bool = False  # score_mod adds ALiBi's linear bias (alibi_slopes)
     paged: bool = False  # the KV view reads a paged cache through a block table
+
+    @property
+    def width(self) -> int:
+        """The head_dim the kernel computes in (HEAD_DIM): head_dim rounded up to a kernel width."""
+        return kernel_head_dim(self.head_dim)
 
     @property
     def threads(self) -> int:
@@ -101,18 +121,22 @@ class SplitKernelConfig:
         """Dynamic shared memory; mirrors SMEM_BYTES in decode_split.cu (checked there)."""
         es = ITEMSIZE[self.dtype]
         q_rows = 8 * self.kv_per_block if self.kv_per_block > 1 else self.block_rows
-        q = q_rows * self.head_dim * es
-        pipe = self.rings * self.stages * 2 * TILE_N * self.head_dim * es
-        acc = self.num_warps * ROWS * (self.head_dim + 8) * 4  # rows padded (ACC_STRIDE)
+        w = self.width
+        q = q_rows * w * es
+        pipe = self.rings * self.stages * 2 * TILE_N * w * es
+        acc = self.num_warps * ROWS * (w + 8) * 4  # rows padded (ACC_STRIDE)
         ml = 2 * self.num_warps * ROWS * 4
         live = self.rings * self.stages * 4 if self.paged else 0  # LIVE_BYTES
-        new = self.kv_per_block * 2 * self.head_dim * es  # NEW_BYTES: the appended token's rows
+        new = self.kv_per_block * 2 * w * es  # NEW_BYTES: the appended token's rows
         return q + max(pipe, acc) + ml + live + new
 
     def defines(self) -> dict[str, int]:
+        # REAL_DIM only where it differs: a kernel width's own build is the one it always was
+        real = {"REAL_DIM": self.head_dim} if self.head_dim != self.width else {}
         return {
             "DTYPE_ID": DTYPE_IDS[self.dtype],
-            "HEAD_DIM": self.head_dim,
+            "HEAD_DIM": self.width,
+            **real,
             "NUM_WARPS": self.num_warps,
             "STAGES": self.stages,
             "ROWS": ROWS,
@@ -155,7 +179,7 @@ def m_tiles(dtype: str, head_dim: int, group: int) -> int:
     units = -(-group // ROWS)
     if dtype == "float32" or units <= 1:
         return 1
-    most = MTILE_SHAPES[head_dim][1]
+    most = MTILE_SHAPES[kernel_head_dim(head_dim)][1]
     return -(-units // -(-units // most))
 
 
@@ -204,31 +228,30 @@ def split_kernel_config(dtype: str, head_dim: int, chunk_tokens: int = 0,
     """
     if dtype not in DTYPE_IDS:
         raise ValueError(f"unsupported dtype {dtype!r}")
-    if head_dim not in SUPPORTED_HEAD_DIMS:
-        raise ValueError(f"unsupported head_dim {head_dim}")
+    width = kernel_head_dim(head_dim)  # the shapes are the width's (they size shared memory)
     if m_tiles > 1 and kv_per_block > 1:
         raise ValueError(f"no block shape of {m_tiles} M-tiles and {kv_per_block} KV heads")
     if m_tiles > 1:
-        slots, most, stages = MTILE_SHAPES.get(head_dim, (0, 0, 0))
+        slots, most, stages = MTILE_SHAPES.get(width, (0, 0, 0))
         if dtype == "float32" or m_tiles > most:
             raise ValueError(f"no block shape of {m_tiles} M-tiles for {dtype} head_dim {head_dim}")
         return SplitKernelConfig(dtype, head_dim, num_warps=slots * m_tiles, stages=stages,
                                  m_tiles=m_tiles)
     narrow = heads_as_n(dtype, group)
     if kv_per_block > 1:
-        warps, stages = LONG_SHAPES.get(head_dim, (0, 0))
+        warps, stages = LONG_SHAPES.get(width, (0, 0))
         if not narrow or not warps or warps % kv_per_block:
             raise ValueError(f"no block shape of {kv_per_block} KV heads for {dtype} head_dim "
                              f"{head_dim}, {group} query heads per KV head")
         return SplitKernelConfig(dtype, head_dim, num_warps=warps, stages=stages,
                                  heads_as_n=True, kv_per_block=kv_per_block)
     if dtype == "float32":
-        warps, stages = {64: (4, 4), 128: (4, 2), 256: (2, 2)}[head_dim]
+        warps, stages = {64: (4, 4), 128: (4, 2), 256: (2, 2)}[width]
     elif (chunk_tokens >= (HEADS_AS_N_LONG_CHUNK if narrow else LONG_CHUNK)
-          and head_dim in LONG_SHAPES):
-        warps, stages = LONG_SHAPES[head_dim]
+          and width in LONG_SHAPES):
+        warps, stages = LONG_SHAPES[width]
     else:
-        warps, stages = {64: (8, 4), 128: (4, 4), 256: (4, 2)}[head_dim]
+        warps, stages = {64: (8, 4), 128: (4, 4), 256: (4, 2)}[width]
     return SplitKernelConfig(dtype, head_dim, num_warps=warps, stages=stages, heads_as_n=narrow)
 
 
@@ -262,7 +285,7 @@ def warps_in_step(config: SplitKernelConfig, chunk_tokens: int) -> bool:
 def split_kernel_configs(dtype: str, head_dim: int) -> list[SplitKernelConfig]:
     """Every block shape a plan of this dtype and head_dim can use, with and without the L2
     evict-first hint (for compile checks)."""
-    most = 1 if dtype == "float32" else MTILE_SHAPES.get(head_dim, (0, 1, 0))[1]
+    most = 1 if dtype == "float32" else MTILE_SHAPES[kernel_head_dim(head_dim)][1]
     configs = [split_kernel_config(dtype, head_dim, c, m, g)
                for m in range(1, most + 1) for c in (0, LONG_CHUNK) for g in (None, 1)]
     if heads_as_n(dtype, 1) and head_dim in KV_GROUP_HEAD_DIMS:
@@ -277,10 +300,21 @@ def compile_check_configs() -> list[SplitKernelConfig]:
     the compile-time switches on — the soft-cap, ALiBi and the paged KV view together, the most
     registers any can take (each alone is a subset of that code; their code is the same in all
     shapes, the registers not)."""
-    configs = [c for dt in DTYPE_IDS for d in SUPPORTED_HEAD_DIMS
+    configs = [c for dt in DTYPE_IDS for d in KERNEL_HEAD_DIMS
                for c in split_kernel_configs(dt, d)]
+    # head_dims between the widths (the zero-filled copies): each dtype's default shape, and the
+    # heads-as-N and M-tile shapes of the 16-bit types (bfloat16's copies are float16's)
+    for d in COMPILE_CHECK_HEAD_DIMS:
+        configs += [split_kernel_config("float32", d), split_kernel_config("float16", d),
+                    split_kernel_config("float16", d, group=1),
+                    split_kernel_config("float16", d, LONG_CHUNK, m_tiles=2)]
     return configs + [replace(c, soft_cap=True, alibi=True, paged=True) for c in configs
                       if c.l2_evict_first]
+
+
+# head_dims the compile checks build besides the widths: the smallest, and models' (StableLM and
+# Phi-2 80, Phi-3 96, 192)
+COMPILE_CHECK_HEAD_DIMS = (32, 80, 96, 192)
 
 
 # The split kernel's K/V copies carry an L2 evict-first hint (kernels/decode_split.cu) only on

@@ -11,7 +11,8 @@ import numbers
 
 import numpy as np
 
-from ._policy import DTYPE_IDS, LOG2E, MAX_BATCH, MAX_SPLITS, MAX_TOKENS, SUPPORTED_HEAD_DIMS
+from ._policy import (DTYPE_IDS, HEAD_DIMS_TEXT, LOG2E, MAX_BATCH, MAX_SPLITS, MAX_TOKENS,
+                      SUPPORTED_HEAD_DIMS)
 
 
 _DTYPE_NAMES: dict = {}
@@ -311,7 +312,7 @@ def _check_decode_inputs(q, k_cache, v_cache, paged: bool = False):
             fail(TypeError, name, f"the dtype of q ({dt})", dtype_name(a.dtype))
     batch, num_heads, head_dim = q.shape
     if head_dim not in SUPPORTED_HEAD_DIMS:
-        fail(ValueError, "q", f"head_dim in {SUPPORTED_HEAD_DIMS}", head_dim)
+        fail(ValueError, "q", f"head_dim {HEAD_DIMS_TEXT}", head_dim)
     kb, max_seqlen, num_kv_heads, kd = k.shape
     if paged:
         check_shape(k, "k_cache", (None, None, None, head_dim),

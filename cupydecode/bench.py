@@ -949,11 +949,13 @@ def _naive(row: dict, w: Workload, sets, n_calls: int, scale: float, check, note
 def sweep(model: str, dtype: str, seqlens, batches, num_splits=None,
           soft_cap: float | None = None, page_sizes=(None,),
           append: bool = False, window: int | None = None,
-          alibi: bool = False, sinks: bool = False) -> list[Workload]:
+          alibi: bool = False, sinks: bool = False,
+          head_dim: int | None = None) -> list[Workload]:
     """The points of a bench run, batch-major, then by seqlen, then by page size (None: the
     contiguous cache), each with a fresh seed; ``soft_cap`` None: the model's logits_soft_cap,
     0: none, else that cap; ``append``: every sequence holds seqlen − 1 tokens and each call
-    appends the last one; ``window``: window_left of every point."""
+    appends the last one; ``window``: window_left of every point; ``head_dim``: instead of the
+    model's."""
     from .workloads import workload_for_model
 
     opts = {} if soft_cap is None else {"logits_soft_cap": soft_cap or None}
@@ -962,7 +964,7 @@ def sweep(model: str, dtype: str, seqlens, batches, num_splits=None,
         return {"lengths": (L - 1,) * b, "append": True} if append else {}
     return [workload_for_model(model, b, L, dtype, num_splits=num_splits, seed=fresh_seed(),
                                page_size=page, window_left=window, alibi=alibi, sinks=sinks,
-                               **opts,
+                               head_dim=head_dim, **opts,
                                **appended(L, b))
             for b in batches for L in seqlens for page in page_sizes]
 

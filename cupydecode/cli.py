@@ -11,6 +11,7 @@ Exit codes: 0 success, 1 a check failed, 2 bad usage or no usable GPU.
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import math
 import os
@@ -21,7 +22,7 @@ import time
 import click
 
 from . import __version__
-from ._policy import MAX_SPLITS, SUPPORTED_HEAD_DIMS
+from ._policy import HEAD_DIMS_TEXT, KERNEL_HEAD_DIMS, MAX_SPLITS, SUPPORTED_HEAD_DIMS
 from ._validate import MAX_SOFT_CAP
 from .workloads import DTYPES, MODELS, Workload, fresh_seed, random_lengths, workload_for_model
 
@@ -129,7 +130,24 @@ def _dtype_callback(ctx, param, value):
 
 DTYPE_CHOICE = click.Choice([*DTYPES, *DTYPE_ALIASES], case_sensitive=False)
 MODEL_CHOICE = click.Choice(list(MODELS), case_sensitive=False)
-HEAD_DIM_CHOICE = click.Choice([str(d) for d in SUPPORTED_HEAD_DIMS])
+
+
+class HeadDimType(click.ParamType):
+    """A head_dim the kernels take (_policy.SUPPORTED_HEAD_DIMS)."""
+
+    name = "D"
+
+    def convert(self, value, param, ctx):
+        try:
+            d = int(value)
+        except (TypeError, ValueError):
+            self.fail(f"expected {HEAD_DIMS_TEXT}, got {value!r}", param, ctx)
+        if d not in SUPPORTED_HEAD_DIMS:
+            self.fail(f"expected {HEAD_DIMS_TEXT}, got {d}", param, ctx)
+        return d
+
+
+HEAD_DIM_TYPE = HeadDimType()
 # logits_soft_cap from the command line: 0 (none) to the library's most (_validate.MAX_SOFT_CAP)
 SOFT_CAP_TYPE = click.FloatRange(min=0.0, max=MAX_SOFT_CAP)
 
@@ -275,7 +293,8 @@ def _check_header(width: int) -> str:
 @click.option("--seqlen", type=click.IntRange(min=1), help="max_seqlen of the cache (default 4096).")
 @click.option("--heads", type=click.IntRange(min=1), help="Query heads (default: the model's).")
 @click.option("--kv-heads", type=click.IntRange(min=1), help="KV heads; must divide --heads.")
-@click.option("--head-dim", type=HEAD_DIM_CHOICE, help="64, 128 or 256 (default: the model's).")
+@click.option("--head-dim", type=HEAD_DIM_TYPE,
+              help=f"{HEAD_DIMS_TEXT[0].upper()}{HEAD_DIMS_TEXT[1:]} (default: the model's).")
 @click.option("--dtype", type=DTYPE_CHOICE, callback=_dtype_callback,
               help="float16 (default), bfloat16 or float32.")
 @click.option("--splits", type=SplitsType(), help="'auto' (default) or a forced split count.")
@@ -305,7 +324,7 @@ def check(ctx, batch, seqlen, heads, kv_heads, head_dim, dtype, splits, seed, va
           q_scale, soft_cap, page_size, append, window, alibi, sinks, model, json_path):
     """Compare flash_decode with a float64 reference; one row per workload.
 
-    Without shape options, runs the built-in matrix (fp16/bf16/fp32, head_dim 64/128/256,
+    Without shape options, runs the built-in matrix (fp16/bf16/fp32, head_dim 32 to 256,
     MHA to MQA, lengths 1 to 65536, variable lengths with an empty sequence, forced and
     automatic splits, logits of ±1e4, the soft-cap, paged caches, appended tokens, sliding
     windows, ALiBi, attention sinks). Outputs are
@@ -483,11 +502,13 @@ def _bench_in_processes(n: int, argv: list[str]) -> list[dict]:
 
 def _forwarded_bench_args(model, dtype, seqlens, batches, splits, protocols, baselines,
                           soft_cap=None, page_sizes=(None,), append=False,
-                          window=None, alibi=False, sinks=False) -> list[str]:
+                          window=None, alibi=False, sinks=False, head_dim=None) -> list[str]:
     """The options of this bench run, for the processes of --processes (outputs stay here)."""
     argv = ["--model", model, "--dtype", dtype, "--seqlens", ",".join(map(str, seqlens)),
             "--batch", ",".join(map(str, batches)), "--splits", str(splits),
             "--protocol", ",".join(protocols)]
+    if head_dim is not None:
+        argv += ["--head-dim", str(head_dim)]
     if soft_cap is not None:
         argv += ["--soft-cap", repr(float(soft_cap))]
     if list(page_sizes) != [None]:
@@ -508,6 +529,9 @@ def _forwarded_bench_args(model, dtype, seqlens, batches, splits, protocols, bas
 @main.command()
 @click.option("--model", type=MODEL_CHOICE, default="llama-3-8b", show_default=True,
               help="Head shape preset (see `cupydecode models`).")
+@click.option("--head-dim", type=HEAD_DIM_TYPE,
+              help="The model's heads with this head_dim instead of its own (peers that do not "
+                   "take it leave their columns empty).")
 @click.option("--dtype", type=DTYPE_CHOICE, default="float16", show_default=True,
               callback=_dtype_callback, help="float16, bfloat16 or float32.")
 @click.option("--seqlens", type=IntListType(), default="1024,4096,16384,65536,262144",
@@ -552,7 +576,7 @@ def _forwarded_bench_args(model, dtype, seqlens, batches, splits, protocols, bas
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), callback=_output_path,
               help="Plot µs and % of floor vs seqlen to this PNG (needs matplotlib).")
 @click.pass_context
-def bench(ctx, model, dtype, seqlens, batches, splits, protocols, processes, soft_cap,
+def bench(ctx, model, head_dim, dtype, seqlens, batches, splits, protocols, processes, soft_cap,
           page_sizes, append, window, alibi, sinks, baselines, csv_path, json_path, plot_path):
     """Time flash_decode against the HBM read floor and against baselines.
 
@@ -571,6 +595,7 @@ def bench(ctx, model, dtype, seqlens, batches, splits, protocols, processes, sof
       cupydecode bench --seqlens 4096,65536 --batch 1,16 --csv out.csv --plot out.png
       cupydecode bench --model qwen2.5-7b --dtype bf16 --baseline torch
       cupydecode bench --model gemma-2-9b --baseline flashinfer     (soft-cap 50, the model's)
+      cupydecode bench --model phi-3-mini --seqlens 16384 --batch 16 --baseline torch
       cupydecode bench --page-size none,1,16 --baseline flashinfer
       cupydecode bench --append --page-size 16
       cupydecode bench --seqlens 131072 --batch 1,16 --window 4095 --baseline flashinfer
@@ -591,20 +616,22 @@ def bench(ctx, model, dtype, seqlens, batches, splits, protocols, processes, sof
     for line in header:
         click.echo(line)
     p = MODELS[model]
+    if head_dim is not None:
+        p = dataclasses.replace(p, head_dim=head_dim)
     if processes > 1:
         click.echo(f"{model}: {p.num_heads} query heads, {p.num_kv_heads} KV heads, head_dim "
                    f"{p.head_dim}, {dtype}, splits {splits}; {processes} processes, protocols "
                    f"{', '.join(protocols)}")
         rows = _bench_in_processes(processes, _forwarded_bench_args(
             model, dtype, seqlens, batches, splits, protocols, peers, soft_cap, page_sizes,
-            append, window, alibi, sinks))
+            append, window, alibi, sinks, head_dim))
         ceiling = {"gbps": [r["ceiling_gbps"] for r in rows if r["ceiling_gbps"]]}
     else:
         ceiling = B.measure_read_ceiling()
         click.echo(f"HBM read ceiling: {ceiling['gbps']:.0f} GB/s (read-only kernel over "
                    f"{ceiling['nbytes'] / 1e9:.2f} GB, {ceiling['us']:.0f} µs)")
         points = B.sweep(model, dtype, seqlens, batches, None if splits == "auto" else splits,
-                         soft_cap, page_sizes, append, window, alibi, sinks)
+                         soft_cap, page_sizes, append, window, alibi, sinks, head_dim)
         cap = points[0].logits_soft_cap if points else None
         click.echo(f"{model}: {p.num_heads} query heads, {p.num_kv_heads} KV heads, head_dim "
                    f"{p.head_dim}, {dtype}, splits {splits}"
@@ -790,13 +817,14 @@ def info(ctx, compile_all):
 
 def _compile_all() -> None:
     """Build the split kernels (every block shape a plan can pick) and the merge kernel that
-    a split plan uses, for every dtype × head_dim."""
+    a split plan uses, for every dtype × kernel width (64, 128, 256; the head_dims between them
+    are builds of their own, compiled when first used)."""
     from . import _policy
     from .decode import _merge_function, _split_function
 
 
     for dt in DTYPES:
-        for d in SUPPORTED_HEAD_DIMS:
+        for d in KERNEL_HEAD_DIMS:
             t0 = time.perf_counter()
             for cfg in _policy.split_kernel_configs(dt, d):
                 _split_function(cfg)
@@ -818,7 +846,7 @@ def _compile_all_nvrtc(arch: str = "sm_90") -> None:
         return
     t0, count, worst = time.perf_counter(), 0, 0
     for dt in DTYPES:
-        for d in SUPPORTED_HEAD_DIMS:
+        for d in KERNEL_HEAD_DIMS:
             builds = [("decode_split.cu", c.defines()) for c in _policy.split_kernel_configs(dt, d)]
             builds.append(("merge_states.cu", {"IN_DTYPE": _policy.DTYPE_IDS["float32"],
                                                "OUT_DTYPE": _policy.DTYPE_IDS[dt],

@@ -152,7 +152,7 @@ class DecodePlan:
         if self.dtype not in _policy.DTYPE_IDS:
             V.fail(TypeError, "dtype", "one of (" + ", ".join(_policy.DTYPE_IDS) + ")", self.dtype)
         if self.head_dim not in _policy.SUPPORTED_HEAD_DIMS:
-            V.fail(ValueError, "head_dim", f"one of {_policy.SUPPORTED_HEAD_DIMS}", self.head_dim)
+            V.fail(ValueError, "head_dim", _policy.HEAD_DIMS_TEXT, self.head_dim)
         if self.num_heads % self.num_kv_heads:
             V.fail(ValueError, "num_kv_heads", f"a divisor of num_heads={self.num_heads}",
                    self.num_kv_heads)

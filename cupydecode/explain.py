@@ -221,8 +221,8 @@ def gpu_partials(wk: Walk) -> dict:
 
     Runs a float32 ``DecodePlan`` with ``num_splits`` = the walk's split count on one sequence
     of one head, and reads ``plan.o_part`` / ``plan.lse_part`` after the run. head_dim is padded
-    with zeros to the next supported size (64, 128, 256): zeros in q and k leave every score
-    unchanged, zeros in v only add output columns, which are dropped.
+    with zeros to the next supported one (a multiple of 8 from 32): zeros in q and k leave every
+    score unchanged, zeros in v only add output columns, which are dropped.
     """
     import cupy
 
@@ -231,7 +231,7 @@ def gpu_partials(wk: Walk) -> dict:
     D = wk.head_dim
     padded = next((d for d in _policy.SUPPORTED_HEAD_DIMS if d >= D), None)
     if padded is None:
-        raise ValueError(f"head_dim: expected at most {max(_policy.SUPPORTED_HEAD_DIMS)} for --gpu, got {D}")
+        raise ValueError(f"head_dim: expected at most {_policy.MAX_HEAD_DIM} for --gpu, got {D}")
     n = wk.tokens
 
     def dev(x, shape):

@@ -51,6 +51,8 @@ MODELS: dict[str, ModelPreset] = {
     "gemma-2b": ModelPreset(8, 1, 256, "MQA, head_dim 256"),
     "gpt-2": ModelPreset(12, 12, 64, "MHA"),
     "falcon-7b": ModelPreset(71, 1, 64, "MQA"),
+    "phi-2": ModelPreset(32, 32, 80, "MHA, head_dim 80"),
+    "phi-3-mini": ModelPreset(32, 32, 96, "MHA, head_dim 96"),
 }
 
 
@@ -159,15 +161,17 @@ def sink_logits(num_heads: int, seed: int) -> np.ndarray:
 
 
 def workload_for_model(model: str, batch: int, seqlen: int, dtype: str = "float16",
-                       **kw) -> Workload:
-    """A workload with a preset's head shape, e.g. ``workload_for_model("llama-3-8b", 4, 8192)``."""
+                       head_dim: int | None = None, **kw) -> Workload:
+    """A workload with a preset's head shape, e.g. ``workload_for_model("llama-3-8b", 4, 8192)``
+    (``head_dim``: the preset's heads with this head_dim instead)."""
     try:
         p = MODELS[model]
     except KeyError:
         raise ValueError(f"model: expected one of {', '.join(MODELS)}, got {model!r}") from None
     kw.setdefault("name", model)
     kw.setdefault("logits_soft_cap", p.logits_soft_cap)
-    return Workload(batch, seqlen, p.num_heads, p.num_kv_heads, p.head_dim, dtype, **kw)
+    return Workload(batch, seqlen, p.num_heads, p.num_kv_heads, head_dim or p.head_dim, dtype,
+                    **kw)
 
 
 def random_lengths(batch: int, seqlen: int, seed: int) -> tuple[int, ...]:
@@ -277,7 +281,7 @@ OVERFLOW_Q_SCALE = 2400.0
 def default_check_matrix() -> list[Workload]:
     """The built-in list run by ``cupydecode check``.
 
-    Covers fp16 / bf16 / fp32; head_dim 64, 128, 256; GQA groups 1 (MHA), 2, 4, 7, 8 and MQA
+    Covers fp16 / bf16 / fp32; head_dim 64, 128, 256 and between (32 to 192); GQA groups 1 (MHA), 2, 4, 7, 8 and MQA
     (71 or 48 query heads on one KV head, also with blocks of several M-tiles); lengths 1, 17, 255, 257, 4097 and 65536; variable lengths
     with an empty sequence; forced 1 and 3 splits and automatic splits; logits of ±1e4; the
     soft-cap on every math path; paged caches of 1 to 256 tokens per page; a new token appended
@@ -412,5 +416,20 @@ def default_check_matrix() -> list[Workload]:
         W(2, 2000, 48, 1, 128, "float32", 3, name="sinks, MQA", **snk),
         W(3, 5000, 64, 8, 64, "bfloat16", None, (5000, 60, 0), name="sinks, window 127, paged",
           page_size=16, window_left=127, **snk),
+    ]
+    # head_dims between the kernel widths (64, 128, 256: their rows zero-filled in shared
+    # memory, only the real dims read and written): each math path, one split, several and the
+    # fused merge, varlen with an empty sequence, paged and appended
+    m += [
+        W(2, 4097, 32, 32, 80, "float16", None, name="head_dim 80 (MHA)"),
+        W(3, 4097, 32, 8, 96, "bfloat16", 3, (4097, 0, 300), name="head_dim 96, varlen"),
+        W(2, 2000, 48, 1, 112, "float16", 1, name="head_dim 112, M-tiles"),
+        W(2, 1024, 32, 2, 192, "float16", None, name="head_dim 192, G 16"),
+        W(2, 300, 8, 2, 40, "float32", 3, name="head_dim 40"),
+        W(2, 257, 16, 4, 32, "float16", None, name="head_dim 32"),
+        W(4, 300, 32, 8, 96, "float16", None, (299, 15, 16, 0), name="head_dim 96, append, paged 16",
+          page_size=16, append=True),
+        W(2, 3000, 32, 32, 80, "bfloat16", None, (3000, 17), name="head_dim 80, window, alibi, sinks",
+          window_left=500, alibi=True, sinks=True),
     ]
     return m

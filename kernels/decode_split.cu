@@ -42,7 +42,7 @@
 //   float32: CUDA cores, fp32 throughout (tensor-core tf32 would miss fp32 accuracy).
 //
 // Partial-state contract (consumed by cd_merge_fold, common.cuh):
-//   o_part  (num_splits, batch·num_heads, HEAD_DIM) float32, Õ_i
+//   o_part  (num_splits, batch·num_heads, REAL_DIM) float32, Õ_i
 //   lse_part(num_splits, batch·num_heads)           float32, LSE_i (natural log)
 // Three ways to finish, chosen by the host:
 //   single split (`o_part` null): the block writes the final output (input dtype) and LSE.
@@ -58,10 +58,12 @@
 //   partials only (`counters` null): merge_states.cu runs next as a second kernel.
 //
 // Compile-time constants (prepended by cupydecode/_kernels.py, chosen by cupydecode/_policy.py):
-//   DTYPE_ID (0 f16, 1 bf16, 2 f32), HEAD_DIM, NUM_WARPS, STAGES, ROWS (16), TILE_N (16), MTILES,
+//   DTYPE_ID (0 f16, 1 bf16, 2 f32), HEAD_DIM (64, 128 or 256: the width computed in), REAL_DIM
+//   (the data's head_dim, ≤ HEAD_DIM, below), NUM_WARPS, STAGES, ROWS (16), TILE_N (16), MTILES,
 //   HEADS_AS_N (0 or 1), KV_PER_BLOCK (1, or a divisor of NUM_WARPS for HEADS_AS_N: below),
 //   L2_EVICT_FIRST (1: K/V copies hint L2 evict-first; 0: plain copies), SOFT_CAP (0 or 1:
-//   score_mod caps the scores), PAGED (0 or 1: the cache is paged, read through block_table).
+//   score_mod caps the scores), ALIBI (0 or 1: score_mod adds ALiBi's bias), PAGED (0 or 1: the
+//   cache is paged, read through block_table).
 //
 // KV_PER_BLOCK > 1 (heads-as-N only): a block holds KV_PER_BLOCK adjacent KV heads, warp w
 // computing KV head (unit · KV_PER_BLOCK + w % KV_PER_BLOCK) in token slot w / KV_PER_BLOCK,
@@ -94,6 +96,16 @@ static_assert(sizeof(q_t) == sizeof(kv_t), "the tile math multiplies q and K/V o
 #define Q_ROWS (KV_PER_BLOCK > 1 ? KV_PER_BLOCK * 8 : BLOCK_ROWS)
 #define ES ((int)sizeof(kv_t))
 #define CPR (HEAD_DIM * ES / 16)            // 16-byte chunks per K/V/Q row
+// REAL_DIM: the head_dim of q, the cache and out, a multiple of 8 up to HEAD_DIM, the width the
+// kernel computes in (the host rounds REAL_DIM up to 64, 128 or 256). Every copy into shared
+// memory zero-fills a row's chunks past REAL_DIM, which leaves the scores and the first REAL_DIM
+// output dims as they are, and only those are read from or written to memory.
+#ifndef REAL_DIM
+#define REAL_DIM HEAD_DIM
+#endif
+#define RCPR (REAL_DIM * ES / 16)           // 16-byte chunks per row in memory
+// chunk c of a row is in memory (a compile-time true where REAL_DIM == HEAD_DIM)
+#define CHUNK_IN_MEMORY(c) (REAL_DIM == HEAD_DIM || (c) < RCPR)
 #define EPC (16 / ES)                       // elements per 16-byte chunk
 #define TILE_BYTES (TILE_N * HEAD_DIM * ES) // one K (or V) tile of one slot
 #define Q_BYTES (Q_ROWS * HEAD_DIM * ES)
@@ -115,6 +127,9 @@ static_assert(sizeof(q_t) == sizeof(kv_t), "the tile math multiplies q and K/V o
 
 #if (HEAD_DIM * 2 / 16) < 8
 #error "HEAD_DIM too small for the 8-row XOR swizzle"
+#endif
+#if REAL_DIM > HEAD_DIM || REAL_DIM % 8 != 0 || REAL_DIM < 8
+#error "REAL_DIM must be a multiple of 8 no larger than HEAD_DIM"
 #endif
 #if ROWS != 16 || TILE_N != 16
 #error "the mma fragment layouts below assume ROWS == TILE_N == 16"
@@ -535,6 +550,9 @@ cd_decode_split(const cd_decode_params p) {
         static_assert(!WALK || (32 % CPR == 0 && TILE_N % RSTEP == 0),
                       "the walking copy needs whole rows per 32 lanes and whole steps per tile");
         const int r0 = lane / CPR, c0 = lane % CPR;
+        // this lane's column is in memory; one that is not copies zeros (from a valid address)
+        const bool c0_live = CHUNK_IN_MEMORY(c0);
+        const int c0m = c0_live ? c0 : 0;
         const long long k_rows = (long long)RSTEP * k_ss, v_rows = (long long)RSTEP * v_ss;
         const long long k_tiles = (long long)SLOTS * TILE_N * k_ss;  // from a slot's tile to its next
         const long long v_tiles = (long long)SLOTS * TILE_N * v_ss;
@@ -543,8 +561,8 @@ cd_decode_split(const cd_decode_params p) {
 #pragma unroll
             for (int j = 0; j < TILE_N / RSTEP; ++j) {
                 const int so = swz(r0 + j * RSTEP, c0) * 16;
-                cp_async16_stream(kdst + so, kp, true, policy);
-                cp_async16_stream(vdst + so, vp, true, policy);
+                cp_async16_stream(kdst + so, kp, c0_live, policy);
+                cp_async16_stream(vdst + so, vp, c0_live, policy);
                 kp += k_rows;
                 vp += v_rows;
             }
@@ -582,8 +600,8 @@ cd_decode_split(const cd_decode_params p) {
             // every row has a key and the tile ends inside row 0's page: one page, walked
             if (WALK && live == 0xffffu && off + TILE_N <= page_size) {
                 const long long page0 = __shfl_sync(0xffffffffu, pg, 0);
-                const kv_t* kp = kbase + page0 * k_sb + (long long)(off + r0) * k_ss + c0 * EPC;
-                const kv_t* vp = vbase + page0 * v_sb + (long long)(off + r0) * v_ss + c0 * EPC;
+                const kv_t* kp = kbase + page0 * k_sb + (long long)(off + r0) * k_ss + c0m * EPC;
+                const kv_t* vp = vbase + page0 * v_sb + (long long)(off + r0) * v_ss + c0m * EPC;
                 walk_tile(kdst, vdst, kp, vp);
             } else {
 #pragma unroll
@@ -592,10 +610,10 @@ cd_decode_split(const cd_decode_params p) {
                     const int r = cid / CPR, c = cid % CPR;
                     const long long rp = __shfl_sync(0xffffffffu, pg, r);
                     const long long rr = __shfl_sync(0xffffffffu, row, r);
-                    const bool rok = (live >> r) & 1u;
-                    const int so = swz(r, c) * 16;
-                    cp_async16_stream(kdst + so, kbase + rp * k_sb + rr * k_ss + c * EPC, rok, policy);
-                    cp_async16_stream(vdst + so, vbase + rp * v_sb + rr * v_ss + c * EPC, rok, policy);
+                    const bool rok = ((live >> r) & 1u) && CHUNK_IN_MEMORY(c);
+                    const int so = swz(r, c) * 16, cm = CHUNK_IN_MEMORY(c) ? c : 0;
+                    cp_async16_stream(kdst + so, kbase + rp * k_sb + rr * k_ss + cm * EPC, rok, policy);
+                    cp_async16_stream(vdst + so, vbase + rp * v_sb + rr * v_ss + cm * EPC, rok, policy);
                 }
             }
             if (lane == 0) sm_live[ring_id * STAGES + stage] = live;
@@ -606,8 +624,8 @@ cd_decode_split(const cd_decode_params p) {
         (void)v_tiles;
 #else
         auto tile_live = [&](int i) -> u32 { (void)i; return 0xffffu; };
-        const kv_t* k_lane = kbase + (long long)(tile_start(0) + r0) * k_ss + c0 * EPC;  // tile 0
-        const kv_t* v_lane = vbase + (long long)(tile_start(0) + r0) * v_ss + c0 * EPC;
+        const kv_t* k_lane = kbase + (long long)(tile_start(0) + r0) * k_ss + c0m * EPC;  // tile 0
+        const kv_t* v_lane = vbase + (long long)(tile_start(0) + r0) * v_ss + c0m * EPC;
         auto load_tile = [&](int i, int stage) {
             const int t0 = tile_start(i);
             const u32 kdst = ring_u32 + stage * 2 * TILE_BYTES;
@@ -622,11 +640,11 @@ cd_decode_split(const cd_decode_params p) {
             for (int j = 0; j < TILE_N * CPR / 32; ++j) {
                 const int cid = lane + 32 * j;
                 const int r = cid / CPR, c = cid % CPR;
-                const bool ok = t0 + r < chunk_end;
+                const bool ok = t0 + r < chunk_end && CHUNK_IN_MEMORY(c);
                 const long long tok = ok ? t0 + r : chunk_start;  // valid address even if unused
-                const int so = swz(r, c) * 16;
-                cp_async16_stream(kdst + so, kbase + tok * k_ss + c * EPC, ok, policy);
-                cp_async16_stream(vdst + so, vbase + tok * v_ss + c * EPC, ok, policy);
+                const int so = swz(r, c) * 16, cm = ok ? c : 0;
+                cp_async16_stream(kdst + so, kbase + tok * k_ss + cm * EPC, ok, policy);
+                cp_async16_stream(vdst + so, vbase + tok * v_ss + cm * EPC, ok, policy);
             }
         };
 #endif
@@ -667,7 +685,7 @@ cd_decode_split(const cd_decode_params p) {
         const int app_head = unit * KV_PER_BLOCK + tid / CPR, app_c = tid % CPR;
         uint4 app_k = make_uint4(0u, 0u, 0u, 0u), app_v = app_k;
         long long app_kr = -1, app_vr = -1;  // the row's place in the cache; -1: not written
-        if (app) {
+        if (app && CHUNK_IN_MEMORY(app_c)) {  // (a chunk past REAL_DIM stays zero)
             app_k = *reinterpret_cast<const uint4*>(p.k_new + b * p.kn_sb + (long long)app_head * p.kn_sh + app_c * EPC);
             app_v = *reinterpret_cast<const uint4*>(p.v_new + b * p.vn_sb + (long long)app_head * p.vn_sh + app_c * EPC);
 #if PAGED
@@ -690,7 +708,7 @@ cd_decode_split(const cd_decode_params p) {
             const bool live = KV_PER_BLOCK > 1 ? (r & 7) < group : r < rows;
             const int qh = KV_PER_BLOCK > 1 ? h0 + (r >> 3) * group + (r & 7) : h0 + r;
             uint4 val = make_uint4(0u, 0u, 0u, 0u);
-            if (live)
+            if (live && CHUNK_IN_MEMORY(c))
                 val = *reinterpret_cast<const uint4*>(q + b * q_sb + (long long)qh * q_sh + c * EPC);
 #if DTYPE_ID != 2
             reinterpret_cast<uint4*>(sq)[swz(r, c)] = val;
@@ -1035,8 +1053,8 @@ cd_decode_split(const cd_decode_params p) {
     __syncthreads();
     const long long bh0 = (long long)b * num_heads + h0;
     if (!o_part) {  // single split: the final output, in the input dtype
-        for (int i = tid; i < rows * HEAD_DIM; i += NUM_THREADS) {
-            const int r = i / HEAD_DIM, d = i % HEAD_DIM;
+        for (int i = tid; i < rows * REAL_DIM; i += NUM_THREADS) {
+            const int r = i / REAL_DIM, d = i % REAL_DIM;
             float o = 0.f;
 #pragma unroll
             for (int t = 0; t < SLOTS; ++t) {
@@ -1047,8 +1065,8 @@ cd_decode_split(const cd_decode_params p) {
             if (lse_out && d == 0) lse_out[bh0 + r] = s_lse[r];
         }
     } else {  // partials (float32, 16-byte aligned workspace): four elements per thread
-        for (int i = tid; i < rows * (HEAD_DIM / 4); i += NUM_THREADS) {
-            const int r = i / (HEAD_DIM / 4), d = (i % (HEAD_DIM / 4)) * 4;
+        for (int i = tid; i < rows * (REAL_DIM / 4); i += NUM_THREADS) {
+            const int r = i / (REAL_DIM / 4), d = (i % (REAL_DIM / 4)) * 4;
             float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
             for (int t = 0; t < SLOTS; ++t) {
@@ -1060,7 +1078,7 @@ cd_decode_split(const cd_decode_params p) {
                 }
             }
             const long long row = (long long)split * batch * num_heads + bh0 + r;
-            *reinterpret_cast<float4*>(o_part + row * HEAD_DIM + d) = o;
+            *reinterpret_cast<float4*>(o_part + row * REAL_DIM + d) = o;
             if (d == 0) lse_part[row] = s_lse[r];
         }
     }
@@ -1090,11 +1108,11 @@ cd_decode_split(const cd_decode_params p) {
     // only where every warp gets at most one pass of ≤ 16 splits: one trip to L2
     // (_policy.merge_mode; FUSED_PASS there is 32 · MERGE_NV).
     constexpr int MERGE_NV = 4;
-    constexpr int PASSES = (HEAD_DIM + 32 * MERGE_NV - 1) / (32 * MERGE_NV);
+    constexpr int PASSES = (REAL_DIM + 32 * MERGE_NV - 1) / (32 * MERGE_NV);
     for (int item = warp; item < rows * PASSES; item += NUM_WARPS) {
         const int r = item / PASSES, pass = item % PASSES;
-        cd_merge_row_pass<cd_elem<2>, E, MERGE_NV>(o_part + (bh0 + r) * HEAD_DIM, state_rows * HEAD_DIM,
-                                           lse_part + bh0 + r, state_rows, live_splits, HEAD_DIM,
+        cd_merge_row_pass<cd_elem<2>, E, MERGE_NV>(o_part + (bh0 + r) * REAL_DIM, state_rows * REAL_DIM,
+                                           lse_part + bh0 + r, state_rows, live_splits, REAL_DIM,
                                            pass, out + b * out_sb + (long long)(h0 + r) * out_sh,
                                            lse_out ? lse_out + bh0 + r : nullptr, lane,
                                            p.sinks ? p.sinks[h0 + r] * CD_LOG2E : CD_NEG_INF);

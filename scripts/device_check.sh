@@ -10,7 +10,8 @@
 # "paged": paged caches of 1 and 16 tokens per page beside the contiguous cache and FlashInfer;
 # "append": the cost of appending the new token, contiguous and paged; "window": a sliding window
 # over a long cache against a plain cache of the window's length; "scores": ALiBi's and the
-# sinks' cost; "soak": tests/test_gpu_soak.py, 10^5 random calls from several threads).
+# sinks' cost; "soak": tests/test_gpu_soak.py, 10^5 random calls from several threads;
+# "head_dims": head_dims between the kernel widths, tested, memchecked and timed).
 # A machine that returns only a few files: run it into a scratch folder and pack that, e.g.
 #   bash scripts/device_check.sh /tmp/dc; tar czf "$OUT/device_check.tgz" -C /tmp/dc .
 set -u
@@ -225,6 +226,39 @@ base = {(r["batch"], r["seqlen"]): float(r["gpu_us"]) for r in rows
 print("; ".join(f"{'alibi' if r['alibi'] == 'True' else 'sinks'} b{r['batch']}x{r['seqlen']}: "
                 f"{float(r['gpu_us']) / base[r['batch'], r['seqlen']] - 1:+.2%} {r['check']}"
                 for r in rows if (r["alibi"] == "True" or r["sinks"] == "True") and r["gpu_us"]))
+PYEOF
+)"
+fi
+
+if has head_dims; then
+  # head_dims between the kernel widths: their GPU tests, a memcheck of some, and the read
+  # ceiling's share at >= 256 MB of KV (phi-2's 80 and phi-3-mini's 96 with their MHA heads;
+  # 112 and 192 with llama-3-8b's heads, and its own 128 beside them), peers where they run
+  $PY -m pytest -q -p no:cacheprovider $( $PY -c "import xdist" 2>/dev/null && echo "-n 4") \
+    tests/test_gpu_head_dims.py 2>&1 | tail -n 30 > "$OUT_DIR/head_dims_tests.log"
+  add_summary "head_dims tests: $(tail -n 1 "$OUT_DIR/head_dims_tests.log")"
+  timeout 240 compute-sanitizer --tool memcheck --error-exitcode 3 \
+    $PY -m pytest -q -p no:cacheprovider tests/test_gpu_head_dims.py \
+    -k "(float16-80 or float16-192 or float32-136 or paged) and not bfloat16" 2>&1 \
+    | tail -n 20 > "$OUT_DIR/sanitizer_head_dims.log"
+  add_summary "memcheck (head_dims): $(grep -E 'ERROR SUMMARY' "$OUT_DIR/sanitizer_head_dims.log" | tail -n 1) | $(grep -E 'passed|failed' "$OUT_DIR/sanitizer_head_dims.log" | tail -n 1)"
+  for spec in "phi-2" "phi-3-mini" "llama-3-8b --head-dim 112" "llama-3-8b --head-dim 192" "llama-3-8b"; do
+    tag=$(echo "$spec" | tr -c 'a-z0-9\n' '_')
+    $PY -m cupydecode.cli bench $BASELINES --protocol "${PROTOCOLS%%,*}" --model $spec \
+      --seqlens 16384,65536 --batch 1,4,16 --csv "$OUT_DIR/head_dims_$tag.csv" 2>>"$OUT_DIR/bench.err" \
+      | tee -a "$OUT_DIR/head_dims.txt"
+  done
+  merge_parts "$OUT_DIR/head_dims.csv" "$OUT_DIR"/head_dims_*.csv
+  add_summary "head_dims bench: $($PY - "$OUT_DIR/head_dims.csv" <<'PYEOF'
+import csv, sys
+rows = [r for r in csv.DictReader(open(sys.argv[1])) if r["gpu_us"]]
+out = []
+for r in rows:
+    if float(r["kv_bytes"]) >= 256e6:
+        peer = f" x{float(r['speedup_vs_best_peer']):.3f} peer" if r["speedup_vs_best_peer"] else ""
+        out.append(f"{r['model']} D{r['head_dim']} b{r['batch']}x{r['seqlen']}: "
+                   f"{float(r['pct_of_floor']):.1f}% floor{peer} {r['check']}")
+print("; ".join(out))
 PYEOF
 )"
 fi

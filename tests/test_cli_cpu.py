@@ -95,7 +95,8 @@ def test_direct_softmax_overflows_lse_path_does_not():
     ["check", "--dtype", "float64"],
     ["check", "--splits", "0"],
     ["check", "--splits", "many"],
-    ["check", "--head-dim", "96"],
+    ["check", "--head-dim", "100"],
+    ["check", "--head-dim", "264"],
     ["check", "--heads", "32", "--kv-heads", "5"],
     ["check", "--batch", "3", "--lengths", "1,2"],
     ["check", "--seqlen", "10", "--lengths", "4,11"],
@@ -246,7 +247,8 @@ def test_append_option():
 def test_default_matrix_covers_the_contract():
     m = default_check_matrix()
     assert {w.dtype for w in m} == {"float16", "bfloat16", "float32"}
-    assert {w.head_dim for w in m} == {64, 128, 256}
+    assert {64, 128, 256, 32, 80, 96, 192} <= {w.head_dim for w in m}
+    assert {w.dtype for w in m if w.head_dim not in (64, 128, 256)} == {"float16", "bfloat16", "float32"}
     groups = {w.group for w in m}
     assert 7 in groups and 1 in groups and any(w.num_kv_heads == 1 for w in m)
     lengths = {w.seqlen for w in m}

@@ -67,9 +67,10 @@ def test_shape_errors(cupy, good):
 def test_unsupported_head_dim_and_dtypes(cupy, good):
     (q, k, v), _ = good
     f = cupydecode.flash_decode
-    with raises(ValueError, "q:", "head_dim", "96"):
-        f(cupy.zeros((B, H, 96), cupy.float16), cupy.zeros((B, L, HKV, 96), cupy.float16),
-          cupy.zeros((B, L, HKV, 96), cupy.float16))
+    for d in (100, 24, 264):  # not a multiple of 8; below 32; above 256
+        with raises(ValueError, "q:", "head_dim a multiple of 8 from 32 to 256", str(d)):
+            f(cupy.zeros((B, H, d), cupy.float16), cupy.zeros((B, L, HKV, d), cupy.float16),
+              cupy.zeros((B, L, HKV, d), cupy.float16))
     for dtype in (cupy.float64, cupy.int32):
         with raises(TypeError, "q:", "dtype", np.dtype(dtype).name):
             f(q.astype(dtype), k.astype(dtype), v.astype(dtype))
@@ -225,8 +226,9 @@ def test_plan_constructor_errors(cupy):
         P(1, 8, 2, 128, 64, "float64")
     with raises(TypeError, "dtype:"):
         P(1, 8, 2, 128, 64, "not-a-dtype")
-    with raises(ValueError, "head_dim:", "96"):
-        P(1, 8, 2, 96, 64, "float16")
+    for d in (100, 24, 264):
+        with raises(ValueError, "head_dim:", "a multiple of 8 from 32 to 256", str(d)):
+            P(1, 8, 2, d, 64, "float16")
     with raises(ValueError, "num_kv_heads:", "num_heads=8"):
         P(1, 8, 3, 128, 64, "float16")
     with raises(ValueError, "batch:"):

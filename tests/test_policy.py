@@ -112,7 +112,7 @@ def test_head_tiles():
 def test_m_tiles(dtype, head_dim):
     """G > 16: the fewest blocks per KV head the most M-tiles allow, the M-tiles spread evenly
     over them, every query head in exactly one; float32 keeps one M-tile per block."""
-    most = 1 if dtype == "float32" else P.MTILE_SHAPES[head_dim][1]
+    most = 1 if dtype == "float32" else P.MTILE_SHAPES[P.kernel_head_dim(head_dim)][1]
     for g in range(1, 300):
         mt = P.m_tiles(dtype, head_dim, g)
         tiles = P.head_tiles(g, mt)
@@ -132,7 +132,7 @@ def test_m_tiles(dtype, head_dim):
             P.split_kernel_config(dtype, head_dim, m_tiles=2)
     else:
         with pytest.raises(ValueError):
-            P.split_kernel_config(dtype, head_dim, m_tiles=P.MTILE_SHAPES[head_dim][1] + 1)
+            P.split_kernel_config(dtype, head_dim, m_tiles=most + 1)
     if dtype != "float32" and head_dim == 64:
         assert P.m_tiles(dtype, 64, 71) == 5 and P.head_tiles(71, 5) == 1  # falcon-7b: one block
     assert P.m_tiles(dtype, head_dim, 16) == 1 and P.m_tiles(dtype, head_dim, 8) == 1
@@ -254,12 +254,18 @@ def test_split_kernel_config(dtype, head_dim):
     assert cfg.threads == 32 * cfg.num_warps and 32 <= cfg.threads <= 1024
     assert cfg.stages >= 2, "a ring of one stage cannot overlap loads with math"
     assert 0 < cfg.smem_bytes <= SMEM_PER_BLOCK_MAX
+    # The kernel computes in the next width up; its shape (and shared memory) is the width's.
+    width = P.kernel_head_dim(head_dim)
+    assert cfg.width == width and width in P.KERNEL_HEAD_DIMS and head_dim <= width
+    assert all(w < head_dim for w in P.KERNEL_HEAD_DIMS if w < width)  # the next width up
+    assert dataclasses.replace(cfg, head_dim=width) == P.split_kernel_config(dtype, width)
     # The ring (K and V tiles of every stage of every warp) must fit in what is allocated.
     es = P.ITEMSIZE[dtype]
-    ring = cfg.num_warps * cfg.stages * 2 * P.TILE_N * head_dim * es
-    assert cfg.smem_bytes >= ring + P.ROWS * head_dim * es
+    ring = cfg.num_warps * cfg.stages * 2 * P.TILE_N * width * es
+    assert cfg.smem_bytes >= ring + P.ROWS * width * es
     d = cfg.defines()
-    assert d["DTYPE_ID"] == P.DTYPE_IDS[dtype] and d["HEAD_DIM"] == head_dim
+    assert d["DTYPE_ID"] == P.DTYPE_IDS[dtype] and d["HEAD_DIM"] == width
+    assert d.get("REAL_DIM", width) == head_dim  # (only where it differs: the widths' builds)
     assert d["NUM_WARPS"] == cfg.num_warps and d["STAGES"] == cfg.stages
     assert all(isinstance(v, int) for v in d.values())
     assert P.split_kernel_config(dtype, head_dim) == cfg  # hashable, equal: usable as a cache key
@@ -285,7 +291,7 @@ def test_long_chunk_config(dtype, head_dim):
     plain = {dataclasses.replace(c, l2_evict_first=False) for c in shapes}
     assert {c for c in P.split_kernel_configs(dtype, head_dim) if c.m_tiles == 1} == (
         shapes | (plain if P.l2_hint_is_chosen(dtype) else set()))
-    if dtype != "float32" and head_dim == 128:
+    if dtype != "float32" and P.kernel_head_dim(head_dim) == 128:
         assert (long.num_warps, long.stages) == (8, 2)
 
 
@@ -323,7 +329,8 @@ def test_heads_as_n_only_for_small_groups(dtype, head_dim):
 
 
 @pytest.mark.parametrize("dtype,head_dim", [("float64", 128), ("int32", 128), ("bf16", 128),
-                                            ("float16", 96), ("float16", 0), ("float32", 512)])
+                                            ("float16", 100), ("float16", 24), ("float16", 0),
+                                            ("float16", 264), ("float32", 512)])
 def test_split_kernel_config_rejects(dtype, head_dim):
     with pytest.raises(ValueError):
         P.split_kernel_config(dtype, head_dim)

@@ -1,0 +1,125 @@
+"""head_dims between the kernel widths (64, 128, 256) on the GPU, against the float64 reference.
+
+Such a head_dim runs in the next width up, its rows zero-filled in shared memory. q, K and V are
+views of wider arrays whose extra columns are NaN, so a kernel that reads one element past
+head_dim turns its output NaN; out is followed in memory by NaN that must stay NaN (nothing is
+written past the last row's head_dim). Outputs are NaN-poisoned; the cache is NaN past each
+length.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import cupydecode
+from cupydecode import reference as R
+from helpers import (LSE_TOL, OUT_TOL, assert_lse_close, assert_out_close, context,
+                     decode_inputs, nan_tail, randn, to_device, to_paged)
+
+pytestmark = pytest.mark.gpu
+
+# (num_heads, num_kv_heads): heads as N (G 4), the 16-row path (G 16), M-tiles (MQA 48), MHA
+LAYOUTS = [(32, 8), (32, 2), (48, 1), (16, 16)]
+MODES = [{"num_splits": 1}, {"num_splits": 3, "merge": "fused"},
+         {"num_splits": 3, "merge": "kernel"}, {}]
+# (dtype, head_dim): float16 from the smallest through each width's range (widths 64, 128,
+# 256), bfloat16 and float32 (the CUDA-core path) at a few
+CASES = ([("float16", d) for d in (32, 80, 96, 112, 136, 192, 248)]
+         + [("bfloat16", d) for d in (40, 96, 192)] + [("float32", d) for d in (40, 96, 136)])
+WIDER = 8  # extra NaN columns of the arrays q, K and V are views of
+
+
+def _wide_view(x: np.ndarray):
+    """``x`` on the device as the first head_dim columns of a wider array, NaN beyond."""
+    wide = np.full(x.shape[:-1] + (x.shape[-1] + WIDER,), np.nan, x.dtype)
+    wide[..., :x.shape[-1]] = x
+    return to_device(wide)[..., :x.shape[-1]]
+
+
+class _Out:
+    """A NaN-filled out with NaN after it in the same allocation."""
+
+    def __init__(self, cupy, shape, dtype):
+        n = int(np.prod(shape))
+        self.buf = cupy.full(n + 256, np.nan, dtype)
+        self.out = self.buf[:n].reshape(shape)
+        self.lse = cupy.full(shape[:2], np.nan, cupy.float32)
+        self.n = n
+
+    def tail_untouched(self, cupy) -> bool:
+        return bool(cupy.all(cupy.isnan(self.buf[self.n:])))
+
+
+def _check(cupy, got, ref, dtype, lens, ctx):
+    out, lse = got
+    assert_out_close(out, ref[0], OUT_TOL[dtype], ctx)
+    assert_lse_close(lse, ref[1], LSE_TOL[dtype], ctx)
+    for b, n in enumerate(lens):
+        if n == 0:
+            assert not cupy.any(out[b]), ctx
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: "{}-{}".format(*x))
+@pytest.mark.parametrize("dtype,head_dim", CASES, ids=lambda x: str(x))
+def test_head_dim_matches_reference(cupy, rng, seed, dtype, head_dim, layout):
+    """Every merge mode and the automatic plan, flash_decode, varlen with an empty sequence;
+    inputs read only through head_dim, out written only there."""
+    heads, kv_heads = layout
+    lens = [1500, 0, 777, 64]
+    q, k, v = decode_inputs(rng, 4, heads, kv_heads, head_dim, 1500, dtype)
+    k, v = nan_tail(k, lens), nan_tail(v, lens)
+    ref = R.decode_attention(q, k, v, lens)
+    dq, dk, dv = _wide_view(q), _wide_view(k), _wide_view(v)
+    seqlens = cupy.asarray(np.asarray(lens, np.int32))
+    ctx = context(seed, dtype=dtype, head_dim=head_dim, layout=layout, lens=lens)
+    for mode in MODES:
+        plan = cupydecode.DecodePlan(4, heads, kv_heads, head_dim, 1500, dtype, **mode)
+        o = _Out(cupy, q.shape, dk.dtype)
+        _check(cupy, plan.run(dq, dk, dv, seqlens, out=o.out, lse=o.lse), ref, dtype, lens,
+               f"{mode} merge={plan.merge} {ctx}")
+        assert o.tail_untouched(cupy), f"written past out {mode} {ctx}"
+    o = _Out(cupy, q.shape, dk.dtype)
+    out, lse = cupydecode.flash_decode(dq, dk, dv, seqlens, out=o.out, return_lse=True)
+    _check(cupy, (out, lse), ref, dtype, lens, f"flash_decode {ctx}")
+    assert o.tail_untouched(cupy), f"flash_decode wrote past out {ctx}"
+
+
+@pytest.mark.parametrize("head_dim", [80, 96, 192])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_head_dim_paged_with_append(cupy, rng, seed, dtype, head_dim):
+    """Paged caches (pages of 16, random order) with the new token appended: attended, and
+    written into its page's row through head_dim only (the rest of the cache unchanged)."""
+    lens = [299, 15, 16, 0]
+    q, k, v = decode_inputs(rng, 4, 32, 8, head_dim, 300, dtype)
+    k, v = nan_tail(k, lens), nan_tail(v, lens)
+    k_new = randn(rng, (4, 1, 8, head_dim), dtype)
+    v_new = randn(rng, (4, 1, 8, head_dim), dtype)
+    ref = R.decode_attention(q, k, v, lens, k_new=k_new, v_new=v_new)
+    grown = [n + 1 for n in lens]
+    kp, vp, table = to_paged(rng, k, v, 16)
+    dkp, dvp = to_device(kp), to_device(vp)
+    before_k = dkp.copy()
+    seqlens = cupy.asarray(np.asarray(lens, np.int32))
+    ctx = context(seed, dtype=dtype, head_dim=head_dim, lens=lens)
+    plan = cupydecode.DecodePlan(4, 32, 8, head_dim, 300, dtype, page_size=16)
+    o = _Out(cupy, q.shape, dkp.dtype)
+    got = plan.run(to_device(q), dkp, dvp, seqlens, out=o.out, lse=o.lse,
+                   block_table=cupy.asarray(table), k_new=to_device(k_new),
+                   v_new=to_device(v_new))
+    _check(cupy, got, ref, dtype, grown, ctx)
+    assert o.tail_untouched(cupy), ctx
+    # the cache now holds each new row at its length, and nothing else changed
+    expected = before_k.copy()
+    for b, n in enumerate(lens):
+        expected[int(table[b, n // 16]), n % 16] = to_device(k_new[b, 0])
+    assert bool(cupy.all(dkp.view(cupy.uint16) == expected.view(cupy.uint16))), ctx  # bitwise
+
+
+def test_head_dims_outside_the_range_are_refused(cupy):
+    q = cupy.zeros((1, 4, 100), cupy.float16)
+    k = cupy.zeros((1, 16, 4, 100), cupy.float16)
+    with pytest.raises(ValueError, match="head_dim.*multiple of 8 from 32 to 256.*100"):
+        cupydecode.flash_decode(q, k, k, cupy.asarray([16], cupy.int32))
+    with pytest.raises(ValueError, match="head_dim.*multiple of 8 from 32 to 256.*264"):
+        cupydecode.DecodePlan(1, 4, 4, 264, 16, "float16")
