@@ -522,6 +522,14 @@ def _peer_column(torch, col: str, timed) -> tuple:
     return result
 
 
+# The head_dims FlashInfer's decode kernels are built and documented for. Others compile (its
+# kernels are generated per head_dim) but are not supported: on the H200 (FlashInfer 0.5.3)
+# head_dim 192 failed in its merge (VariableLengthMergeStates), and bench processes at 80, 96
+# and 112 that timed it after ours stopped on an illegal memory access in their first point
+# (not isolated: our kernels passed the same head_dims' tests and memcheck in that session).
+FLASHINFER_HEAD_DIMS = (64, 128, 256)
+
+
 def flashinfer_times(sets, w: Workload, scale: float, n_calls: int, check, before=None,
                      span=None) -> dict:
     """GPU µs per call of FlashInfer's batch decode (CUDA-core and tensor-core variants).
@@ -539,6 +547,10 @@ def flashinfer_times(sets, w: Workload, scale: float, n_calls: int, check, befor
 
     if w.alibi or w.sinks:  # its own ALiBi slopes; its decode wrapper takes no sinks
         return {col: (None, f"{col}: {'ALiBi' if w.alibi else 'sinks'} not compared")
+                for col in PEERS["flashinfer"][2]}
+    if w.head_dim not in FLASHINFER_HEAD_DIMS:
+        return {col: (None, f"{col}: head_dim {w.head_dim} is not one FlashInfer's decode takes "
+                            f"({', '.join(map(str, FLASHINFER_HEAD_DIMS))})")
                 for col in PEERS["flashinfer"][2]}
     cupy.cuda.Device().synchronize()
     dt = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}[w.dtype]

@@ -242,6 +242,11 @@ if has head_dims; then
     -k "(float16-80 or float16-192 or float32-136 or paged) and not bfloat16" 2>&1 \
     | tail -n 20 > "$OUT_DIR/sanitizer_head_dims.log"
   add_summary "memcheck (head_dims): $(grep -E 'ERROR SUMMARY' "$OUT_DIR/sanitizer_head_dims.log" | tail -n 1) | $(grep -E 'passed|failed' "$OUT_DIR/sanitizer_head_dims.log" | tail -n 1)"
+  # ours alone first (no peer in the process), so that a fault there is ours
+  $PY -m cupydecode.cli bench --protocol "${PROTOCOLS%%,*}" --model phi-2 --seqlens 16384,65536 \
+    --batch 1,16 2>>"$OUT_DIR/bench.err" | tee -a "$OUT_DIR/head_dims.txt" \
+    | grep -qE "^ +16 +65536 .* ok$" && add_summary "head_dims: phi-2 alone ok" \
+    || add_summary "head_dims: phi-2 alone FAILED (bench.err)"
   for spec in "phi-2" "phi-3-mini" "llama-3-8b --head-dim 112" "llama-3-8b --head-dim 192" "llama-3-8b"; do
     tag=$(echo "$spec" | tr -c 'a-z0-9\n' '_')
     $PY -m cupydecode.cli bench $BASELINES --protocol "${PROTOCOLS%%,*}" --model $spec \
