@@ -525,8 +525,9 @@ def _peer_column(torch, col: str, timed) -> tuple:
 # The head_dims FlashInfer's decode kernels are built and documented for. Others compile (its
 # kernels are generated per head_dim) but are not supported: on the H200 (FlashInfer 0.5.3)
 # head_dim 192 failed in its merge (VariableLengthMergeStates), and bench processes at 80, 96
-# and 112 that timed it after ours stopped on an illegal memory access in their first point
-# (not isolated: our kernels passed the same head_dims' tests and memcheck in that session).
+# and 112 that timed it after ours stopped on an illegal memory access in their first point,
+# as FlashInfer's issue #4299 reports for its FA2 prefill kernels (its tensor-core decode) at
+# head_dims that are not multiples of 64.
 FLASHINFER_HEAD_DIMS = (64, 128, 256)
 
 
@@ -711,7 +712,7 @@ def napkin(w: Workload, symbolic: bool = False) -> str:
 
 def empty_row(w: Workload, model: str) -> dict:
     return {
-        "model": model, "dtype": w.dtype, "batch": w.batch, "seqlen": w.seqlen,
+        "model": model, "layer": w.layer, "dtype": w.dtype, "batch": w.batch, "seqlen": w.seqlen,
         "num_heads": w.num_heads, "num_kv_heads": w.num_kv_heads, "head_dim": w.head_dim,
         "logits_soft_cap": w.logits_soft_cap, "page_size": w.page_size, "append": w.append,
         "window_left": w.window_left, "alibi": w.alibi, "sinks": w.sinks, "splits_requested": w.splits_label, "num_splits": None, "chunk_tokens": None,
@@ -963,22 +964,27 @@ def sweep(model: str, dtype: str, seqlens, batches, num_splits=None,
           append: bool = False, window: int | None = None,
           alibi: bool = False, sinks: bool = False,
           head_dim: int | None = None) -> list[Workload]:
-    """The points of a bench run, batch-major, then by seqlen, then by page size (None: the
-    contiguous cache), each with a fresh seed; ``soft_cap`` None: the model's logits_soft_cap,
-    0: none, else that cap; ``append``: every sequence holds seqlen − 1 tokens and each call
-    appends the last one; ``window``: window_left of every point; ``head_dim``: instead of the
-    model's."""
-    from .workloads import workload_for_model
+    """The points of a bench run: per layer type of the model (ModelPreset.layers: Gemma-2's
+    sliding and full layers, each with the model's options), batch-major, then by seqlen, then
+    by page size (None: the contiguous cache), each with a fresh seed. ``soft_cap`` None: the
+    model's logits_soft_cap, 0: none, else that cap; ``append``: every sequence holds
+    seqlen − 1 tokens and each call appends the last one; ``window``: window_left of every point
+    instead of the model's (one layer type then); ``alibi``, ``sinks``: on (else the model's);
+    ``head_dim``: instead of the model's."""
+    from .workloads import MODELS, workload_for_model
 
     opts = {} if soft_cap is None else {"logits_soft_cap": soft_cap or None}
+    if window is not None:
+        opts["window_left"] = window
+    opts.update({k: True for k, on in (("alibi", alibi), ("sinks", sinks)) if on})
+    layers = list(MODELS[model].layers())[:1 if window is not None else None]
 
     def appended(L: int, b: int) -> dict:
         return {"lengths": (L - 1,) * b, "append": True} if append else {}
-    return [workload_for_model(model, b, L, dtype, num_splits=num_splits, seed=fresh_seed(),
-                               page_size=page, window_left=window, alibi=alibi, sinks=sinks,
-                               head_dim=head_dim, **opts,
-                               **appended(L, b))
-            for b in batches for L in seqlens for page in page_sizes]
+    return [workload_for_model(model, b, L, dtype, head_dim=head_dim, layer=layer,
+                               num_splits=num_splits, seed=fresh_seed(), page_size=page,
+                               **opts, **appended(L, b))
+            for layer in layers for b in batches for L in seqlens for page in page_sizes]
 
 
 # ---------------------------------------------------------------------------- plot

@@ -228,11 +228,20 @@ def main():
 
 def _single_workload(batch, seqlen, heads, kv_heads, head_dim, dtype, splits, seed, varlen,
                      lengths, q_scale, model, soft_cap=None, page_size=None,
-                     append=False, window=None, alibi=False, sinks=False) -> Workload:
+                     append=False, window=None, alibi=False, sinks=False,
+                     layer: str | None = None) -> Workload:
     """One workload from ``check``'s options (raises click.BadParameter on bad combinations).
-    ``soft_cap`` None: the model's (none without --model); 0: none. ``append`` without lengths:
-    every sequence holds seqlen − 1 tokens, so that the new one fills it."""
+    ``soft_cap`` None: the model's (none without --model); 0: none. With --model, the options
+    of its ``layer`` type (ModelPreset.layers) where the command line sets none: its window,
+    ALiBi, sinks (``layer`` None: its first). ``append`` without lengths: every sequence holds seqlen − 1 tokens, so that
+    the new one fills it."""
     preset = MODELS[(model or "llama-3-8b").lower()]
+    if model:
+        layers = preset.layers()
+        layer = next(iter(layers)) if layer is None else layer
+        own = layers[layer]
+        window = own.get("window_left") if window is None else window
+        alibi, sinks = alibi or own["alibi"], sinks or own["sinks"]
     if soft_cap is None:
         soft_cap = preset.logits_soft_cap if model else None
     if heads is None:
@@ -258,13 +267,14 @@ def _single_workload(batch, seqlen, heads, kv_heads, head_dim, dtype, splits, se
     seed = fresh_seed() if seed is None else seed
     if varlen and lengths is None:
         lengths = random_lengths(batch, seqlen, seed)
-    name = (model or "custom") + (" varlen" if lengths is not None else "")
+    name = (f"{model} {layer}".strip() if model else "custom") + (
+        " varlen" if lengths is not None else "")
     if append and lengths is None:
         lengths = (seqlen - 1,) * batch
     return Workload(batch, seqlen, heads, kv_heads, head_dim, dtype or "float16",
                     None if splits in (None, "auto") else splits, lengths, q_scale, seed, name,
                     logits_soft_cap=soft_cap or None, page_size=page_size, append=append,
-                    window_left=window, alibi=alibi, sinks=sinks)
+                    window_left=window, alibi=alibi, sinks=sinks, layer=layer if model else "")
 
 
 def _workload_label(w: Workload) -> str:
@@ -349,9 +359,12 @@ def check(ctx, batch, seqlen, heads, kv_heads, head_dim, dtype, splits, seed, va
                                          lengths, model, soft_cap, page_size, window)) or varlen or q_scale != 1.0
     single = single or append or alibi or sinks
     if single:
+        # a model's every layer type (Gemma-2's sliding and full layers); --window sets one
+        layers = list(MODELS[model.lower()].layers()) if model else [None]
+        layers = layers if window is None else layers[:1]
         workloads = [_single_workload(batch, seqlen, heads, kv_heads, head_dim, dtype, splits,
                                       seed, varlen, lengths, q_scale, model, soft_cap, page_size,
-                                      append, window, alibi, sinks)]
+                                      append, window, alibi, sinks, layer) for layer in layers]
     else:
         workloads = default_check_matrix()
         base = fresh_seed() if seed is None else seed
@@ -389,11 +402,12 @@ def check(ctx, batch, seqlen, heads, kv_heads, head_dim, dtype, splits, seed, va
 # ---------------------------------------------------------------------------- bench
 
 def _bench_columns(peer_cols: dict, processes: bool = False, append: bool = False,
-                   paged: bool = False) -> list[tuple[str, str, str]]:
+                   paged: bool = False, layers: bool = False) -> list[tuple[str, str, str]]:
     """Table columns (label, row key, format); ``peer_cols`` maps peer columns to labels;
     ``append``: the same call without the append, and the difference; ``paged``: the page
-    size ("-": contiguous)."""
-    cols = [("batch", "batch", "d"), ("seqlen", "seqlen", "d")]
+    size ("-": contiguous); ``layers``: the model's layer type."""
+    cols = [("layer", "layer", "s")] if layers else []
+    cols += [("batch", "batch", "d"), ("seqlen", "seqlen", "d")]
     if paged:
         cols.append(("page", "page_label", "s"))
     cols += [("KV MB", "kv_mb", ".1f"), ("splits", "num_splits", "d"),
@@ -433,13 +447,14 @@ def stability(rows: list[dict]) -> list[dict]:
     points: dict = {}
     for r in rows:
         if r["gpu_us"]:
-            points.setdefault((r["batch"], r["seqlen"], r.get("page_size")), []).append(r)
+            key = (r.get("layer", ""), r["batch"], r["seqlen"], r.get("page_size"))
+            points.setdefault(key, []).append(r)
     out = []
-    for (batch, seqlen, page), rs in points.items():
+    for (layer, batch, seqlen, page), rs in points.items():
         us = [r["gpu_us"] for r in rs]
         ratios = [r["speedup_vs_best_peer"] for r in rs if r.get("speedup_vs_best_peer")]
         worst = max(rs, key=lambda r: r["gpu_us"])
-        out.append({"batch": batch, "seqlen": seqlen, "page_size": page,
+        out.append({"layer": layer, "batch": batch, "seqlen": seqlen, "page_size": page,
                     "page_label": "-" if page is None else str(page), "runs": len(rs),
                     "best_us": min(us),
                     "worst_us": max(us), "spread_pct": 100.0 * (max(us) / min(us) - 1),
@@ -632,19 +647,25 @@ def bench(ctx, model, head_dim, dtype, seqlens, batches, splits, protocols, proc
                    f"{ceiling['nbytes'] / 1e9:.2f} GB, {ceiling['us']:.0f} µs)")
         points = B.sweep(model, dtype, seqlens, batches, None if splits == "auto" else splits,
                          soft_cap, page_sizes, append, window, alibi, sinks, head_dim)
-        cap = points[0].logits_soft_cap if points else None
+        first = points[0]
+        cap = first.logits_soft_cap
         click.echo(f"{model}: {p.num_heads} query heads, {p.num_kv_heads} KV heads, head_dim "
                    f"{p.head_dim}, {dtype}, splits {splits}"
                    + ("" if cap is None else f", logits_soft_cap {cap:g}")
                    + ("" if page_sizes == [None] else ", page sizes " + ", ".join(
                       "contiguous" if p is None else str(p) for p in page_sizes)
                       + " (random page order)")
-                   + ("" if window is None else f", window_left {window} (the last "
-                      f"{window + 1} tokens)") + (", ALiBi" if alibi else "")
-                   + (", sinks" if sinks else "")
+                   + (", ALiBi" if first.alibi else "") + (", sinks" if first.sinks else "")
                    + ("" if not append else ", each call appends a new token per sequence (the "
                       "cache holds seqlen − 1); no-append µs: the same call over the same seqlen "
                       "tokens without it"))
+        for layer in dict.fromkeys(w.layer for w in points):  # the layer types and their windows
+            w = next(w for w in points if w.layer == layer)
+            if layer or w.window_left is not None:
+                click.echo(f"  {layer + ' layers' if layer else 'every layer'}: "
+                           + ("attend every token" if w.window_left is None else
+                              f"window_left {w.window_left} (the last {w.window_left + 1} "
+                              "tokens)"))
         click.echo(f"bytes per point: {B.napkin(points[0], symbolic=True)} "
                    f"(e.g. {B.napkin(points[0])})")
         click.echo(f"GPU µs: {B.GRAPH_TRIALS} replays of a graph per protocol; floor µs = KV "
@@ -668,7 +689,8 @@ def bench(ctx, model, head_dim, dtype, seqlens, batches, splits, protocols, proc
     if done:
         for line in format_table([_bench_display(r) for r in done],
                                  _bench_columns(peer_cols, processes > 1, append,
-                                                page_sizes != [None])):
+                                                page_sizes != [None],
+                                                any(r.get("layer") for r in done))):
             click.echo(line)
     for r in rows:
         if r["skipped"]:
@@ -681,6 +703,8 @@ def bench(ctx, model, head_dim, dtype, seqlens, batches, splits, protocols, proc
         click.echo("\nspread per point over every protocol and process:")
         columns = STABILITY_COLUMNS if page_sizes == [None] else (
             STABILITY_COLUMNS[:2] + [("page", "page_label", "s")] + STABILITY_COLUMNS[2:])
+        if any(r["layer"] for r in spread):
+            columns = [("layer", "layer", "s")] + columns
         for line in format_table(spread, columns):
             click.echo(line)
     payload = {"device": device, "ceiling": ceiling, "model": model, "protocols": protocols,
@@ -695,7 +719,8 @@ def bench(ctx, model, head_dim, dtype, seqlens, batches, splits, protocols, proc
         first = protocols[0]
         page = page_sizes[0]
         B.plot_rows([r for r in rows if r["protocol"] == first and r.get("process", 1) == 1
-                     and r.get("page_size") == page], plot_path,
+                     and r.get("page_size") == page and r.get("layer") == rows[0].get("layer")],
+                    plot_path,
                     f"{model} {dtype} on {device['name']}, {first} protocol"
                     + ("" if page is None else f", pages of {page}"))
         click.echo(f"wrote {plot_path}")

@@ -24,19 +24,37 @@ DTYPES = tuple(DTYPE_IDS)
 
 @dataclass(frozen=True)
 class ModelPreset:
-    """Attention of one decoder layer: query heads, KV heads, head dim, and the score options
-    the model uses (``logits_soft_cap``: Gemma-2's cap on the scores)."""
+    """Attention of a model's decoder layers: query heads, KV heads, head dim, and the options
+    the model runs with: ``logits_soft_cap`` (Gemma-2's cap on the scores), ``window_left`` W
+    (sliding-window layers attend their last W + 1 tokens; ``alternate``: those layers alternate
+    with layers that attend everything, as in Gemma-2 and gpt-oss), ``alibi`` (ALiBi's bias),
+    ``sinks`` (a sink logit per query head, gpt-oss)."""
 
     num_heads: int
     num_kv_heads: int
     head_dim: int
     note: str = ""
     logits_soft_cap: float | None = None
+    window_left: int | None = None
+    alternate: bool = False
+    alibi: bool = False
+    sinks: bool = False
 
     @property
     def group(self) -> int:
         """G = query heads per KV head (1: MHA, num_heads: MQA)."""
         return self.num_heads // self.num_kv_heads
+
+    def layers(self) -> dict[str, dict]:
+        """The model's layer types and the Workload options of each: {"": options} where every
+        layer attends alike, {"sliding": ..., "full": ...} where windowed layers alternate with
+        full ones."""
+        opts = {"logits_soft_cap": self.logits_soft_cap, "alibi": self.alibi,
+                "sinks": self.sinks}
+        if self.window_left is None:
+            return {"": opts}
+        windowed = dict(opts, window_left=self.window_left)
+        return {"sliding": windowed, "full": opts} if self.alternate else {"": windowed}
 
 
 MODELS: dict[str, ModelPreset] = {
@@ -45,14 +63,20 @@ MODELS: dict[str, ModelPreset] = {
     "llama-3-405b": ModelPreset(128, 8, 128, "GQA 16"),
     "llama-2-7b": ModelPreset(32, 32, 128, "MHA"),
     "qwen2.5-7b": ModelPreset(28, 4, 128, "GQA 7"),
-    "mistral-7b": ModelPreset(32, 8, 128, "GQA 4"),
-    "gemma-2-2b": ModelPreset(8, 4, 256, "GQA 2, head_dim 256, soft-cap 50", 50.0),
-    "gemma-2-9b": ModelPreset(16, 8, 256, "GQA 2, head_dim 256, soft-cap 50", 50.0),
+    "mistral-7b": ModelPreset(32, 8, 128, "GQA 4, window 4096", window_left=4095),
+    "gemma-2-2b": ModelPreset(8, 4, 256, "GQA 2, head_dim 256, soft-cap 50, window 4096 on "
+                              "alternate layers", 50.0, window_left=4095, alternate=True),
+    "gemma-2-9b": ModelPreset(16, 8, 256, "GQA 2, head_dim 256, soft-cap 50, window 4096 on "
+                              "alternate layers", 50.0, window_left=4095, alternate=True),
     "gemma-2b": ModelPreset(8, 1, 256, "MQA, head_dim 256"),
     "gpt-2": ModelPreset(12, 12, 64, "MHA"),
     "falcon-7b": ModelPreset(71, 1, 64, "MQA"),
     "phi-2": ModelPreset(32, 32, 80, "MHA, head_dim 80"),
     "phi-3-mini": ModelPreset(32, 32, 96, "MHA, head_dim 96"),
+    "gpt-oss-20b": ModelPreset(64, 8, 64, "GQA 8, sinks, window 128 on alternate layers",
+                               window_left=127, alternate=True, sinks=True),
+    "bloom-7b1": ModelPreset(32, 32, 128, "MHA, ALiBi", alibi=True),
+    "mpt-7b": ModelPreset(32, 32, 128, "MHA, ALiBi", alibi=True),
 }
 
 
@@ -76,7 +100,8 @@ class Workload:
     sequence is full, so nothing is written). ``window_left`` W: only the last W + 1 tokens of
     each sequence are attended (None: no window). ``alibi``: ALiBi's bias with the standard
     slopes of ``num_heads`` heads (:func:`alibi_slopes`). ``sinks``: a sink logit per query
-    head (:func:`sink_logits`, from the seed).
+    head (:func:`sink_logits`, from the seed). ``layer``: the layer type of a model preset it
+    stands for (a label).
     """
 
     batch: int
@@ -96,6 +121,7 @@ class Workload:
     window_left: int | None = None
     alibi: bool = False
     sinks: bool = False
+    layer: str = ""  # a model preset's layer type ("sliding", "full"), "" where all are alike
 
     def __post_init__(self) -> None:
         if self.lengths is not None:
@@ -161,15 +187,25 @@ def sink_logits(num_heads: int, seed: int) -> np.ndarray:
 
 
 def workload_for_model(model: str, batch: int, seqlen: int, dtype: str = "float16",
-                       head_dim: int | None = None, **kw) -> Workload:
-    """A workload with a preset's head shape, e.g. ``workload_for_model("llama-3-8b", 4, 8192)``
-    (``head_dim``: the preset's heads with this head_dim instead)."""
+                       head_dim: int | None = None, layer: str | None = None, **kw) -> Workload:
+    """A workload with a preset's head shape and options, e.g.
+    ``workload_for_model("llama-3-8b", 4, 8192)``: ``layer`` one of the preset's layer types
+    (:meth:`ModelPreset.layers`; None: the first), ``head_dim`` the preset's heads with this
+    head_dim instead; ``kw`` (Workload fields) override the preset's options."""
     try:
         p = MODELS[model]
     except KeyError:
         raise ValueError(f"model: expected one of {', '.join(MODELS)}, got {model!r}") from None
-    kw.setdefault("name", model)
-    kw.setdefault("logits_soft_cap", p.logits_soft_cap)
+    layers = p.layers()
+    if layer is None:
+        layer = next(iter(layers))
+    if layer not in layers:
+        raise ValueError(f"layer: expected one of {', '.join(map(repr, layers))} for {model}, "
+                         f"got {layer!r}")
+    kw.setdefault("name", f"{model} {layer}".strip())
+    kw.setdefault("layer", layer)
+    for key, value in layers[layer].items():
+        kw.setdefault(key, value)
     return Workload(batch, seqlen, p.num_heads, p.num_kv_heads, head_dim or p.head_dim, dtype,
                     **kw)
 

@@ -11,7 +11,8 @@
 # "append": the cost of appending the new token, contiguous and paged; "window": a sliding window
 # over a long cache against a plain cache of the window's length; "scores": ALiBi's and the
 # sinks' cost; "soak": tests/test_gpu_soak.py, 10^5 random calls from several threads;
-# "head_dims": head_dims between the kernel widths, tested, memchecked and timed).
+# "head_dims": head_dims between the kernel widths, tested, memchecked and timed; "models":
+# `check --model` for every preset's every layer type).
 # A machine that returns only a few files: run it into a scratch folder and pack that, e.g.
 #   bash scripts/device_check.sh /tmp/dc; tar czf "$OUT/device_check.tgz" -C /tmp/dc .
 set -u
@@ -274,6 +275,19 @@ if has soak; then
   CUPYDECODE_SOAK=1 CUPYDECODE_SOAK_CALLS=${SOAK_CALLS:-100000} timeout 540 \
     $PY -m pytest -q -p no:cacheprovider tests/test_gpu_soak.py 2>&1 | tail -n 20 > "$OUT_DIR/soak.log"
   add_summary "soak: $(grep -E 'passed|failed' "$OUT_DIR/soak.log" | tail -n 1)"
+fi
+
+if has models; then
+  # every model preset's every layer type (its window, soft-cap, ALiBi, sinks) against float64,
+  # varlen with an empty sequence, in both 16-bit types
+  : > "$OUT_DIR/models.log"
+  for model in $($PY -c "from cupydecode.workloads import MODELS; print(' '.join(MODELS))"); do
+    for dtype in float16 bfloat16; do
+      $PY -m cupydecode.cli check --model "$model" --dtype "$dtype" --batch 3 --seqlen 6000 \
+        --varlen 2>&1 | tee -a "$OUT_DIR/models.log"
+    done
+  done
+  add_summary "models: $(grep -c ' PASS$' "$OUT_DIR/models.log") PASS, $(grep -c ' FAIL$' "$OUT_DIR/models.log") FAIL"
 fi
 
 if has layouts; then

@@ -182,6 +182,59 @@ def test_soft_cap_from_the_model_or_the_option():
     assert {w.logits_soft_cap for w in B.sweep("llama-3-8b", "float16", [1024], [1], None, 50)} == {50}
 
 
+def test_model_presets_carry_their_layer_types():
+    """Each preset's layer types with the options the model runs: Mistral's window on every
+    layer, Gemma-2's and gpt-oss's windows on alternate layers (the others attend everything),
+    gpt-oss's sinks and BLOOM's ALiBi on all of them."""
+    from cupydecode.workloads import workload_for_model
+
+    assert list(MODELS["llama-3-8b"].layers()) == [""]
+    assert MODELS["mistral-7b"].layers()[""]["window_left"] == 4095
+    for name, window in (("gemma-2-9b", 4095), ("gemma-2-2b", 4095), ("gpt-oss-20b", 127)):
+        layers = MODELS[name].layers()
+        assert list(layers) == ["sliding", "full"], name
+        assert layers["sliding"]["window_left"] == window and "window_left" not in layers["full"]
+    assert all(o["sinks"] for o in MODELS["gpt-oss-20b"].layers().values())
+    assert MODELS["bloom-7b1"].layers()[""]["alibi"] and MODELS["mpt-7b"].alibi
+    w = workload_for_model("gemma-2-9b", 1, 8192, layer="full")
+    assert (w.name, w.layer, w.window_left, w.logits_soft_cap) == ("gemma-2-9b full", "full",
+                                                                    None, 50.0)
+    w = workload_for_model("gpt-oss-20b", 1, 8192)  # the first layer type
+    assert (w.layer, w.window_left, w.sinks) == ("sliding", 127, True)
+    assert workload_for_model("gpt-oss-20b", 1, 8192, window_left=5).window_left == 5
+    with pytest.raises(ValueError, match="layer.*'sliding', 'full'.*'local'"):
+        workload_for_model("gemma-2-9b", 1, 8192, layer="local")
+    for name, preset in MODELS.items():  # every preset's every layer type makes a workload
+        for layer in preset.layers():
+            assert workload_for_model(name, 1, 64, layer=layer).kv_bytes() > 0
+
+
+def test_check_and_bench_run_every_layer_type_of_a_model():
+    """check --model and bench --model cover each layer type; --window, --alibi and --sinks
+    set (one layer type then, for a window), they do not drop the model's others."""
+    args = (1, 5000, None, None, None, None, None, 7, False, None, 1.0, "gemma-2-9b")
+    sliding = cli._single_workload(*args, layer="sliding")
+    full = cli._single_workload(*args, layer="full")
+    assert (sliding.window_left, full.window_left) == (4095, None)
+    assert sliding.name == "gemma-2-9b sliding" and sliding.logits_soft_cap == 50.0
+    assert cli._single_workload(*args, window=100, layer="full").window_left == 100
+    gpt = (1, 300, None, None, None, None, None, 7, False, None, 1.0, "gpt-oss-20b")
+    assert cli._single_workload(*gpt, layer="full").sinks
+    assert cli._single_workload(*gpt[:-1], None).sinks is False  # no model: none of its options
+    points = B.sweep("gpt-oss-20b", "float16", [1024, 4096], [1, 4])
+    assert [(w.layer, w.batch, w.seqlen) for w in points[:5]] == [
+        ("sliding", 1, 1024), ("sliding", 1, 4096), ("sliding", 4, 1024), ("sliding", 4, 4096),
+        ("full", 1, 1024)] and len(points) == 8
+    assert {(w.layer, w.window_left, w.sinks) for w in points} == {("sliding", 127, True),
+                                                                   ("full", None, True)}
+    assert [(w.layer, w.window_left) for w in B.sweep("gemma-2-9b", "float16", [1024], [1],
+                                                      window=10)] == [("sliding", 10)]
+    assert all(w.alibi for w in B.sweep("llama-3-8b", "float16", [1024], [1], alibi=True))
+    assert all(w.alibi for w in B.sweep("bloom-7b1", "float16", [1024], [1]))
+    row = B.empty_row(points[-1], "gpt-oss-20b")
+    assert row["layer"] == "full"
+
+
 def test_page_size_option(runner):
     """--page-size reaches the workloads of check and bench (and the replay command)."""
     from cupydecode.check import _row_skeleton, repro_command

@@ -36,19 +36,23 @@ def test_check_single_varlen(runner, tmp_path):
 
 
 def test_check_soft_cap_of_the_model(runner, tmp_path):
-    """gemma-2-9b's cap of 50 on logits past it; the row records it; --soft-cap 0 drops it."""
+    """gemma-2-9b's cap of 50 on logits past it, on both its layer types (the sliding one with
+    its window); the rows record it; --soft-cap 0 drops it."""
     out = tmp_path / "cap.json"
     args = ["check", "--model", "gemma-2-9b", "--seqlen", "600", "--batch", "2", "--q-scale",
             "60", "--json", str(out)]
     result = runner.invoke(cli.main, args)
     assert result.exit_code == 0, result.output
-    (row,) = json.loads(out.read_text())["rows"]
-    assert row["logits_soft_cap"] == 50.0 and row["passed"] and "cap=50" in result.output
-    assert row["max_abs_lse"] < 50 + np.log(600)  # every logit capped below 50
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["window_left"] for r in rows] == [4095, None], rows
+    assert "gemma-2-9b sliding" in result.output and "gemma-2-9b full" in result.output
+    for row in rows:
+        assert row["logits_soft_cap"] == 50.0 and row["passed"] and "cap=50" in result.output
+        assert row["max_abs_lse"] < 50 + np.log(600)  # every logit capped below 50
     result = runner.invoke(cli.main, args[:-2] + ["--soft-cap", "0", "--json", str(out)])
     assert result.exit_code == 0, result.output
-    (row,) = json.loads(out.read_text())["rows"]
-    assert row["logits_soft_cap"] is None and row["max_abs_lse"] > 100
+    for row in json.loads(out.read_text())["rows"]:
+        assert row["logits_soft_cap"] is None and row["max_abs_lse"] > 100
 
 
 def test_check_replay_uses_the_same_data(runner, tmp_path):
