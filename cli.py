@@ -1,3 +1,0 @@
-from cupydecode.cli import main
-
-main()
