@@ -38,6 +38,7 @@ MIN_CHUNK = 64       # one tile per warp: a split sweep on the H200 found 64-tok
 MAX_SPLITS = 4096
 MAX_TOKENS = 2**30   # token counts are int32 in the kernels, with headroom for chunk arithmetic
 MAX_BATCH = 65535    # sequences are the grid's z dimension
+MAX_Q_LEN = 64       # query tokens per sequence (draft tokens verified in one call)
 LOG2E = 1.4426950408889634  # the kernels take softmax_scale · log2(e) (scores in log2 units)
 # Any split plan ends in a merge whose fixed tail (partials out, arrival count, merge) costs
 # ~2–3 µs on the H200, the time to stream ~8 MB at ~4.5 TB/s: charged to every plan with s > 1.
@@ -92,6 +93,7 @@ class SplitKernelConfig:
     soft_cap: bool = False  # score_mod caps the scores (logits_soft_cap)
     alibi: bool = False  # score_mod adds ALiBi's linear bias (alibi_slopes)
     paged: bool = False  # the KV view reads a paged cache through a block table
+    multi_q: bool = False  # q_len > 1 query tokens per sequence (MULTI_Q)
 
     @property
     def width(self) -> int:
@@ -148,6 +150,7 @@ class SplitKernelConfig:
             "SOFT_CAP": int(self.soft_cap),
             "ALIBI": int(self.alibi),
             "PAGED": int(self.paged),
+            **({"MULTI_Q": 1} if self.multi_q else {}),
         }
 
 
@@ -308,8 +311,9 @@ def compile_check_configs() -> list[SplitKernelConfig]:
         configs += [split_kernel_config("float32", d), split_kernel_config("float16", d),
                     split_kernel_config("float16", d, group=1),
                     split_kernel_config("float16", d, LONG_CHUNK, m_tiles=2)]
-    return configs + [replace(c, soft_cap=True, alibi=True, paged=True) for c in configs
-                      if c.l2_evict_first]
+    return configs + [replace(c, soft_cap=True, alibi=True, paged=True,
+                              multi_q=c.kv_per_block == 1)
+                      for c in configs if c.l2_evict_first]
 
 
 # head_dims the compile checks build besides the widths: the smallest, and models' (StableLM and
@@ -538,7 +542,7 @@ def fixed_split_size(max_seqlen: int, split_size: int) -> tuple[int, int]:
 def plan_shape(dtype: str, head_dim: int, group: int, batch: int, num_kv_heads: int,
                max_seqlen: int, num_sms: int, blocks_per_sm, num_splits: int | None = None,
                split_size: int | None = None, merge: str = "auto",
-               programmatic: bool = False) -> tuple[int, int, int, int]:
+               programmatic: bool = False, kv_groups: bool = True) -> tuple[int, int, int, int]:
     """``(m_tiles, num_splits, chunk_tokens, kv_per_block)`` of a plan: the split count forced,
     fixed by ``split_size``, or chosen by :func:`choose_num_splits` for the block shape of each candidate
     ``m_tiles`` (``blocks_per_sm(config)``: resident blocks of that shape per SM, from the
@@ -547,7 +551,9 @@ def plan_shape(dtype: str, head_dim: int, group: int, batch: int, num_kv_heads: 
     ``programmatic``: the merge kernel is launched as a programmatic dependent (merge_mode).
     One-M-tile plans then take blocks of several KV heads where :func:`kv_per_block` says so and
     the split count chosen again for their fewer blocks pays for its merge (:func:`kv_group_pays`);
-    never where the split count or size is the caller's."""
+    never where the split count or size is the caller's, nor without ``kv_groups`` (``group``
+    is then the q_len · G query rows of several query tokens per KV head: MULTI_Q blocks hold
+    one KV head)."""
     forced = num_splits is not None or split_size is not None
     for mt in dict.fromkeys((m_tiles(dtype, head_dim, group), 1)):
         if num_splits is not None:
@@ -564,7 +570,8 @@ def plan_shape(dtype: str, head_dim: int, group: int, batch: int, num_kv_heads: 
         if mt > 1 and chunk >= MTILE_MIN_CHUNK:
             return mt, splits, chunk, 1
         if mt == 1:
-            kpb = kv_per_block(dtype, head_dim, group, num_kv_heads, splits, chunk, forced)
+            kpb = (kv_per_block(dtype, head_dim, group, num_kv_heads, splits, chunk, forced)
+                   if kv_groups else 1)
             if kpb > 1 and not forced:
                 units = batch * (num_kv_heads // kpb)
                 bps = blocks_per_sm(split_kernel_config(dtype, head_dim, group=group,

@@ -11,8 +11,8 @@ import numbers
 
 import numpy as np
 
-from ._policy import (DTYPE_IDS, HEAD_DIMS_TEXT, LOG2E, MAX_BATCH, MAX_SPLITS, MAX_TOKENS,
-                      SUPPORTED_HEAD_DIMS)
+from ._policy import (DTYPE_IDS, HEAD_DIMS_TEXT, LOG2E, MAX_BATCH, MAX_Q_LEN, MAX_SPLITS,
+                      MAX_TOKENS, SUPPORTED_HEAD_DIMS)
 
 
 _DTYPE_NAMES: dict = {}
@@ -301,7 +301,8 @@ def _check_decode_inputs(q, k_cache, v_cache, paged: bool = False):
     q = as_device_array(q, "q")
     k = as_device_array(k_cache, "k_cache")
     v = as_device_array(v_cache, "v_cache")
-    check_ndim(q, "q", 3, "(batch, num_heads, head_dim)")
+    if q.ndim != 4:  # one query token per sequence, or q_len of them
+        check_ndim(q, "q", 3, "(batch, num_heads, head_dim) or (batch, q_len, num_heads, head_dim)")
     cache = ("(num_pages, page_size, num_kv_heads, head_dim) (a paged cache: block_table given)"
              if paged else "(batch, max_seqlen, num_kv_heads, head_dim)")
     check_ndim(k, "k_cache", 4, cache)
@@ -310,7 +311,9 @@ def _check_decode_inputs(q, k_cache, v_cache, paged: bool = False):
     for name, a in (("k_cache", k), ("v_cache", v)):
         if dtype_name(a.dtype) != dt:
             fail(TypeError, name, f"the dtype of q ({dt})", dtype_name(a.dtype))
-    batch, num_heads, head_dim = q.shape
+    batch, q_len, num_heads, head_dim = q.shape if q.ndim == 4 else (q.shape[0], 1, *q.shape[1:])
+    if not 1 <= q_len <= MAX_Q_LEN:
+        fail(ValueError, "q", f"q_len (its second axis of four) in [1, {MAX_Q_LEN}]", q_len)
     if head_dim not in SUPPORTED_HEAD_DIMS:
         fail(ValueError, "q", f"head_dim {HEAD_DIMS_TEXT}", head_dim)
     kb, max_seqlen, num_kv_heads, kd = k.shape
@@ -334,11 +337,12 @@ def _check_decode_inputs(q, k_cache, v_cache, paged: bool = False):
         fail(ValueError, "q", f"batch <= {MAX_BATCH} (one grid row per sequence)", batch)
     if num_kv_heads < 1 or num_heads % num_kv_heads:
         fail(ValueError, "k_cache", f"num_kv_heads dividing num_heads={num_heads}", num_kv_heads)
-    check_vector_layout(q, "q", (0, 1))
+    check_vector_layout(q, "q", tuple(range(q.ndim - 1)))
     check_vector_layout(k, "k_cache", (0, 1, 2))
     check_vector_layout(v, "v_cache", (0, 1, 2))
     check_same_device({"q": q, "k_cache": k, "v_cache": v})
-    shape = dict(batch=batch, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
+    shape = dict(batch=batch, q_len=q_len, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                 head_dim=head_dim)
     if paged:
         return q, k, v, dt, dict(shape, page_size=max_seqlen, num_pages=kb)
     return q, k, v, dt, dict(shape, max_seqlen=max_seqlen)
@@ -401,6 +405,26 @@ def check_block_table(block_table, batch: int, page_size: int, num_pages: int,
     return arr, (arr.strides[0] // arr.itemsize if batch > 1 else 0), max_pages
 
 
+def check_lengths_fit(cache_seqlens, q_len: int) -> None:
+    """With ``q_len`` query tokens per sequence, host-given lengths (an int or a host sequence)
+    must hold them: each query token is one of its sequence's last q_len tokens (device lengths
+    are never read: a shorter sequence's first query rows then attend nothing)."""
+    if q_len == 1 or cache_seqlens is None or isinstance(cache_seqlens, bool):
+        return
+    if isinstance(cache_seqlens, numbers.Integral):
+        least = int(cache_seqlens)
+    elif isinstance(cache_seqlens, (list, tuple, np.ndarray)) and len(cache_seqlens):
+        values = np.asarray(cache_seqlens)
+        if not np.issubdtype(values.dtype, np.integer):
+            return  # check_seqlens names the type
+        least = int(values.min())
+    else:
+        return
+    if least < q_len:
+        fail(ValueError, "cache_seqlens", f"lengths >= q_len={q_len} (the query tokens are each "
+             f"sequence's last {q_len}, already in the cache)", f"a length of {least}")
+
+
 def check_seqlens(cache_seqlens, batch: int, max_seqlen: int, allow_host_array: bool = True):
     """Return ``(device_array_or_None, int_value)`` for the kernel's (seqlens, seqlen_all).
 
@@ -459,14 +483,22 @@ def new_token_strides(x) -> tuple[int, int, int]:
     return x.strides[0] // es, (x.strides[1] // es if x.ndim == 4 else 0), x.strides[-2] // es
 
 
-def check_new_tokens(k_new, v_new, batch: int, num_kv_heads: int, head_dim: int, dtype: str):
+def check_new_tokens(k_new, v_new, batch: int, num_kv_heads: int, head_dim: int, dtype: str,
+                     q_len: int = 1):
     """``k_new``, ``v_new``: the new token of each sequence, to be written into the cache at
     position cache_seqlens[b] and attended (the split kernel reads and writes them). Each is (batch, 1,
     num_kv_heads, head_dim) or (batch, num_kv_heads, head_dim), of the cache's ``dtype``, on the
     current device, last dimension contiguous, base pointer and batch/head strides 16-byte aligned
     (rows are copied as 16-byte vectors); nothing is ever copied to make them so. Returns
     ``(k_new, v_new, (kn_sb, kn_ss, kn_sh, vn_sb, vn_ss, vn_sh))``, strides in elements. Inputs
-    that passed are remembered by their :func:`new_key` (and the current device)."""
+    that passed are remembered by their :func:`new_key` (and the current device). With several
+    query tokens (``q_len`` > 1) nothing is appended in the call: the draft tokens' K and V go
+    into the cache first."""
+    if q_len > 1:
+        name = "k_new" if k_new is not None else "v_new"
+        fail(ValueError, name, f"None with q_len={q_len} query tokens (appending is for one "
+             "token per sequence: write the draft tokens' K and V into the cache first, and "
+             "pass cache_seqlens that count them)", "an array")
     if (k_new is None) != (v_new is None):
         given, missing = ("k_new", "v_new") if v_new is None else ("v_new", "k_new")
         fail(ValueError, missing, f"a GPU array like {given} (appending takes both k_new and "

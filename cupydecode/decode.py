@@ -137,7 +137,7 @@ class DecodePlan:
                  max_seqlen: int, dtype, num_splits: int | None = None,
                  split_size: int | None = None, merge: str = "auto", enable_pdl: bool = False,
                  *, logits_soft_cap: float | None = None, page_size: int | None = None,
-                 window_left: int | None = None, alibi: bool = False):
+                 window_left: int | None = None, alibi: bool = False, q_len: int = 1):
         cupy = _kernels.import_cupy()
 
         self.batch = V.check_int(batch, "batch", 0, _policy.MAX_BATCH)
@@ -167,12 +167,16 @@ class DecodePlan:
         if not isinstance(alibi, bool):
             V.fail(TypeError, "alibi", "True or False", repr(alibi))
         self.alibi = alibi
-        # the tokens a sequence's attention reads at most: the splits are sized from these
+        self.q_len = V.check_int(q_len, "q_len", 1, _policy.MAX_Q_LEN)
+        # the tokens a sequence's attention reads at most: the splits are sized from these (a
+        # window: the first query token's W + 1 and the q_len − 1 after it)
         self.span = (self.max_seqlen if self.window_left is None
-                     else min(self.max_seqlen, self.window_left + 1))
+                     else min(self.max_seqlen, self.window_left + self.q_len))
         self.page_size = (None if page_size is None
                           else V.check_int(page_size, "page_size", 1, _policy.MAX_TOKENS))
         self.group = self.num_heads // self.num_kv_heads
+        # a KV head's query rows: its G heads of each of the q_len tokens (blocks tile these)
+        rows_g = self.q_len * self.group
         try:
             self.device_id = cupy.cuda.Device().id
         except cupy.cuda.runtime.CUDARuntimeError as exc:  # no driver, no GPU: say so plainly
@@ -195,19 +199,19 @@ class DecodePlan:
         # split kernel: its blocks are then resident and waiting when the split kernel ends
         programmatic = _kernels.programmatic_launch_supported(self.device_id)
         self.m_tiles, self.num_splits, self.chunk_tokens, self.kv_per_block = _policy.plan_shape(
-            self.dtype, self.head_dim, self.group, self.batch, self.num_kv_heads, self.span,
+            self.dtype, self.head_dim, rows_g, self.batch, self.num_kv_heads, self.span,
             _sm_count(self.device_id), lambda cfg: _blocks_per_sm(cfg, self.device_id),
-            num_splits, split_size, merge, programmatic)
-        self.head_tiles = _policy.head_tiles(self.group, self.m_tiles)
+            num_splits, split_size, merge, programmatic, kv_groups=self.q_len == 1)
+        self.head_tiles = _policy.head_tiles(rows_g, self.m_tiles)
         kpb = self.kv_per_block  # KV heads per block (1, or _policy.KV_GROUP)
         # a block of several KV heads takes all of their query heads (one head tile), and the
         # grid below has one block per kpb KV heads: anything else would leave heads unwritten
         assert kpb == 1 or (self.num_kv_heads % kpb == 0 and self.head_tiles == 1), (
             kpb, self.num_kv_heads, self.head_tiles)
-        rows_per_block = _policy.block_rows(self.group, self.m_tiles, kpb)
+        rows_per_block = _policy.block_rows(rows_g, self.m_tiles, kpb)
         # The block shape depends on how long each block streams.
         self.config = _policy.split_kernel_config(self.dtype, self.head_dim, self.chunk_tokens,
-                                                  self.m_tiles, self.group, kpb)
+                                                  self.m_tiles, rows_g, kpb)
         kv_bytes = (2 * self.batch * self.span * self.num_kv_heads * self.head_dim
                     * _policy.ITEMSIZE[self.dtype])  # what a run reads at most
         if not _policy.l2_evict_first(self.dtype, kv_bytes):
@@ -218,9 +222,11 @@ class DecodePlan:
             self.config = dataclasses.replace(self.config, alibi=True)
         if self.page_size is not None:
             self.config = dataclasses.replace(self.config, paged=True)
+        if self.q_len > 1:
+            self.config = dataclasses.replace(self.config, multi_q=True)
         self.merge = _policy.merge_mode(self.num_splits, rows_per_block, self.head_dim,
                                         self.config.num_warps, merge, programmatic)
-        rows = self.batch * self.num_heads
+        rows = self.batch * self.q_len * self.num_heads
         self._merge_call = None        # prepared launch of merge_states.cu (merge == "kernel")
         self.o_part = self.lse_part = self._counters = None
         self._counters_wait = None      # event of the counters' zero fill, until the first run
@@ -250,8 +256,9 @@ class DecodePlan:
                 else:
                     self._counters_wait = cupy.cuda.Event(disable_timing=True)
                     self._counters_wait.record(stream)
-        self.out = cupy.empty((self.batch, self.num_heads, self.head_dim), self.dtype)
-        self.lse = cupy.empty((self.batch, self.num_heads), cupy.float32)
+        tokens = (self.q_len,) if self.q_len > 1 else ()  # one token: (batch, num_heads, …)
+        self.out = cupy.empty((self.batch, *tokens, self.num_heads, self.head_dim), self.dtype)
+        self.lse = cupy.empty((self.batch, *tokens, self.num_heads), cupy.float32)
         self._grid = ((self.num_kv_heads // kpb) * self.head_tiles, self.num_splits, self.batch)
         # Kernel scalars that never change for this plan, packed once.
         self._static = (self.max_seqlen, self.num_heads, self.group, self.head_tiles,
@@ -270,7 +277,7 @@ class DecodePlan:
             _split_function(self.config), self._grid, (self.config.threads, 1, 1),
             self.config.smem_bytes, _PARAMS,
             programmatic=programmatic and self.enable_pdl))
-        self._shape = dict(batch=self.batch, num_heads=self.num_heads,
+        self._shape = dict(batch=self.batch, q_len=self.q_len, num_heads=self.num_heads,
                            num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
                            max_seqlen=self.max_seqlen)
 
@@ -279,6 +286,7 @@ class DecodePlan:
         cap += "" if self.page_size is None else f", page_size={self.page_size}"
         cap += "" if self.window_left is None else f", window_left={self.window_left}"
         cap += ", alibi=True" if self.alibi else ""
+        cap += "" if self.q_len == 1 else f", q_len={self.q_len}"
         return (f"DecodePlan(batch={self.batch}, num_heads={self.num_heads}, "
                 f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
                 f"max_seqlen={self.max_seqlen}, dtype={self.dtype}{cap}, "
@@ -340,7 +348,7 @@ class DecodePlan:
         out = self.out if out is None else V.check_out(out, "out", self.out.shape, self.dtype)
         lse = self.lse if lse is None else V.check_out(lse, "lse", self.lse.shape, "float32")
         new = (None if k_new is None and v_new is None else V.check_new_tokens(
-            k_new, v_new, self.batch, self.num_kv_heads, self.head_dim, self.dtype))
+            k_new, v_new, self.batch, self.num_kv_heads, self.head_dim, self.dtype, self.q_len))
         slopes = V.check_alibi_slopes(alibi_slopes, self.alibi, self.num_heads,
                                       allow_host_array=False)
         sinks = V.check_head_values(sinks, "sinks", self.num_heads, allow_host_array=False)
@@ -387,14 +395,17 @@ class DecodePlan:
 
     def _element_strides(self, q, k, v, bt_sb: int = 0, num_pages: int = 0) -> tuple:
         """The kernel's layout values: strides in elements (q's batch and head, K's and V's
-        batch — the page, paged — token and head, out's batch and head, the block table's row)
-        and the number of pages (0 unpaged), computed once per layout by the callers' caches:
-        run's ``_layouts``, flash_decode's ``_EAGER``. ``out`` is always C-contiguous
-        (``check_out``), so its strides follow from the shape (a size-1 axis's stride, whatever
-        the array reports, only ever multiplies index 0)."""
+        batch — the page, paged — token and head, out's batch and head, the block table's row,
+        q's and out's token (0 for one token)) and the number of pages (0 unpaged), computed
+        once per layout by the callers' caches: run's ``_layouts``, flash_decode's ``_EAGER``.
+        ``out`` is always C-contiguous (``check_out``), so its strides follow from the shape (a
+        size-1 axis's stride, whatever the array reports, only ever multiplies index 0)."""
         es = q.itemsize
-        return (*(x // es for x in (q.strides[0], q.strides[1], *k.strides[:3], *v.strides[:3])),
-                self.num_heads * self.head_dim, self.head_dim, bt_sb, num_pages)
+        q_sb, q_st, q_sh = ((q.strides[0], 0, q.strides[1]) if q.ndim == 3 else q.strides[:3])
+        row = self.num_heads * self.head_dim
+        return (*(x // es for x in (q_sb, q_sh, *k.strides[:3], *v.strides[:3])),
+                self.q_len * row, self.head_dim, bt_sb, q_st // es,
+                row if self.q_len > 1 else 0, num_pages)
 
     def _launch(self, q, k, v, seqlens, seqlen_all, scale, out, lse, stream, strides,
                 table=None, new=None, slopes=None, sinks=None) -> None:
@@ -429,7 +440,7 @@ class DecodePlan:
             *strides[:11], *new_strides,
             *strides[11:], seqlen_all, *self._static, *self._score_args(scale), n_new,
             self._window_arg, 0 if seqlens is None else seqlens.itemsize >> 3,
-            0 if table is None else table.itemsize >> 3)
+            0 if table is None else table.itemsize >> 3, self.q_len)
         if self._merge_call is not None:
             self._merge_call(stream.ptr, *self._part_ptrs, out.data.ptr,
                              0 if lse is None else lse.data.ptr, *self._merge_static,
@@ -449,10 +460,10 @@ _PARAMS = struct.Struct("<" + "".join(_PARAM_CODES[kind] for kind, _ in _PARAM_L
 _LAUNCH_ORDER = ("q", "k", "v", "seqlens", "o_part", "lse_part", "out", "lse_out", "counters",
                  "block_table", "k_new", "v_new", "alibi_slopes", "sinks", "q_sb", "q_sh", "k_sb", "k_ss", "k_sh", "v_sb",
                  "v_ss", "v_sh", "out_sb", "out_sh", "bt_sb", "kn_sb", "kn_ss", "kn_sh", "vn_sb",
-                 "vn_ss", "vn_sh", "num_pages", "seqlen_all", "max_seqlen",
+                 "vn_ss", "vn_sh", "q_st", "out_st", "num_pages", "seqlen_all", "max_seqlen",
                  "num_heads", "group", "head_tiles", "chunk_tokens", "page_size", "scale_log2",
                  "warps_in_step", "soft_cap_in", "soft_cap_out", "n_new",
-                 "window_left", "seqlens_64", "table_64")
+                 "window_left", "seqlens_64", "table_64", "q_len")
 if _PARAM_LIST and tuple(name for _, name in _PARAM_LIST) != _LAUNCH_ORDER:
     raise ImportError("kernels/decode_params.cuh and DecodePlan._launch disagree on the split "
                       f"kernel's parameters: {[n for _, n in _PARAM_LIST]} vs {list(_LAUNCH_ORDER)}")
@@ -500,7 +511,7 @@ def _cached_plan(shape: dict, dtype: str, num_splits, split_size, soft_cap, wind
                               shape["head_dim"], shape["max_seqlen"], dtype,
                               num_splits=num_splits, split_size=split_size,
                               logits_soft_cap=soft_cap, page_size=shape.get("page_size"),
-                              window_left=window, alibi=alibi)
+                              window_left=window, alibi=alibi, q_len=shape["q_len"])
             _PLAN_CACHE[key] = plan
             if len(_PLAN_CACHE) > _PLAN_CACHE_SIZE:
                 _PLAN_CACHE.popitem(last=False)
@@ -612,17 +623,24 @@ def flash_decode(q: ArrayLike, k_cache: ArrayLike, v_cache: ArrayLike,
             table, bt_sb, max_pages = V.check_block_table(block_table, shape["batch"],
                                                           shape["page_size"], num_pages)
             shape["max_seqlen"] = max_pages * shape["page_size"]
+    q_len = shape["q_len"]
+    V.check_lengths_fit(cache_seqlens, q_len)
     seqlens, seqlen_all = V.check_seqlens(cache_seqlens, shape["batch"], shape["max_seqlen"])
     scale = V.check_scale(softmax_scale, shape["head_dim"])
     num_splits, split_size = V.check_splits(num_splits, split_size)
     new = (None if k_new is None and v_new is None else V.check_new_tokens(
-        k_new, v_new, shape["batch"], shape["num_kv_heads"], shape["head_dim"], dt))
+        k_new, v_new, shape["batch"], shape["num_kv_heads"], shape["head_dim"], dt, q_len))
     slopes = V.check_alibi_slopes(alibi_slopes, alibi, shape["num_heads"])
     sinks = V.check_head_values(sinks, "sinks", shape["num_heads"])
-    out_shape = (shape["batch"], shape["num_heads"], shape["head_dim"])
+    # out and lse follow q: (batch, [q_len,] num_heads, head_dim), (batch, [q_len,] num_heads)
+    out_shape = tuple(q.shape)
     # dtype objects, not names: CuPy parses a name on every call
     out = cupy.empty(out_shape, q.dtype) if out is None else V.check_out(out, "out", out_shape, dt)
-    lse = cupy.empty(out_shape[:2], _FLOAT32) if return_lse else None
+    lse = cupy.empty(out_shape[:-1], _FLOAT32) if return_lse else None
+    ret_out, ret_lse = out, lse
+    if q.ndim == 4 and q_len == 1:  # one token in the 4-dimensional layout: the 3-d plan's views
+        out = out.reshape(out_shape[0], *out_shape[2:])
+        lse = None if lse is None else lse.reshape(out_shape[0], out_shape[2])
     if stream is None:
         stream = cupy.cuda.get_current_stream()
         ptr = stream.ptr
@@ -637,7 +655,7 @@ def flash_decode(q: ArrayLike, k_cache: ArrayLike, v_cache: ArrayLike,
             _EAGER[key] = (dt, shape, plan, strides)
     plan._launch(q, k, v, seqlens, seqlen_all, scale, out, lse, stream, strides, table, new,
                  slopes, sinks)
-    return (out, lse) if return_lse else out
+    return (ret_out, ret_lse) if return_lse else ret_out
 
 
 def merge_states(o_parts: ArrayLike, lse_parts: ArrayLike, *,

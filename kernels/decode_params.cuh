@@ -12,7 +12,7 @@
 #pragma once
 
 #define CD_DECODE_PARAMS(X)                                                                   \
-    X(PTR, const q_t*, q)            /* (batch, num_heads, head_dim) */                       \
+    X(PTR, const q_t*, q)            /* (batch, num_heads, head_dim); MULTI_Q: (batch, q_len, …) */ \
     X(PTR, const kv_t*, k)           /* (batch, max_seqlen, kv heads, dim); PAGED: pages */   \
     X(PTR, const kv_t*, v)                                                                    \
     X(PTR, const int*, seqlens)      /* (batch,) lengths (int64: seqlens_64); null: all */    \
@@ -43,6 +43,8 @@
     X(I64, long long, vn_sb)                                                                  \
     X(I64, long long, vn_ss)                                                                  \
     X(I64, long long, vn_sh)                                                                  \
+    X(I64, long long, q_st)          /* MULTI_Q: q's and out's token strides */               \
+    X(I64, long long, out_st)                                                                 \
     X(I32, int, num_pages)           /* PAGED: pages in the cache; other indices read nothing */ \
     X(I32, int, seqlen_all)                                                                   \
     X(I32, int, max_seqlen)                                                                   \
@@ -58,7 +60,8 @@
     X(I32, int, n_new)               /* new tokens per sequence (k_new, v_new); 0: none */    \
     X(I32, int, window_left)         /* W ≥ 0: only keys ≥ position − W; −1: no window */    \
     X(I32, int, seqlens_64)          /* 1: seqlens holds int64 lengths (torch's default) */  \
-    X(I32, int, table_64)            /* PAGED, 1: block_table holds int64 page indices */
+    X(I32, int, table_64)            /* PAGED, 1: block_table holds int64 page indices */     \
+    X(I32, int, q_len)               /* MULTI_Q: query tokens per sequence (else 1) */
 
 #define CD_PARAM_FIELD(kind, type, name) type name;
 #define CD_PARAM_SIZE(kind, type, name) +sizeof(type)

@@ -140,6 +140,9 @@ static_assert(sizeof(q_t) == sizeof(kv_t), "the tile math multiplies q and K/V o
 #if DTYPE_ID == 2 && MTILES != 1
 #error "the float32 path holds one M-tile per block"
 #endif
+#if MULTI_Q && KV_PER_BLOCK > 1
+#error "MULTI_Q blocks hold one KV head (a block of several maps its rows to one token's heads)"
+#endif
 #if HEADS_AS_N && (DTYPE_ID == 2 || MTILES != 1)
 #error "HEADS_AS_N is a 16-bit tensor-core path of one M-tile per block"
 #endif
@@ -235,26 +238,77 @@ __device__ __forceinline__ float warp_sum16(float x) {
 #ifndef ALIBI
 #define ALIBI 0
 #endif
+// MULTI_Q (0 or 1): q_len > 1 query tokens per sequence (verifying draft tokens). A KV head's
+// query rows are then its q_len × G (token, head) pairs: row vr = t·G + h of KV head u is query
+// head u·G + h of token t, which sits at position seqlen − q_len + t and attends the keys up to
+// it (causal, aligned to the end), and with a window only the last W + 1 of those. Every path
+// takes these rows as it takes the G heads of one token (the host sizes tiles by q_len · G);
+// only the score hook (each row's own key range and position), the Q load and the epilogue's
+// addresses know the pairs. Without it (one token) the code is what it was.
+#ifndef MULTI_Q
+#define MULTI_Q 0
+#endif
+struct cd_qrow {
+    int t, head;  // the row's query token and query head
+};
+// query row vh (KV head vh / vgroup, row vh % vgroup of its q_len · G): its token and head
+__device__ __forceinline__ cd_qrow qrow_of(int vh, int group, int vgroup) {
+#if MULTI_Q
+    const int vr = vh % vgroup;
+    return {vr / group, (vh / vgroup) * group + vr % group};
+#else
+    (void)group;
+    (void)vgroup;
+    return {0, vh};
+#endif
+}
 struct cd_score_params {
     float scale_log2;  // softmax scale · log2(e)
     int chunk_end;     // keys at or past this position do not count
     float cap_in;      // SOFT_CAP: 2·log2(e) · scale / c
     float cap_out;     // SOFT_CAP: c · log2(e)
     const float* __restrict__ slopes;  // ALIBI: (num_heads,) slopes
-    int pos;           // ALIBI: the query's position, seqlen − 1
-};
-__device__ __forceinline__ float score_mod(float qk, int key, int head,
-                                           const cd_score_params& sp) {
-    (void)head;
-#if SOFT_CAP
-    float s = sp.cap_out - __fdividef(2.f * sp.cap_out, cd_exp2(qk * sp.cap_in) + 1.f);
-#else
-    float s = qk * sp.scale_log2;
+    int pos;           // the position of query token 0: seqlen − q_len (ALIBI, MULTI_Q)
+#if MULTI_Q
+    int group, vgroup; // G and q_len · G: a row's token and head (qrow_of)
+    int window;        // window_left W ≥ 0, or −1: each row's first key is its position − W
 #endif
+};
+__device__ __forceinline__ float cd_raw_score(float qk, const cd_score_params& sp) {
+#if SOFT_CAP
+    return sp.cap_out - __fdividef(2.f * sp.cap_out, cd_exp2(qk * sp.cap_in) + 1.f);
+#else
+    return qk * sp.scale_log2;
+#endif
+}
+// ``row``: the score's query row, its query head (one token per sequence).
+__device__ __forceinline__ float score_mod(float qk, int key, int row,
+                                           const cd_score_params& sp);
+#if MULTI_Q
+// MULTI_Q: the row's (token, head) pair (qrow_of, computed once per row, out of the tile loop)
+__device__ __forceinline__ float score_mod(float qk, int key, cd_qrow row,
+                                           const cd_score_params& sp) {
+    float s = cd_raw_score(qk, sp);
+    const int pos = sp.pos + row.t;  // this row's position: keys after it do not count
 #if ALIBI
-    s -= __ldg(sp.slopes + head) * CD_LOG2E * (float)(sp.pos - key);
+    s -= __ldg(sp.slopes + row.head) * CD_LOG2E * (float)(pos - key);
+#endif
+    const bool in = key < sp.chunk_end && key <= pos && (sp.window < 0 || key >= pos - sp.window);
+    return in ? s : CD_NEG_INF;
+}
+#endif
+__device__ __forceinline__ float score_mod(float qk, int key, int row,
+                                           const cd_score_params& sp) {
+#if MULTI_Q
+    return score_mod(qk, key, qrow_of(row, sp.group, sp.vgroup), sp);
+#else
+    (void)row;
+    float s = cd_raw_score(qk, sp);
+#if ALIBI
+    s -= __ldg(sp.slopes + row) * CD_LOG2E * (float)(sp.pos - key);
 #endif
     return key < sp.chunk_end ? s : CD_NEG_INF;
+#endif
 }
 
 // The KV view's mask (PAGED): a score of tile row r whose page index was out of range is −inf,
@@ -446,18 +500,27 @@ cd_decode_split(const cd_decode_params p) {
     // unit: the block's group of KV_PER_BLOCK KV heads (one KV head where KV_PER_BLOCK is 1)
     const int unit = blockIdx.x / head_tiles, b = blockIdx.z, batch = gridDim.z;
     const int num_units = gridDim.x / head_tiles, num_splits = gridDim.y;
+#if MULTI_Q
+    const int q_len = p.q_len;  // query tokens per sequence
+#else
+    constexpr int q_len = 1;
+#endif
+    const int vgroup = q_len * group;  // query rows of a KV head: q_len tokens × G heads
     const int row0 = head_tile * BLOCK_ROWS;               // first row of this tile in the group
     // live query rows in this block: its M-tiles' rows, or all query heads of its KV heads
-    const int rows = KV_PER_BLOCK > 1 ? KV_PER_BLOCK * group : min(BLOCK_ROWS, group - row0);
+    const int rows = KV_PER_BLOCK > 1 ? KV_PER_BLOCK * group : min(BLOCK_ROWS, vgroup - row0);
     const int mt = warp % MTILES;                          // this warp's M-tile
     const int ring_id = warp / MTILES;                     // its ring (its slot's, for M-tiles)
     const int slot = ring_id / KV_PER_BLOCK;               // its token slot
     const int kh = ring_id % KV_PER_BLOCK;                 // its KV head within the block
     const int kv_head = unit * KV_PER_BLOCK + kh;          // the KV head this warp computes
-    const int h0 = unit * KV_PER_BLOCK * group + row0;     // the block's first query head
+    // the block's first query row: its first query head (MULTI_Q: a row of qrow_of)
+    const int h0 = unit * KV_PER_BLOCK * vgroup + row0;
     // A block of several KV heads holds 8 query rows per KV head (the mma's N): a launch with
     // more (a host bug) must not index past them, even on an empty chunk.
     if (KV_PER_BLOCK > 1 && group > 8) __trap();
+    // MULTI_Q plans never append (the host refuses k_new there): a launch that does is a host bug
+    if (MULTI_Q && p.n_new) __trap();
     // Once every block of this grid has passed here (so none is left to be scheduled), a merge
     // kernel launched after it may start and wait on the SMs for this grid's end (common.cuh).
     cd_launch_dependents();
@@ -484,11 +547,16 @@ cd_decode_split(const cd_decode_params p) {
     seqlen += min(p.n_new, max_seqlen - seqlen);
     // A window (window_left W ≥ 0) keeps the keys [seqlen − 1 − W, seqlen): the splits cover only
     // those (the host sizes them from min(max_seqlen, W + 1)), so nothing before is read at all.
-    const int lo = p.window_left >= 0 ? max(0, seqlen - 1 - p.window_left) : 0;
+    // (MULTI_Q: from the first query token's window, seqlen − q_len − W; each row masks the rest)
+    const int lo = p.window_left >= 0 ? max(0, seqlen - q_len - p.window_left) : 0;
     const int chunk_start = lo + split * chunk_tokens;
     const int chunk_end = min(chunk_start + chunk_tokens, seqlen);
     const cd_score_params score_params{scale_log2, chunk_end, p.soft_cap_in, p.soft_cap_out,
-                                       p.alibi_slopes, seqlen - 1};
+                                       p.alibi_slopes, seqlen - q_len
+#if MULTI_Q
+                                       , group, vgroup, p.window_left
+#endif
+    };
 
     float* sm_acc = reinterpret_cast<float*>(smem + Q_BYTES);                // aliases the ring
     float* sm_m = reinterpret_cast<float*>(smem + Q_BYTES + BODY_BYTES);
@@ -707,9 +775,11 @@ cd_decode_split(const cd_decode_params p) {
             // shared row r: the block's row r, or query head r % 8 of the block's KV head r / 8
             const bool live = KV_PER_BLOCK > 1 ? (r & 7) < group : r < rows;
             const int qh = KV_PER_BLOCK > 1 ? h0 + (r >> 3) * group + (r & 7) : h0 + r;
+            const cd_qrow qr = qrow_of(qh, group, vgroup);
             uint4 val = make_uint4(0u, 0u, 0u, 0u);
             if (live && CHUNK_IN_MEMORY(c))
-                val = *reinterpret_cast<const uint4*>(q + b * q_sb + (long long)qh * q_sh + c * EPC);
+                val = *reinterpret_cast<const uint4*>(q + b * q_sb + qr.t * p.q_st
+                                                      + (long long)qr.head * q_sh + c * EPC);
 #if DTYPE_ID != 2
             reinterpret_cast<uint4*>(sq)[swz(r, c)] = val;
 #else
@@ -778,6 +848,14 @@ cd_decode_split(const cd_decode_params p) {
         // The state of query heads 2t, 2t + 1; Oᵀ accumulators: st.acc[d][e] is head dim
         // 16d + g + 8·(e >> 1) of query head 2t + (e & 1).
         cd_tc_state<HEAD_DIM / 16, 0, 4, 16> st;
+        // the score hook's row of this thread's heads 2t (e even) and 2t + 1 (e odd)
+#if MULTI_Q
+        const cd_qrow qrow_n[2] = {qrow_of(h0 + 2 * t, group, vgroup),
+                                   qrow_of(h0 + 2 * t + 1, group, vgroup)};
+#define SCORE_ROW_N(e) qrow_n[(e) & 1]
+#else
+#define SCORE_ROW_N(e) (h0 + kh * group + 2 * t + ((e) & 1))
+#endif
         st.init();
 
         for (int i = 0; i < my_tiles; ++i) {
@@ -801,8 +879,8 @@ cd_decode_split(const cd_decode_params p) {
             float mx[2] = {CD_NEG_INF, CD_NEG_INF};
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                s[e] = kv_mask(score_mod(s[e] + s_odd[e], t0 + g + 8 * (e >> 1),
-                                         h0 + kh * group + 2 * t + (e & 1), score_params),
+                s[e] = kv_mask(score_mod(s[e] + s_odd[e], t0 + g + 8 * (e >> 1), SCORE_ROW_N(e),
+                                         score_params),
                                live, g + 8 * (e >> 1));
                 mx[e & 1] = fmaxf(mx[e & 1], s[e]);
             }
@@ -845,6 +923,14 @@ cd_decode_split(const cd_decode_params p) {
         (void)loop_tiles;  // one M-tile per block here: no slot ever idles
 #else
         cd_tc_state<HEAD_DIM / 8, 1, 1, 2> st;  // rows g, g + 8; st.acc[n][e]: row g + 8 · (e >> 1)
+        // the score hook's row of this thread's rows g (e < 2) and g + 8 (e ≥ 2)
+#if MULTI_Q
+        const cd_qrow qrow_m[2] = {qrow_of(h0 + mt * ROWS + g, group, vgroup),
+                                   qrow_of(h0 + mt * ROWS + g + 8, group, vgroup)};
+#define SCORE_ROW_M(e) qrow_m[(e) >> 1]
+#else
+#define SCORE_ROW_M(e) (h0 + mt * ROWS + g + 8 * ((e) >> 1))
+#endif
         st.init();
 
 #if HEAD_DIM <= 128
@@ -885,7 +971,7 @@ cd_decode_split(const cd_decode_params p) {
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     s[j][e] = kv_mask(score_mod(s[j][e], t0 + 8 * j + 2 * t + (e & 1),
-                                                h0 + mt * ROWS + g + 8 * (e >> 1), score_params),
+                                                SCORE_ROW_M(e), score_params),
                                       live, 8 * j + 2 * t + (e & 1));
                     mx[e >> 1] = fmaxf(mx[e >> 1], s[j][e]);
                 }
@@ -931,6 +1017,8 @@ cd_decode_split(const cd_decode_params p) {
                 make_float2(st.acc[n][2], st.acc[n][3]);
         }
 #endif  // HEADS_AS_N
+#undef SCORE_ROW_N
+#undef SCORE_ROW_M
 #else
         // ---------------------------------------------------------------- float32 path
         (void)loop_tiles;  // one M-tile per block here: no slot ever idles
@@ -1028,11 +1116,22 @@ cd_decode_split(const cd_decode_params p) {
         return KV_PER_BLOCK > 1 ? (R / group + t * KV_PER_BLOCK) * ROWS + R % group
                                 : (R / ROWS + t * MTILES) * ROWS + R % ROWS;
     };
+#if MULTI_Q
+    __shared__ int s_qt[BLOCK_ROWS], s_qh[BLOCK_ROWS];  // each row's token and head (qrow_of)
+#endif
     if (tid < rows) {
         const int R = tid;
+#if MULTI_Q
+        const cd_qrow qr = qrow_of(h0 + R, group, vgroup);
+        s_qt[R] = qr.t;
+        s_qh[R] = qr.head;
+        const int head = qr.head;
+#else
+        const int head = h0 + R;
+#endif
         // A single split's output is final: its sink (sinks: a logit per query head, a key with
         // no value) joins here. Partials never hold it: the merge adds it once (cd_merge_sink).
-        const float sink2 = !o_part && p.sinks ? p.sinks[h0 + R] * CD_LOG2E : CD_NEG_INF;
+        const float sink2 = !o_part && p.sinks ? p.sinks[head] * CD_LOG2E : CD_NEG_INF;
         float mmax = sink2;
 #pragma unroll
         for (int t = 0; t < SLOTS; ++t) mmax = fmaxf(mmax, sm_m[wrow(R, t)]);
@@ -1051,7 +1150,22 @@ cd_decode_split(const cd_decode_params p) {
         s_lse[R] = l != 0.f ? (mmax + log2f(l)) * CD_LN2 : CD_NEG_INF;
     }
     __syncthreads();
-    const long long bh0 = (long long)b * num_heads + h0;
+    // Row r's token and head (MULTI_Q: from shared memory, above; else token 0, head h0 + r),
+    // its state: row (b·q_len + t)·num_heads + head of the (batch, q_len, num_heads) outputs (lse,
+    // each split's partials), and its output row.
+#if MULTI_Q
+    auto row_t = [&](int r) { return s_qt[r]; };
+    auto row_head = [&](int r) { return s_qh[r]; };
+#else
+    auto row_t = [](int r) { (void)r; return 0; };
+    auto row_head = [&](int r) { return h0 + r; };
+#endif
+    auto state_row = [&](int r) -> long long {
+        return ((long long)b * q_len + row_t(r)) * num_heads + row_head(r);
+    };
+    auto out_row = [&](int r) -> out_t* {
+        return out + b * out_sb + row_t(r) * p.out_st + (long long)row_head(r) * out_sh;
+    };
     if (!o_part) {  // single split: the final output, in the input dtype
         for (int i = tid; i < rows * REAL_DIM; i += NUM_THREADS) {
             const int r = i / REAL_DIM, d = i % REAL_DIM;
@@ -1061,8 +1175,8 @@ cd_decode_split(const cd_decode_params p) {
                 const float wt = sm_l[wrow(r, t)];
                 o = wt != 0.f ? fmaf(wt, sm_acc[wrow(r, t) * ACC_STRIDE + d], o) : o;
             }
-            out[b * out_sb + (long long)(h0 + r) * out_sh + d] = E::from_float(o);
-            if (lse_out && d == 0) lse_out[bh0 + r] = s_lse[r];
+            out_row(r)[d] = E::from_float(o);
+            if (lse_out && d == 0) lse_out[state_row(r)] = s_lse[r];
         }
     } else {  // partials (float32, 16-byte aligned workspace): four elements per thread
         for (int i = tid; i < rows * (REAL_DIM / 4); i += NUM_THREADS) {
@@ -1077,7 +1191,7 @@ cd_decode_split(const cd_decode_params p) {
                     o.z = fmaf(wt, a.z, o.z); o.w = fmaf(wt, a.w, o.w);
                 }
             }
-            const long long row = (long long)split * batch * num_heads + bh0 + r;
+            const long long row = (long long)split * batch * q_len * num_heads + state_row(r);
             *reinterpret_cast<float4*>(o_part + row * REAL_DIM + d) = o;
             if (d == 0) lse_part[row] = s_lse[r];
         }
@@ -1101,9 +1215,9 @@ cd_decode_split(const cd_decode_params p) {
     __syncthreads();
     if (!s_last) return;
     // the tokens the splits cover: seqlen − lo (recomputed: no register held through the loop)
-    const int covered = p.window_left >= 0 ? min(seqlen, p.window_left + 1) : seqlen;
+    const int covered = p.window_left >= 0 ? min(seqlen, p.window_left + q_len) : seqlen;
     const int live_splits = min(num_splits, (covered + chunk_tokens - 1) / chunk_tokens);
-    const long long state_rows = (long long)batch * num_heads;
+    const long long state_rows = (long long)batch * q_len * num_heads;
     // One warp per pass of a row (32 lanes × MERGE_NV elements). merge="auto" picks this merge
     // only where every warp gets at most one pass of ≤ 16 splits: one trip to L2
     // (_policy.merge_mode; FUSED_PASS there is 32 · MERGE_NV).
@@ -1111,10 +1225,11 @@ cd_decode_split(const cd_decode_params p) {
     constexpr int PASSES = (REAL_DIM + 32 * MERGE_NV - 1) / (32 * MERGE_NV);
     for (int item = warp; item < rows * PASSES; item += NUM_WARPS) {
         const int r = item / PASSES, pass = item % PASSES;
-        cd_merge_row_pass<cd_elem<2>, E, MERGE_NV>(o_part + (bh0 + r) * REAL_DIM, state_rows * REAL_DIM,
-                                           lse_part + bh0 + r, state_rows, live_splits, REAL_DIM,
-                                           pass, out + b * out_sb + (long long)(h0 + r) * out_sh,
-                                           lse_out ? lse_out + bh0 + r : nullptr, lane,
-                                           p.sinks ? p.sinks[h0 + r] * CD_LOG2E : CD_NEG_INF);
+        const long long row = state_row(r);
+        const int head = row_head(r);
+        cd_merge_row_pass<cd_elem<2>, E, MERGE_NV>(o_part + row * REAL_DIM, state_rows * REAL_DIM,
+                                           lse_part + row, state_rows, live_splits, REAL_DIM,
+                                           pass, out_row(r), lse_out ? lse_out + row : nullptr,
+                                           lane, p.sinks ? p.sinks[head] * CD_LOG2E : CD_NEG_INF);
     }
 }

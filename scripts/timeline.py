@@ -35,7 +35,7 @@ MERGE_WARPS = ("    __syncthreads();\n\n    // " + "=" * 64 + " 4. epilogue\n   
 # (anchor in decode_split.cu, text to insert, before/after the anchor)
 INJECT = [
     ("#define CD_MERGE_GROUP 16\n", "__device__ unsigned long long cd_dbg[1 << 18];\n", "before"),
-    ("    const int h0 = unit * KV_PER_BLOCK * group + row0;     // the block's first query head\n", stamp(0)
+    ("    const int h0 = unit * KV_PER_BLOCK * vgroup + row0;\n", stamp(0)
      + "    if (tid == 0) { unsigned smid_; asm volatile(\"mov.u32 %0, %%smid;\" : \"=r\"(smid_)); "
        "cd_dbg[((blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x) * 16 + 8] = smid_; }\n",
      "after"),
@@ -44,10 +44,11 @@ INJECT = [
     ("        __syncthreads();  // every warp is done with the ring before it becomes sm_acc\n",
      stamp(2, " " * 8), "after"),
     (MERGE_WARPS, stamp(6), "before"),
-    ("    const long long bh0 = (long long)b * num_heads + h0;\n", stamp(7), "before"),
+    ("    // Row r's token and head (MULTI_Q: from shared memory, above; else token 0, head h0 + r),\n",
+     stamp(7), "before"),
     ("    if (!o_part || !counters) return;\n", stamp(3, sync=True), "before"),
     ("    if (!s_last) return;\n", stamp(5), "before"),
-    ("                                           p.sinks ? p.sinks[h0 + r] * CD_LOG2E : CD_NEG_INF);\n"
+    ("                                           lane, p.sinks ? p.sinks[head] * CD_LOG2E : CD_NEG_INF);\n"
      "    }\n",
      stamp(4, sync=True), "after"),
 ]

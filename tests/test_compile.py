@@ -42,7 +42,7 @@ MERGE_CASES = list(itertools.product(range(3), range(3), (1, 4)))
 # (register allocation there is at its edge), hence one budget for it. float32 is the accuracy
 # path, not a serving one. Any other spill is a regression: the decode kernels run at the
 # memory's pace only while they keep up.
-KNOWN_SPILLS = {("float32", 256): 32}
+KNOWN_SPILLS = {("float32", 256): 48}  # (36 with every switch on, several query tokens included)
 
 
 def _check_build(result, allowed_spill: int = 0):
@@ -59,7 +59,7 @@ def _check_build(result, allowed_spill: int = 0):
                          ids=lambda c: f"{c.dtype}-D{c.head_dim}-{c.num_warps}w{c.stages}s-m{c.m_tiles}"
                                          f"-kv{c.kv_per_block}{'' if c.l2_evict_first else '-plain'}"
                                          f"{'-softcap' if c.soft_cap else ''}{'-alibi' if c.alibi else ''}"
-                                         f"{'-paged' if c.paged else ''}")
+                                         f"{'-paged' if c.paged else ''}{'-multiq' if c.multi_q else ''}")
 def test_split_kernel_compiles(nvrtc, cfg, arch):
     _check_build(_kernels.compile_for_arch("decode_split.cu", cfg.defines(), arch, ptxas_info=True),
                  KNOWN_SPILLS.get((cfg.dtype, cfg.width), 0))

@@ -378,7 +378,7 @@ def test_eager_plans_are_not_shared_across_per_thread_default_streams(cupy):
 
     from cupydecode import decode as D
 
-    shape = dict(batch=1, num_heads=8, num_kv_heads=2, head_dim=64, max_seqlen=128)
+    shape = dict(batch=1, q_len=1, num_heads=8, num_kv_heads=2, head_dim=64, max_seqlen=128)
     plans = []
 
     def cached():  # as flash_decode looks its plan up: by the current stream's handle

@@ -194,7 +194,7 @@ def _fake_plan(paged: bool):
 
     plan = object.__new__(DecodePlan)
     calls = []
-    plan.batch, plan.max_seqlen, plan.page_size = 3, 640, (16 if paged else None)
+    plan.batch, plan.max_seqlen, plan.page_size, plan.q_len = 3, 640, (16 if paged else None), 1
     plan._counters_wait, plan._counters_refill, plan._merge_call = None, False, None
     plan._part_ptrs, plan._counter_ptr = (0xA0, 0xB0), 0xC0
     plan._static = (640, 32, 4, 1, 64, plan.page_size or 0)
@@ -215,9 +215,10 @@ def test_launch_packs_the_new_tokens_into_the_split_values(paged):
     q, k, v, out, lse = (_Arr(p) for p in (0x100, 0x200, 0x300, 0x400, 0x500))
     seqlens, table = _Arr(0x600, 4), (_Arr(0x700, 4) if paged else None)
     k_new, v_new = _Arr(0x800), _Arr(0x900)
-    # element strides: q (2), K (3), V (3), out (2), the table's row, the page count
+    # element strides: q (2), K (3), V (3), out (2), the table's row, q's and out's token
+    # strides (one token: 0), the page count
     strides = (4096, 128, 8 * 81920, 8 * 1024, 8 * 128, 8 * 81920, 8 * 1024, 8 * 128, 4096, 128,
-               40 if paged else 0, 123 if paged else 0)
+               40 if paged else 0, 0, 0, 123 if paged else 0)
     new = (k_new, v_new, (1024, 0, 128, 2048, 1024, 256))
     plan._launch(q, k, v, seqlens, 640, 0.5, out, lse, _Stream(), strides, table, new)
     plan._launch(q, k, v, None, 17, 0.5, out, lse, _Stream(), strides, table)
@@ -233,6 +234,7 @@ def test_launch_packs_the_new_tokens_into_the_split_values(paged):
                                         40 if paged else 0, 123 if paged else 0)
         assert (split["max_seqlen"], split["page_size"], split["scale_log2"],
                 split["window_left"]) == (640, 16 if paged else 0, 0.72, 4095 if paged else -1)
+        assert (split["q_st"], split["out_st"], split["q_len"]) == (0, 0, 1)
         got = tuple(split[n] for n in ("k_new", "v_new", "kn_sb", "kn_ss", "kn_sh", "vn_sb",
                                        "vn_ss", "vn_sh", "n_new"))
         assert got == ((0x800, 0x900, 1024, 0, 128, 2048, 1024, 256, 1) if with_new
@@ -324,7 +326,7 @@ def test_append_values_write_the_reference_rows(layout, dtype):
     k_before = k.copy()
 
     plan = object.__new__(DecodePlan)
-    plan.batch, plan.num_heads, plan.head_dim = batch, heads, dim
+    plan.batch, plan.num_heads, plan.head_dim, plan.q_len = batch, heads, dim, 1
     plan.max_seqlen, plan.page_size = cap, (None if table is None else page)
     plan._counters_wait, plan._counters_refill, plan._merge_call = None, False, None
     plan._part_ptrs, plan._counter_ptr = (0, 0), 0
@@ -361,7 +363,7 @@ def test_launch_flags_int64_lengths():
     plan, calls = _fake_plan(False)
     q, k, v, out, lse = (_Arr(p) for p in (0x100, 0x200, 0x300, 0x400, 0x500))
     strides = (4096, 128, 8 * 81920, 8 * 1024, 8 * 128, 8 * 81920, 8 * 1024, 8 * 128, 4096, 128,
-               0, 0)
+               0, 0, 0, 0)
     plan._launch(q, k, v, _Arr(0x600, 8), 640, 0.5, out, lse, _Stream(), strides)
     split = dict(zip(_LAUNCH_ORDER, calls[0][2]))
     assert (split["seqlens"], split["seqlens_64"], split["table_64"]) == (0x600, 1, 0)
