@@ -443,13 +443,15 @@ def _torch_graph_time(torch, call, n_calls: int, trials: int = GRAPH_TRIALS, bef
 
 
 def _torch_views(torch, sets, window=None):
-    """torch tensors sharing memory with the CuPy sets: q (B,H,1,D), k/v (B,Hkv,L,D) views;
-    ``window`` W: k/v only the last W + 1 tokens (full sequences: the keys a window keeps)."""
+    """torch tensors sharing memory with the CuPy sets: q (B,H,1,D) (several query tokens:
+    (B,H,q_len,D)), k/v (B,Hkv,L,D) views; ``window`` W: k/v only the last W + 1 tokens (full
+    sequences: the keys a window keeps)."""
     views = []
     for q, k, v, *_ in sets:
         if window is not None:
             k, v = k[:, -(window + 1):], v[:, -(window + 1):]
-        tq = torch.from_dlpack(q).unsqueeze(2)
+        tq = torch.from_dlpack(q)
+        tq = tq.unsqueeze(2) if tq.dim() == 3 else tq.permute(0, 2, 1, 3)
         tk = torch.from_dlpack(k).permute(0, 2, 1, 3)
         tv = torch.from_dlpack(v).permute(0, 2, 1, 3)
         views.append((tq, tk, tv))
@@ -470,26 +472,39 @@ def torch_sdpa_times(sets, w: Workload, scale: float, n_calls: int, check, befor
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     if (w.logits_soft_cap is not None or w.page_size or w.alibi or w.sinks
-            or (w.window_left is not None and w.lengths is not None)):
+            or (w.window_left is not None and (w.lengths is not None or w.q_len > 1))):
         what = ("soft-cap" if w.logits_soft_cap is not None else "paged cache" if w.page_size
                 else "ALiBi here" if w.alibi else "sinks" if w.sinks
-                else "sliding window over ragged lengths")
+                else "sliding window over ragged lengths or several query tokens")
         return {col: (None, f"{col}: torch SDPA has no {what}") for col in PEERS["torch"][2]}
     cupy.cuda.Device().synchronize()
     # a window over full sequences: SDPA over the window's tokens (a view), what it would read
     views = _torch_views(torch, sets, w.window_left)
     gqa = w.group > 1
+    # several query tokens: the causal mask aligned to the end (the last q_len positions)
+    mask = None
+    if w.q_len > 1:
+        from torch.nn.attention.bias import causal_lower_right
+
+        mask = causal_lower_right(w.q_len, w.seqlen)
 
     def call(i):
         tq, tk, tv = views[i % len(views)]
-        return F.scaled_dot_product_attention(tq, tk, tv, scale=scale, enable_gqa=gqa)
+        if mask is None:
+            return F.scaled_dot_product_attention(tq, tk, tv, scale=scale, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(tq, tk, tv, attn_mask=mask, scale=scale,
+                                              enable_gqa=gqa)
+
+    # its output (B, H, q_len, D) in our layout: (B, H, D), or (B, q_len, H, D)
+    def to_ours(t):
+        return t.squeeze(2) if w.q_len == 1 else t.permute(0, 2, 1, 3)
 
     def timed(col, backend):
         # a backend that cannot take these inputs warns before raising: keep stderr clean,
         # the reason lands in the row's notes
         with warnings.catch_warnings(), sdpa_kernel([backend]):
             warnings.simplefilter("ignore")
-            return _timed_peer(torch, call, n_calls, check, w.dtype, col, lambda t: t.squeeze(2),
+            return _timed_peer(torch, call, n_calls, check, w.dtype, col, to_ours,
                                before, span)
 
     backends = (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION)
@@ -546,9 +561,9 @@ def flashinfer_times(sets, w: Workload, scale: float, n_calls: int, check, befor
     import flashinfer
     import torch
 
-    if w.alibi or w.sinks:  # its own ALiBi slopes; its decode wrapper takes no sinks
-        return {col: (None, f"{col}: {'ALiBi' if w.alibi else 'sinks'} not compared")
-                for col in PEERS["flashinfer"][2]}
+    if w.alibi or w.sinks or w.q_len > 1:  # its own ALiBi slopes; no sinks; one query token
+        what = "ALiBi" if w.alibi else "sinks" if w.sinks else "several query tokens"
+        return {col: (None, f"{col}: {what} not compared") for col in PEERS["flashinfer"][2]}
     if w.head_dim not in FLASHINFER_HEAD_DIMS:
         return {col: (None, f"{col}: head_dim {w.head_dim} is not one FlashInfer's decode takes "
                             f"({', '.join(map(str, FLASHINFER_HEAD_DIMS))})")
@@ -676,7 +691,8 @@ class StepTraffic:
         es = ITEMSIZE[w.dtype]
         qkv = (w.num_heads + 2 * w.num_kv_heads) * w.head_dim
         return tuple(16 * max(1, -(-int(n) // 16)) for n in
-                     (l2_bytes, w.num_heads * w.head_dim * qkv * es, w.batch * qkv * es))
+                     (l2_bytes, w.num_heads * w.head_dim * qkv * es,
+                      w.batch * w.q_len * qkv * es))
 
     @classmethod
     def describe(cls, w: Workload, l2_bytes: int) -> str:
@@ -715,7 +731,8 @@ def empty_row(w: Workload, model: str) -> dict:
         "model": model, "layer": w.layer, "dtype": w.dtype, "batch": w.batch, "seqlen": w.seqlen,
         "num_heads": w.num_heads, "num_kv_heads": w.num_kv_heads, "head_dim": w.head_dim,
         "logits_soft_cap": w.logits_soft_cap, "page_size": w.page_size, "append": w.append,
-        "window_left": w.window_left, "alibi": w.alibi, "sinks": w.sinks, "splits_requested": w.splits_label, "num_splits": None, "chunk_tokens": None,
+        "window_left": w.window_left, "alibi": w.alibi, "sinks": w.sinks, "q_len": w.q_len,
+        "splits_requested": w.splits_label, "num_splits": None, "chunk_tokens": None,
         "kv_per_block": None, "kv_bytes": w.kv_bytes(), "buffer_sets": None, "ceiling_gbps": None,
         "floor_us": None, "protocol": None, "graph_calls": None,
         "eager_us": None, "host_us": None, "plan_host_us": None, "launch_host_us": None,
@@ -767,7 +784,8 @@ def _subset_checker(w: Workload, q, k, v, new=None):
         del ks, vs
 
     def check(out) -> float:
-        return R.relative_error(select_rows(out, w.num_kv_heads, b_ids, h_ids), ref_out)
+        return R.relative_error(select_rows(out, w.num_kv_heads, b_ids, h_ids, w.q_len > 1),
+                                ref_out)
     return check
 
 
@@ -820,7 +838,7 @@ def bench_point(w: Workload, ceiling_gbps: float, l2_bytes: int, model: str = ""
         opts = _score_options(w)  # flash_decode's
         run_opts = {k: opts[k] for k in ("alibi_slopes", "sinks") if opts[k] is not None}
         plan_opts = {"logits_soft_cap": w.logits_soft_cap, "window_left": w.window_left,
-                     "alibi": w.alibi, "page_size": w.page_size}
+                     "alibi": w.alibi, "page_size": w.page_size, "q_len": w.q_len}
         plan = DecodePlan(w.batch, w.num_heads, w.num_kv_heads, w.head_dim, w.seqlen, w.dtype,
                           num_splits=w.num_splits, **plan_opts)
         base.update(num_splits=plan.num_splits, chunk_tokens=plan.chunk_tokens,
@@ -928,8 +946,10 @@ _PER_PROTOCOL = frozenset({"protocol", "graph_calls", "gpu_us", "gpu_us_p20", "g
 def _naive(row: dict, w: Workload, sets, n_calls: int, scale: float, check, notes: list) -> None:
     import cupy
 
-    if w.page_size or w.alibi or w.sinks or (w.window_left is not None and w.lengths is not None):
-        notes.append("naive: contiguous caches of full sequences, without ALiBi or sinks, only")
+    if (w.page_size or w.alibi or w.sinks or w.q_len > 1
+            or (w.window_left is not None and w.lengths is not None)):
+        notes.append("naive: contiguous caches of full sequences, one query token, without "
+                      "ALiBi or sinks, only")
         return
     free = cupy.cuda.runtime.memGetInfo()[0]
     if naive_bytes(w) + MARGIN_BYTES > free:
@@ -963,14 +983,14 @@ def sweep(model: str, dtype: str, seqlens, batches, num_splits=None,
           soft_cap: float | None = None, page_sizes=(None,),
           append: bool = False, window: int | None = None,
           alibi: bool = False, sinks: bool = False,
-          head_dim: int | None = None) -> list[Workload]:
+          head_dim: int | None = None, q_len: int = 1) -> list[Workload]:
     """The points of a bench run: per layer type of the model (ModelPreset.layers: Gemma-2's
     sliding and full layers, each with the model's options), batch-major, then by seqlen, then
     by page size (None: the contiguous cache), each with a fresh seed. ``soft_cap`` None: the
     model's logits_soft_cap, 0: none, else that cap; ``append``: every sequence holds
     seqlen − 1 tokens and each call appends the last one; ``window``: window_left of every point
     instead of the model's (one layer type then); ``alibi``, ``sinks``: on (else the model's);
-    ``head_dim``: instead of the model's."""
+    ``head_dim``: instead of the model's; ``q_len``: query tokens per sequence."""
     from .workloads import MODELS, workload_for_model
 
     opts = {} if soft_cap is None else {"logits_soft_cap": soft_cap or None}
@@ -983,7 +1003,7 @@ def sweep(model: str, dtype: str, seqlens, batches, num_splits=None,
         return {"lengths": (L - 1,) * b, "append": True} if append else {}
     return [workload_for_model(model, b, L, dtype, head_dim=head_dim, layer=layer,
                                num_splits=num_splits, seed=fresh_seed(), page_size=page,
-                               **opts, **appended(L, b))
+                               q_len=q_len, **opts, **appended(L, b))
             for layer in layers for b in batches for L in seqlens for page in page_sizes]
 
 

@@ -59,14 +59,16 @@ def reference_gpu(q, k, v, lengths=None, softmax_scale=None, batch_ids=None, kv_
                             **options)
 
 
-def select_rows(x, num_kv_heads: int, batch_ids=None, kv_heads=None):
-    """The rows of a (B, H, ...) result that :func:`reference_gpu` computed: (nb, nk, G, ...)."""
-    batch = x.shape[0]
-    y = x.reshape(batch, num_kv_heads, x.shape[1] // num_kv_heads, *x.shape[2:])
+def select_rows(x, num_kv_heads: int, batch_ids=None, kv_heads=None, tokens: bool = False):
+    """The rows of a (B, H, ...) result that :func:`reference_gpu` computed: (nb, nk, G, ...);
+    ``tokens``: x is (B, q_len, H, ...), the rows (nb, q_len, nk, G, ...)."""
+    lead = x.shape[:2] if tokens else x.shape[:1]
+    heads = x.shape[len(lead)]
+    y = x.reshape(*lead, num_kv_heads, heads // num_kv_heads, *x.shape[len(lead) + 1:])
     if batch_ids is not None:
         y = y[list(batch_ids)]
     if kv_heads is not None:
-        y = y[:, list(kv_heads)]
+        y = y[(slice(None),) * len(lead) + (list(kv_heads),)]
     return y
 
 
@@ -87,8 +89,7 @@ def reference_for(w: Workload, q, k, v, new=None):
 
         k, v, lens = R.append_kv(k, v, lens, *new, xp=cupy)
     out, lse = reference_gpu(q, k, v, lens, **options)
-    return (out.reshape(w.batch, w.num_heads, w.head_dim).get(),
-            lse.reshape(w.batch, w.num_heads).get(), "gpu f64")
+    return out.reshape(w.q_shape).get(), lse.reshape(w.q_shape[:-1]).get(), "gpu f64"
 
 
 def max_abs_error(x, ref) -> float:
@@ -105,7 +106,7 @@ def _row_skeleton(w: Workload) -> dict:
         "num_heads": w.num_heads, "num_kv_heads": w.num_kv_heads, "head_dim": w.head_dim,
         "lengths": None if w.lengths is None else list(w.lengths), "q_scale": w.q_scale,
         "logits_soft_cap": w.logits_soft_cap, "page_size": w.page_size, "append": w.append,
-        "window_left": w.window_left, "alibi": w.alibi, "sinks": w.sinks,
+        "window_left": w.window_left, "alibi": w.alibi, "sinks": w.sinks, "q_len": w.q_len,
         "cache_rows_wrong": None, "splits_requested": w.splits_label, "splits": None,
         "chunk_tokens": None,
         "seed": w.seed, "reference": None, "max_abs_err": None, "rel_err": None,
@@ -126,11 +127,12 @@ def run_check(w: Workload) -> dict:
         row["seed"] = w.seed
         plan = DecodePlan(w.batch, w.num_heads, w.num_kv_heads, w.head_dim, w.seqlen, w.dtype,
                           num_splits=w.num_splits, logits_soft_cap=w.logits_soft_cap,
-                          page_size=w.page_size, window_left=w.window_left, alibi=w.alibi)
+                          page_size=w.page_size, window_left=w.window_left, alibi=w.alibi,
+                          q_len=w.q_len)
         row["splits"], row["chunk_tokens"] = plan.num_splits, plan.chunk_tokens
         # Poisoned outputs: a row the kernels forget to write stays NaN and fails the check.
-        out = cupy.full((w.batch, w.num_heads, w.head_dim), math.nan, w.dtype)
-        lse = cupy.full((w.batch, w.num_heads), math.nan, cupy.float32)
+        out = cupy.full(w.q_shape, math.nan, w.dtype)
+        lse = cupy.full(w.q_shape[:-1], math.nan, cupy.float32)
         new = new_tokens(w) if w.append else None
         appended = {} if new is None else {"k_new": new[0], "v_new": new[1]}
         if w.alibi:
@@ -208,4 +210,6 @@ def repro_command(row: dict) -> str:
         parts.append("--alibi")
     if row.get("sinks"):
         parts.append("--sinks")
+    if row.get("q_len", 1) > 1:
+        parts.append(f"--q-len {row['q_len']}")
     return " ".join(parts)

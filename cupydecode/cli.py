@@ -22,7 +22,7 @@ import time
 import click
 
 from . import __version__
-from ._policy import HEAD_DIMS_TEXT, KERNEL_HEAD_DIMS, MAX_SPLITS, SUPPORTED_HEAD_DIMS
+from ._policy import HEAD_DIMS_TEXT, KERNEL_HEAD_DIMS, MAX_Q_LEN, MAX_SPLITS, SUPPORTED_HEAD_DIMS
 from ._validate import MAX_SOFT_CAP
 from .workloads import DTYPES, MODELS, Workload, fresh_seed, random_lengths, workload_for_model
 
@@ -229,7 +229,7 @@ def main():
 def _single_workload(batch, seqlen, heads, kv_heads, head_dim, dtype, splits, seed, varlen,
                      lengths, q_scale, model, soft_cap=None, page_size=None,
                      append=False, window=None, alibi=False, sinks=False,
-                     layer: str | None = None) -> Workload:
+                     layer: str | None = None, q_len: int = 1) -> Workload:
     """One workload from ``check``'s options (raises click.BadParameter on bad combinations).
     ``soft_cap`` None: the model's (none without --model); 0: none. With --model, the options
     of its ``layer`` type (ModelPreset.layers) where the command line sets none: its window,
@@ -274,7 +274,8 @@ def _single_workload(batch, seqlen, heads, kv_heads, head_dim, dtype, splits, se
     return Workload(batch, seqlen, heads, kv_heads, head_dim, dtype or "float16",
                     None if splits in (None, "auto") else splits, lengths, q_scale, seed, name,
                     logits_soft_cap=soft_cap or None, page_size=page_size, append=append,
-                    window_left=window, alibi=alibi, sinks=sinks, layer=layer if model else "")
+                    window_left=window, alibi=alibi, sinks=sinks, layer=layer if model else "",
+                    q_len=q_len)
 
 
 def _workload_label(w: Workload) -> str:
@@ -325,13 +326,15 @@ def _check_header(width: int) -> str:
               help="window_left W: attend only the last W + 1 tokens of each sequence.")
 @click.option("--alibi", is_flag=True, help="ALiBi's bias with the standard slopes of the heads.")
 @click.option("--sinks", is_flag=True, help="A sink logit per query head (gpt-oss), from the seed.")
+@click.option("--q-len", type=click.IntRange(1, MAX_Q_LEN), default=1, show_default=True,
+              help="Query tokens per sequence (draft tokens verified together, causal).")
 @click.option("--model", type=MODEL_CHOICE,
               help="Take heads/kv-heads/head-dim (and the soft-cap) from a preset.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), callback=_output_path,
               help="Write the result rows to this JSON file.")
 @click.pass_context
 def check(ctx, batch, seqlen, heads, kv_heads, head_dim, dtype, splits, seed, varlen, lengths,
-          q_scale, soft_cap, page_size, append, window, alibi, sinks, model, json_path):
+          q_scale, soft_cap, page_size, append, window, alibi, sinks, q_len, model, json_path):
     """Compare flash_decode with a float64 reference; one row per workload.
 
     Without shape options, runs the built-in matrix (fp16/bf16/fp32, head_dim 32 to 256,
@@ -357,14 +360,18 @@ def check(ctx, batch, seqlen, heads, kv_heads, head_dim, dtype, splits, seed, va
 
     single = any(x is not None for x in (batch, seqlen, heads, kv_heads, head_dim, dtype, splits,
                                          lengths, model, soft_cap, page_size, window)) or varlen or q_scale != 1.0
-    single = single or append or alibi or sinks
+    single = single or append or alibi or sinks or q_len > 1
+    if append and q_len > 1:
+        raise click.BadParameter("expected one query token with --append (draft tokens are in "
+                                 "the cache already)", param_hint="'--q-len'")
     if single:
         # a model's every layer type (Gemma-2's sliding and full layers); --window sets one
         layers = list(MODELS[model.lower()].layers()) if model else [None]
         layers = layers if window is None else layers[:1]
         workloads = [_single_workload(batch, seqlen, heads, kv_heads, head_dim, dtype, splits,
                                       seed, varlen, lengths, q_scale, model, soft_cap, page_size,
-                                      append, window, alibi, sinks, layer) for layer in layers]
+                                      append, window, alibi, sinks, layer, q_len)
+                     for layer in layers]
     else:
         workloads = default_check_matrix()
         base = fresh_seed() if seed is None else seed
@@ -517,13 +524,16 @@ def _bench_in_processes(n: int, argv: list[str]) -> list[dict]:
 
 def _forwarded_bench_args(model, dtype, seqlens, batches, splits, protocols, baselines,
                           soft_cap=None, page_sizes=(None,), append=False,
-                          window=None, alibi=False, sinks=False, head_dim=None) -> list[str]:
+                          window=None, alibi=False, sinks=False, head_dim=None,
+                          q_len=1) -> list[str]:
     """The options of this bench run, for the processes of --processes (outputs stay here)."""
     argv = ["--model", model, "--dtype", dtype, "--seqlens", ",".join(map(str, seqlens)),
             "--batch", ",".join(map(str, batches)), "--splits", str(splits),
             "--protocol", ",".join(protocols)]
     if head_dim is not None:
         argv += ["--head-dim", str(head_dim)]
+    if q_len > 1:
+        argv += ["--q-len", str(q_len)]
     if soft_cap is not None:
         argv += ["--soft-cap", repr(float(soft_cap))]
     if list(page_sizes) != [None]:
@@ -582,6 +592,9 @@ def _forwarded_bench_args(model, dtype, seqlens, batches, splits, protocols, bas
               help="ALiBi's bias with the standard slopes of the heads (no peer compared).")
 @click.option("--sinks", is_flag=True,
               help="A sink logit per query head (gpt-oss; no peer compared).")
+@click.option("--q-len", type=click.IntRange(1, MAX_Q_LEN), default=1, show_default=True,
+              help="Query tokens per sequence, causal to their positions (draft tokens "
+                   "verified together; peers: torch SDPA with the mask aligned to the end).")
 @click.option("--baseline", "baselines", type=click.Choice(["torch", "flashinfer"]),
               multiple=True, help="Also time a peer (repeatable); needs torch / flashinfer.")
 @click.option("--csv", "csv_path", type=click.Path(dir_okay=False), callback=_output_path,
@@ -592,7 +605,8 @@ def _forwarded_bench_args(model, dtype, seqlens, batches, splits, protocols, bas
               help="Plot µs and % of floor vs seqlen to this PNG (needs matplotlib).")
 @click.pass_context
 def bench(ctx, model, head_dim, dtype, seqlens, batches, splits, protocols, processes, soft_cap,
-          page_sizes, append, window, alibi, sinks, baselines, csv_path, json_path, plot_path):
+          page_sizes, append, window, alibi, sinks, q_len, baselines, csv_path, json_path,
+          plot_path):
     """Time flash_decode against the HBM read floor and against baselines.
 
     Per point: floor = bytes(K+V) / read ceiling measured in this run; GPU µs per call from a
@@ -618,6 +632,9 @@ def bench(ctx, model, head_dim, dtype, seqlens, batches, splits, protocols, proc
     """
     from . import bench as B
 
+    if append and q_len > 1:
+        raise click.BadParameter("expected one query token with --append (draft tokens are in "
+                                 "the cache already)", param_hint="'--q-len'")
     if plot_path:
         _check_plot_available(ctx)
     require_gpu(ctx)
@@ -639,14 +656,14 @@ def bench(ctx, model, head_dim, dtype, seqlens, batches, splits, protocols, proc
                    f"{', '.join(protocols)}")
         rows = _bench_in_processes(processes, _forwarded_bench_args(
             model, dtype, seqlens, batches, splits, protocols, peers, soft_cap, page_sizes,
-            append, window, alibi, sinks, head_dim))
+            append, window, alibi, sinks, head_dim, q_len))
         ceiling = {"gbps": [r["ceiling_gbps"] for r in rows if r["ceiling_gbps"]]}
     else:
         ceiling = B.measure_read_ceiling()
         click.echo(f"HBM read ceiling: {ceiling['gbps']:.0f} GB/s (read-only kernel over "
                    f"{ceiling['nbytes'] / 1e9:.2f} GB, {ceiling['us']:.0f} µs)")
         points = B.sweep(model, dtype, seqlens, batches, None if splits == "auto" else splits,
-                         soft_cap, page_sizes, append, window, alibi, sinks, head_dim)
+                         soft_cap, page_sizes, append, window, alibi, sinks, head_dim, q_len)
         first = points[0]
         cap = first.logits_soft_cap
         click.echo(f"{model}: {p.num_heads} query heads, {p.num_kv_heads} KV heads, head_dim "
@@ -656,6 +673,7 @@ def bench(ctx, model, head_dim, dtype, seqlens, batches, splits, protocols, proc
                       "contiguous" if p is None else str(p) for p in page_sizes)
                       + " (random page order)")
                    + (", ALiBi" if first.alibi else "") + (", sinks" if first.sinks else "")
+                   + ("" if q_len == 1 else f", {q_len} query tokens per sequence (causal)")
                    + ("" if not append else ", each call appends a new token per sequence (the "
                       "cache holds seqlen − 1); no-append µs: the same call over the same seqlen "
                       "tokens without it"))

@@ -101,7 +101,8 @@ class Workload:
     each sequence are attended (None: no window). ``alibi``: ALiBi's bias with the standard
     slopes of ``num_heads`` heads (:func:`alibi_slopes`). ``sinks``: a sink logit per query
     head (:func:`sink_logits`, from the seed). ``layer``: the layer type of a model preset it
-    stands for (a label).
+    stands for (a label). ``q_len``: query tokens per sequence, the last q_len of each (q is
+    then (batch, q_len, num_heads, head_dim)).
     """
 
     batch: int
@@ -122,6 +123,7 @@ class Workload:
     alibi: bool = False
     sinks: bool = False
     layer: str = ""  # a model preset's layer type ("sliding", "full"), "" where all are alike
+    q_len: int = 1  # query tokens per sequence (draft tokens verified together)
 
     def __post_init__(self) -> None:
         if self.lengths is not None:
@@ -147,17 +149,23 @@ class Workload:
         lens = ((self.seqlen,) * self.batch if self.lengths is None else
                 tuple(min(n + 1, self.seqlen) if self.append else n for n in self.lengths))
         if self.window_left is not None:
-            lens = tuple(min(n, self.window_left + 1) for n in lens)
+            lens = tuple(min(n, self.window_left + self.q_len) for n in lens)
         return sum(lens)
 
     def kv_bytes(self) -> int:
         """Bytes of K and V that one call must read (live tokens only)."""
         return 2 * self.live_tokens() * self.num_kv_heads * self.head_dim * ITEMSIZE[self.dtype]
 
+    @property
+    def q_shape(self) -> tuple[int, ...]:
+        """q's shape: (batch, num_heads, head_dim), or (batch, q_len, num_heads, head_dim)."""
+        tokens = (self.q_len,) if self.q_len > 1 else ()
+        return (self.batch, *tokens, self.num_heads, self.head_dim)
+
     def cache_bytes(self) -> int:
         """Bytes of the allocated q, K and V (max_seqlen for every sequence)."""
         per = ITEMSIZE[self.dtype]
-        return per * (self.batch * self.num_heads * self.head_dim
+        return per * (self.batch * self.q_len * self.num_heads * self.head_dim
                       + 2 * self.batch * self.seqlen * self.num_kv_heads * self.head_dim)
 
     def shape_label(self) -> str:
@@ -167,6 +175,7 @@ class Workload:
         cap += "" if self.window_left is None else f" window={self.window_left}"
         cap += " alibi" if self.alibi else ""
         cap += " sinks" if self.sinks else ""
+        cap += "" if self.q_len == 1 else f" q_len={self.q_len}"
         return (f"B={self.batch} L={self.seqlen} H={self.num_heads}/{self.num_kv_heads} "
                 f"D={self.head_dim}{cap}")
 
@@ -253,7 +262,7 @@ def make_inputs(workload: Workload):
         workload.seed = fresh_seed()
     w = workload
     rs = cupy.random.RandomState(w.seed)
-    q = cupy.empty((w.batch, w.num_heads, w.head_dim), w.dtype)
+    q = cupy.empty(w.q_shape, w.dtype)
     k = cupy.empty((w.batch, w.seqlen, w.num_kv_heads, w.head_dim), w.dtype)
     v = cupy.empty_like(k)
     _fill_normal(rs, q, w.q_scale)
@@ -317,7 +326,8 @@ OVERFLOW_Q_SCALE = 2400.0
 def default_check_matrix() -> list[Workload]:
     """The built-in list run by ``cupydecode check``.
 
-    Covers fp16 / bf16 / fp32; head_dim 64, 128, 256 and between (32 to 192); GQA groups 1 (MHA), 2, 4, 7, 8 and MQA
+    Covers fp16 / bf16 / fp32; head_dim 64, 128, 256 and between (32 to 192); 1 to 16 query
+    tokens per sequence; GQA groups 1 (MHA), 2, 4, 7, 8 and MQA
     (71 or 48 query heads on one KV head, also with blocks of several M-tiles); lengths 1, 17, 255, 257, 4097 and 65536; variable lengths
     with an empty sequence; forced 1 and 3 splits and automatic splits; logits of ±1e4; the
     soft-cap on every math path; paged caches of 1 to 256 tokens per page; a new token appended
@@ -467,5 +477,18 @@ def default_check_matrix() -> list[Workload]:
           page_size=16, append=True),
         W(2, 3000, 32, 32, 80, "bfloat16", None, (3000, 17), name="head_dim 80, window, alibi, sinks",
           window_left=500, alibi=True, sinks=True),
+    ]
+    # several query tokens per sequence (draft tokens, each causal to its own position): heads
+    # as N (G 4 × 2 tokens fill its 8 columns), the 16-row path, M-tiles, CUDA cores; sequences
+    # shorter than q_len (their first rows attend nothing) and empty ones; with a window,
+    # ALiBi, sinks and pages
+    m += [
+        W(3, 4097, 32, 8, 128, "float16", None, (4097, 1, 0), name="q_len 2", q_len=2),
+        W(2, 2000, 32, 8, 128, "bfloat16", 3, (2000, 1000), name="q_len 4", q_len=4),
+        W(2, 2000, 48, 1, 128, "float16", None, (2000, 5), name="q_len 7, M-tiles", q_len=7),
+        W(2, 1024, 16, 16, 64, "float32", None, (1024, 16), name="q_len 16 (MHA)", q_len=16),
+        W(3, 3000, 32, 8, 128, "float16", None, (3000, 17, 0),
+          name="q_len 4, window, alibi, sinks, paged 16", page_size=16, window_left=500,
+          alibi=True, sinks=True, q_len=4),
     ]
     return m

@@ -12,7 +12,8 @@
 # over a long cache against a plain cache of the window's length; "scores": ALiBi's and the
 # sinks' cost; "soak": tests/test_gpu_soak.py, 10^5 random calls from several threads;
 # "head_dims": head_dims between the kernel widths, tested, memchecked and timed; "models":
-# `check --model` for every preset's every layer type).
+# `check --model` for every preset's every layer type; "multi": several query tokens per
+# sequence, tested, memchecked and timed against one).
 # A machine that returns only a few files: run it into a scratch folder and pack that, e.g.
 #   bash scripts/device_check.sh /tmp/dc; tar czf "$OUT/device_check.tgz" -C /tmp/dc .
 set -u
@@ -275,6 +276,39 @@ if has soak; then
   CUPYDECODE_SOAK=1 CUPYDECODE_SOAK_CALLS=${SOAK_CALLS:-100000} timeout 540 \
     $PY -m pytest -q -p no:cacheprovider tests/test_gpu_soak.py 2>&1 | tail -n 20 > "$OUT_DIR/soak.log"
   add_summary "soak: $(grep -E 'passed|failed' "$OUT_DIR/soak.log" | tail -n 1)"
+fi
+
+if has multi; then
+  # several query tokens per sequence: their GPU tests, a memcheck of some, and the time of
+  # q_len 2, 4, 8 against one token (targets: q_len 4 <= 1.15x, q_len 8 <= 1.3x at >= 64 MB),
+  # torch SDPA with the causal mask aligned to the end beside
+  $PY -m pytest -q -p no:cacheprovider $( $PY -c "import xdist" 2>/dev/null && echo "-n 4") \
+    tests/test_gpu_multi_token.py 2>&1 | tail -n 30 > "$OUT_DIR/multi_tests.log"
+  add_summary "multi tests: $(tail -n 1 "$OUT_DIR/multi_tests.log")"
+  timeout 240 compute-sanitizer --tool memcheck --error-exitcode 3 \
+    $PY -m pytest -q -p no:cacheprovider tests/test_gpu_multi_token.py \
+    -k "(float16 and not bfloat16 and (32-8-128 or 48-1-128)) or paged or graph or bad or window" 2>&1 \
+    | tail -n 20 > "$OUT_DIR/sanitizer_multi.log"
+  add_summary "memcheck (multi): $(grep -E 'ERROR SUMMARY' "$OUT_DIR/sanitizer_multi.log" | tail -n 1) | $(grep -E 'passed|failed' "$OUT_DIR/sanitizer_multi.log" | tail -n 1)"
+  torch_opt=$(echo "$BASELINES" | grep -o -- "--baseline torch")
+  for model in llama-3-8b llama-3-70b; do
+    for n in 1 2 4 8; do
+      $PY -m cupydecode.cli bench $torch_opt --protocol "${PROTOCOLS%%,*}" --model $model --q-len $n \
+        --seqlens 16384,65536 --batch 1,16 --csv "$OUT_DIR/multi_${model}_$n.csv" 2>>"$OUT_DIR/bench.err" \
+        | tee -a "$OUT_DIR/multi.txt"
+    done
+  done
+  merge_parts "$OUT_DIR/multi.csv" "$OUT_DIR"/multi_*_*.csv
+  add_summary "multi bench: $($PY - "$OUT_DIR/multi.csv" <<'PYEOF'
+import csv, sys
+rows = [r for r in csv.DictReader(open(sys.argv[1])) if r["gpu_us"]]
+one = {(r["model"], r["batch"], r["seqlen"]): float(r["gpu_us"]) for r in rows if r["q_len"] == "1"}
+print("; ".join(f"{r['model']} q{r['q_len']} b{r['batch']}x{r['seqlen']}: "
+                f"x{float(r['gpu_us']) / one[r['model'], r['batch'], r['seqlen']]:.3f} of q1"
+                + (f", x{float(r['speedup_vs_best_peer']):.3f} peer" if r["speedup_vs_best_peer"] else "")
+                + f" {r['check']}" for r in rows if r["q_len"] != "1"))
+PYEOF
+)"
 fi
 
 if has models; then

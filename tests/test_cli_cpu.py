@@ -235,6 +235,28 @@ def test_check_and_bench_run_every_layer_type_of_a_model():
     assert row["layer"] == "full"
 
 
+def test_q_len_option(runner, no_gpu):
+    """--q-len reaches check's and bench's workloads (q of four dimensions, the replay command,
+    the forwarded bench options) and is refused with --append before any GPU is looked for."""
+    from cupydecode.check import _row_skeleton, repro_command
+
+    args = (2, 300, None, None, None, None, None, 7, False, None, 1.0, None)
+    w = cli._single_workload(*args, q_len=4)
+    assert w.q_len == 4 and w.q_shape == (2, 4, 32, 128)
+    assert "q_len=4" in cli._workload_label(w)
+    assert repro_command(_row_skeleton(w)).endswith("--q-len 4")
+    assert "--q-len" not in repro_command(_row_skeleton(cli._single_workload(*args)))
+    assert {w.q_len for w in B.sweep("llama-3-8b", "float16", [1024], [1, 4], q_len=7)} == {7}
+    argv = cli._forwarded_bench_args("llama-3-8b", "float16", [1024], [1], "auto", ["step"], [],
+                                     q_len=3)
+    assert argv[argv.index("--q-len") + 1] == "3"
+    for command in (["check"], ["bench"]):
+        result = runner.invoke(cli.main, [*command, "--q-len", "4", "--append"])
+        assert result.exit_code == 2 and "--q-len" in result.output, result.output
+    result = runner.invoke(cli.main, ["check", "--q-len", "65"])
+    assert result.exit_code == 2, result.output
+
+
 def test_page_size_option(runner):
     """--page-size reaches the workloads of check and bench (and the replay command)."""
     from cupydecode.check import _row_skeleton, repro_command
@@ -301,6 +323,8 @@ def test_default_matrix_covers_the_contract():
     m = default_check_matrix()
     assert {w.dtype for w in m} == {"float16", "bfloat16", "float32"}
     assert {64, 128, 256, 32, 80, 96, 192} <= {w.head_dim for w in m}
+    assert {1, 2, 4, 7, 16} <= {w.q_len for w in m}
+    assert any(w.q_len > 1 and w.lengths and min(w.lengths) < w.q_len for w in m)
     assert {w.dtype for w in m if w.head_dim not in (64, 128, 256)} == {"float16", "bfloat16", "float32"}
     groups = {w.group for w in m}
     assert 7 in groups and 1 in groups and any(w.num_kv_heads == 1 for w in m)
