@@ -127,6 +127,14 @@ class DecodePlan:
     ``window_left`` W ≥ 0 makes every run attend only the last W + 1 tokens of each sequence
     (the new one included); the split count and size come from min(max_seqlen, W + 1) (``span``).
 
+    ``q_len`` N > 1 makes a plan for N query tokens per sequence (verifying draft tokens): ``run``
+    takes q of shape (batch, N, num_heads, head_dim), and writes out (batch, N, num_heads,
+    head_dim) and lse (batch, N, num_heads); token t of a sequence of L tokens attends the keys
+    up to position L − N + t (and, with a window, only the last W + 1 of those). The N tokens'
+    K and V must be in the cache already (``k_new`` takes one token per sequence). Blocks tile
+    a KV head's N × G (token, head) rows as they tile G heads, reading each K/V tile once for
+    all of them; the kernel is built with ``MULTI_Q``.
+
     A plan's workspace (partials and the fused merge's arrival counters) is shared by its runs:
     run one plan on one stream at a time, and make one plan per stream for concurrent decoding
     (``flash_decode`` keeps its cached plans per stream for this reason, and per thread on the
@@ -538,10 +546,16 @@ def flash_decode(q: ArrayLike, k_cache: ArrayLike, v_cache: ArrayLike,
                  v_new: ArrayLike | None = None, window_left: int | None = None,
                  alibi_slopes: ArrayLike | None = None, sinks: ArrayLike | None = None
                  ) -> cupy.ndarray | tuple[cupy.ndarray, cupy.ndarray]:
-    """Decode attention of one query token per sequence against its KV cache.
+    """Decode attention of one query token per sequence (or several: draft tokens to verify)
+    against its KV cache.
 
     Args:
-        q: (batch, num_heads, head_dim) float16, bfloat16 or float32 GPU array.
+        q: (batch, num_heads, head_dim) float16, bfloat16 or float32 GPU array, or
+            (batch, q_len, num_heads, head_dim) for q_len query tokens per sequence (up to 64;
+            speculative decoding, MTP): token t of a sequence of L tokens sits at position
+            L − q_len + t and attends the keys up to it (causal, aligned to the end); those q_len
+            tokens' K and V must be in the cache already (cache_seqlens counts them). out and
+            lse then have the q_len axis too.
         k_cache, v_cache: (batch, max_seqlen, num_kv_heads, head_dim), same dtype; last dim
             contiguous, other strides honoured. num_heads must be a multiple of num_kv_heads.
             With ``block_table``: paged, (num_pages, page_size, num_kv_heads, head_dim).
@@ -552,8 +566,8 @@ def flash_decode(q: ArrayLike, k_cache: ArrayLike, v_cache: ArrayLike,
         logits_soft_cap: c > 0 caps every score s = softmax_scale · q·k as c·tanh(s/c) before
             the softmax (Gemma-2: 50.0); None or 0: no cap.
         num_splits: force the number of KV splits (≥ 1); default chosen from shape and SM count.
-        return_lse: also return the log-sum-exp (batch, num_heads) float32, natural log.
-        out: optional preallocated (batch, num_heads, head_dim) output of q's dtype.
+        return_lse: also return the log-sum-exp (batch, [q_len,] num_heads) float32, natural log.
+        out: optional preallocated output of q's shape and dtype.
         split_size: fix the tokens per split instead of num_splits (batch-independent results).
         block_table: (batch, max_pages_per_seq) int32 page indices of a paged cache: token t of
             sequence b is row t % page_size of page block_table[b, t // page_size]; any
