@@ -407,19 +407,21 @@ def check_block_table(block_table, batch: int, page_size: int, num_pages: int,
 
 def check_lengths_fit(cache_seqlens, q_len: int) -> None:
     """With ``q_len`` query tokens per sequence, host-given lengths (an int or a host sequence)
-    must hold them: each query token is one of its sequence's last q_len tokens (device lengths
-    are never read: a shorter sequence's first query rows then attend nothing)."""
+    must hold them: each query token is one of its sequence's last q_len tokens. A length of 0
+    (an empty slot) passes: its rows attend nothing. (Device lengths are never read: a shorter
+    sequence's first query rows then attend nothing.)"""
     if q_len == 1 or cache_seqlens is None or isinstance(cache_seqlens, bool):
         return
     if isinstance(cache_seqlens, numbers.Integral):
-        least = int(cache_seqlens)
+        values = np.asarray([int(cache_seqlens)])
     elif isinstance(cache_seqlens, (list, tuple, np.ndarray)) and len(cache_seqlens):
         values = np.asarray(cache_seqlens)
         if not np.issubdtype(values.dtype, np.integer):
             return  # check_seqlens names the type
-        least = int(values.min())
     else:
         return
+    values = values[values > 0]
+    least = int(values.min()) if values.size else q_len
     if least < q_len:
         fail(ValueError, "cache_seqlens", f"lengths >= q_len={q_len} (the query tokens are each "
              f"sequence's last {q_len}, already in the cache)", f"a length of {least}")

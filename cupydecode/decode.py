@@ -199,7 +199,8 @@ class DecodePlan:
                 f"{smem_optin}: supported are GPUs with >= 160 KB per block (A100, H100, H200, B200)")
         if (split_size is not None
                 and _policy.fixed_split_size(self.span, split_size)[0] > _policy.MAX_SPLITS):
-            what = "max_seqlen" if self.window_left is None else "min(max_seqlen, window_left + 1)"
+            what = ("max_seqlen" if self.window_left is None
+                    else "min(max_seqlen, window_left + q_len)")
             V.fail(ValueError, "split_size", f"at least {what} / {_policy.MAX_SPLITS} = "
                    f"{-(-self.span // _policy.MAX_SPLITS)}", split_size)
 
@@ -349,6 +350,7 @@ class DecodePlan:
         if strides is None:  # a layout this plan has not seen: the full checks, once
             q, k_cache, v_cache, block_table, strides = self._check_layout(
                 q, k_cache, v_cache, block_table, layout)
+        V.check_lengths_fit(cache_seqlens, self.q_len)
         seqlens, seqlen_all = V.check_seqlens(cache_seqlens, self.batch, self.max_seqlen,
                                               allow_host_array=False)
         scale = self._scale if softmax_scale is None else V.check_scale(softmax_scale,
@@ -377,6 +379,10 @@ class DecodePlan:
                    "None" if block_table is None else type(block_table).__name__)
         q, k, v, dt, shape = V.check_decode_inputs(q, k_cache, v_cache, layout and layout[0],
                                                    paged)
+        if self.q_len == 1 and q.ndim == 4:  # (its out and lse are the 3-dimensional ones)
+            V.fail(ValueError, "q", "(batch, num_heads, head_dim) for a plan of one query token "
+                   "(DecodePlan(..., q_len=N) takes (batch, N, num_heads, head_dim))",
+                   f"shape {tuple(q.shape)}")
         if q.data.device_id != self.device_id:
             V.fail(ValueError, "q/k_cache/v_cache", f"arrays on the plan's GPU {self.device_id}",
                    f"GPU {q.data.device_id}")

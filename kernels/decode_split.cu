@@ -42,8 +42,8 @@
 //   float32: CUDA cores, fp32 throughout (tensor-core tf32 would miss fp32 accuracy).
 //
 // Partial-state contract (consumed by cd_merge_fold, common.cuh):
-//   o_part  (num_splits, batch·num_heads, REAL_DIM) float32, Õ_i
-//   lse_part(num_splits, batch·num_heads)           float32, LSE_i (natural log)
+//   o_part  (num_splits, batch·q_len·num_heads, REAL_DIM) float32, Õ_i
+//   lse_part(num_splits, batch·q_len·num_heads)           float32, LSE_i (natural log)
 // Three ways to finish, chosen by the host:
 //   single split (`o_part` null): the block writes the final output (input dtype) and LSE.
 //   fused merge (`counters` non-null): every block writes its partials, then counts itself in
@@ -269,10 +269,7 @@ struct cd_score_params {
     float cap_out;     // SOFT_CAP: c · log2(e)
     const float* __restrict__ slopes;  // ALIBI: (num_heads,) slopes
     int pos;           // the position of query token 0: seqlen − q_len (ALIBI, MULTI_Q)
-#if MULTI_Q
-    int group, vgroup; // G and q_len · G: a row's token and head (qrow_of)
-    int window;        // window_left W ≥ 0, or −1: each row's first key is its position − W
-#endif
+    int last_head;     // ALIBI: num_heads − 1 (a block's padding rows read the last slope)
 };
 __device__ __forceinline__ float cd_raw_score(float qk, const cd_score_params& sp) {
 #if SOFT_CAP
@@ -283,33 +280,48 @@ __device__ __forceinline__ float cd_raw_score(float qk, const cd_score_params& s
 }
 // ``row``: the score's query row, its query head (one token per sequence).
 __device__ __forceinline__ float score_mod(float qk, int key, int row,
-                                           const cd_score_params& sp);
-#if MULTI_Q
-// MULTI_Q: the row's (token, head) pair (qrow_of, computed once per row, out of the tile loop)
-__device__ __forceinline__ float score_mod(float qk, int key, cd_qrow row,
                                            const cd_score_params& sp) {
-    float s = cd_raw_score(qk, sp);
-    const int pos = sp.pos + row.t;  // this row's position: keys after it do not count
-#if ALIBI
-    s -= __ldg(sp.slopes + row.head) * CD_LOG2E * (float)(pos - key);
-#endif
-    const bool in = key < sp.chunk_end && key <= pos && (sp.window < 0 || key >= pos - sp.window);
-    return in ? s : CD_NEG_INF;
-}
-#endif
-__device__ __forceinline__ float score_mod(float qk, int key, int row,
-                                           const cd_score_params& sp) {
-#if MULTI_Q
-    return score_mod(qk, key, qrow_of(row, sp.group, sp.vgroup), sp);
-#else
     (void)row;
     float s = cd_raw_score(qk, sp);
 #if ALIBI
-    s -= __ldg(sp.slopes + row) * CD_LOG2E * (float)(sp.pos - key);
+    s -= __ldg(sp.slopes + min(row, sp.last_head)) * CD_LOG2E * (float)(sp.pos - key);
 #endif
     return key < sp.chunk_end ? s : CD_NEG_INF;
-#endif
 }
+#if MULTI_Q
+// MULTI_Q: a query row's own keys [lo, hi] — up to its position seqlen − q_len + t and, with a
+// window W, from its position − W — within the chunk, and its ALiBi slope (log2 units) and
+// position: computed once per row (qmask_of), out of the tile loop, so that each score costs
+// two compares.
+struct cd_qmask {
+    int lo, hi;
+#if ALIBI
+    float slope2;
+    int pos;
+#endif
+};
+__device__ __forceinline__ cd_qmask qmask_of(int vh, int group, int vgroup, int window,
+                                             const cd_score_params& sp) {
+    const cd_qrow qr = qrow_of(vh, group, vgroup);
+    const int pos = sp.pos + qr.t;
+    cd_qmask m;
+    m.hi = min(sp.chunk_end - 1, pos);
+    m.lo = window >= 0 ? pos - window : -0x7fffffff - 1;
+#if ALIBI
+    m.slope2 = __ldg(sp.slopes + min(qr.head, sp.last_head)) * CD_LOG2E;
+    m.pos = pos;
+#endif
+    return m;
+}
+__device__ __forceinline__ float score_mod(float qk, int key, const cd_qmask& m,
+                                           const cd_score_params& sp) {
+    float s = cd_raw_score(qk, sp);
+#if ALIBI
+    s -= m.slope2 * (float)(m.pos - key);
+#endif
+    return key >= m.lo && key <= m.hi ? s : CD_NEG_INF;
+}
+#endif
 
 // The KV view's mask (PAGED): a score of tile row r whose page index was out of range is −inf,
 // so that its zero-filled key and value count for nothing. Without paging, nothing to mask.
@@ -552,11 +564,7 @@ cd_decode_split(const cd_decode_params p) {
     const int chunk_start = lo + split * chunk_tokens;
     const int chunk_end = min(chunk_start + chunk_tokens, seqlen);
     const cd_score_params score_params{scale_log2, chunk_end, p.soft_cap_in, p.soft_cap_out,
-                                       p.alibi_slopes, seqlen - q_len
-#if MULTI_Q
-                                       , group, vgroup, p.window_left
-#endif
-    };
+                                       p.alibi_slopes, seqlen - q_len, num_heads - 1};
 
     float* sm_acc = reinterpret_cast<float*>(smem + Q_BYTES);                // aliases the ring
     float* sm_m = reinterpret_cast<float*>(smem + Q_BYTES + BODY_BYTES);
@@ -850,8 +858,9 @@ cd_decode_split(const cd_decode_params p) {
         cd_tc_state<HEAD_DIM / 16, 0, 4, 16> st;
         // the score hook's row of this thread's heads 2t (e even) and 2t + 1 (e odd)
 #if MULTI_Q
-        const cd_qrow qrow_n[2] = {qrow_of(h0 + 2 * t, group, vgroup),
-                                   qrow_of(h0 + 2 * t + 1, group, vgroup)};
+        const cd_qmask qrow_n[2] = {qmask_of(h0 + 2 * t, group, vgroup, p.window_left, score_params),
+                                    qmask_of(h0 + 2 * t + 1, group, vgroup, p.window_left,
+                                             score_params)};
 #define SCORE_ROW_N(e) qrow_n[(e) & 1]
 #else
 #define SCORE_ROW_N(e) (h0 + kh * group + 2 * t + ((e) & 1))
@@ -925,8 +934,9 @@ cd_decode_split(const cd_decode_params p) {
         cd_tc_state<HEAD_DIM / 8, 1, 1, 2> st;  // rows g, g + 8; st.acc[n][e]: row g + 8 · (e >> 1)
         // the score hook's row of this thread's rows g (e < 2) and g + 8 (e ≥ 2)
 #if MULTI_Q
-        const cd_qrow qrow_m[2] = {qrow_of(h0 + mt * ROWS + g, group, vgroup),
-                                   qrow_of(h0 + mt * ROWS + g + 8, group, vgroup)};
+        const cd_qmask qrow_m[2] = {
+            qmask_of(h0 + mt * ROWS + g, group, vgroup, p.window_left, score_params),
+            qmask_of(h0 + mt * ROWS + g + 8, group, vgroup, p.window_left, score_params)};
 #define SCORE_ROW_M(e) qrow_m[(e) >> 1]
 #else
 #define SCORE_ROW_M(e) (h0 + mt * ROWS + g + 8 * ((e) >> 1))
@@ -1053,7 +1063,14 @@ cd_decode_split(const cd_decode_params p) {
             for (int r = 0; r < ROWS; ++r) {
                 if (r < rows) {
                     s[r] += __shfl_xor_sync(0xffffffffu, s[r], 16);
-                    s[r] = st.step(r, kv_mask(score_mod(s[r], key, h0 + r, score_params), live, tn));
+#if MULTI_Q
+                    const cd_qmask qm = qmask_of(h0 + r, group, vgroup, p.window_left, score_params);
+#define SCORE_ROW_F qm
+#else
+#define SCORE_ROW_F (h0 + r)
+#endif
+                    s[r] = st.step(r, kv_mask(score_mod(s[r], key, SCORE_ROW_F, score_params), live, tn));
+#undef SCORE_ROW_F
                 }
             }
 #pragma unroll 2

@@ -194,6 +194,7 @@ def test_multi_token_bad_inputs_are_refused(cupy):
         cupydecode.flash_decode(q, k, k, [64, 3])
     with pytest.raises(ValueError, match=r"cache_seqlens: expected lengths >= q_len=4.*2"):
         cupydecode.flash_decode(q, k, k, 2)
+    cupydecode.flash_decode(q, k, k, [64, 0])  # an empty slot (length 0) is accepted
     new = cupy.zeros((2, 4, 2, 64), cupy.float16)
     with pytest.raises(ValueError, match=r"k_new: expected None with q_len=4"):
         cupydecode.flash_decode(q, k, k, [10, 10], k_new=new, v_new=new)
@@ -202,5 +203,10 @@ def test_multi_token_bad_inputs_are_refused(cupy):
         plan.run(cupy.zeros((2, 8, 64), cupy.float16), k, k)  # one token for a plan of 4
     with pytest.raises(ValueError, match=r"q_len: expected .*\[1, 64\]"):
         cupydecode.DecodePlan(2, 8, 2, 64, 64, "float16", q_len=0)
+    with pytest.raises(ValueError, match=r"cache_seqlens: expected lengths >= q_len=4.*2"):
+        plan.run(q, k, k, 2)
+    one = cupydecode.DecodePlan(2, 8, 2, 64, 64, "float16")
+    with pytest.raises(ValueError, match=r"q: expected \(batch, num_heads, head_dim\) for a plan"):
+        one.run(q[:, :1], k, k)  # four dimensions for a plan of one token
     out, lse = plan.run(q, k, k, cupy.asarray([64, 10], cupy.int32))  # still usable
     assert out.shape == (2, 4, 8, 64) and lse.shape == (2, 4, 8)
