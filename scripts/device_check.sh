@@ -28,6 +28,18 @@ summary=()
 : > "$OUT_DIR/0_summary.txt"
 add_summary() { summary+=("$1"); echo "$1" >> "$OUT_DIR/0_summary.txt"; }
 has() { [[ " $STEPS " == *" $1 "* ]]; }
+# feature_tests NAME FILE FILTER: one feature's GPU test file (4 processes where pytest-xdist is
+# there), then memcheck on its tests that FILTER (pytest -k) selects; both into the summary
+feature_tests() {
+  local name=$1 file=$2 filter=$3
+  $PY -m pytest -q -p no:cacheprovider $($PY -c "import xdist" 2>/dev/null && echo "-n 4") \
+    "$file" 2>&1 | tail -n 30 > "$OUT_DIR/${name}_tests.log"
+  add_summary "$name tests: $(tail -n 1 "$OUT_DIR/${name}_tests.log")"
+  timeout 240 compute-sanitizer --tool memcheck --error-exitcode 3 \
+    $PY -m pytest -q -p no:cacheprovider "$file" -k "$filter" 2>&1 \
+    | tail -n 20 > "$OUT_DIR/sanitizer_${name}.log"
+  add_summary "memcheck ($name): $(grep -E 'ERROR SUMMARY' "$OUT_DIR/sanitizer_${name}.log" | tail -n 1) | $(grep -E 'passed|failed' "$OUT_DIR/sanitizer_${name}.log" | tail -n 1)"
+}
 # merge_parts DEST PART...: the CSV parts as one file (one header), the parts removed (the
 # device machine returns few files); an empty DEST where a step wrote none
 merge_parts() {
@@ -236,14 +248,8 @@ if has head_dims; then
   # head_dims between the kernel widths: their GPU tests, a memcheck of some, and the read
   # ceiling's share at >= 256 MB of KV (phi-2's 80 and phi-3-mini's 96 with their MHA heads;
   # 112 and 192 with llama-3-8b's heads, and its own 128 beside them), peers where they run
-  $PY -m pytest -q -p no:cacheprovider $( $PY -c "import xdist" 2>/dev/null && echo "-n 4") \
-    tests/test_gpu_head_dims.py 2>&1 | tail -n 30 > "$OUT_DIR/head_dims_tests.log"
-  add_summary "head_dims tests: $(tail -n 1 "$OUT_DIR/head_dims_tests.log")"
-  timeout 240 compute-sanitizer --tool memcheck --error-exitcode 3 \
-    $PY -m pytest -q -p no:cacheprovider tests/test_gpu_head_dims.py \
-    -k "(float16-80 or float16-192 or float32-136 or paged) and not bfloat16" 2>&1 \
-    | tail -n 20 > "$OUT_DIR/sanitizer_head_dims.log"
-  add_summary "memcheck (head_dims): $(grep -E 'ERROR SUMMARY' "$OUT_DIR/sanitizer_head_dims.log" | tail -n 1) | $(grep -E 'passed|failed' "$OUT_DIR/sanitizer_head_dims.log" | tail -n 1)"
+  feature_tests head_dims tests/test_gpu_head_dims.py \
+    "(float16-80 or float16-192 or float32-136 or paged) and not bfloat16"
   # ours alone first (no peer in the process), so that a fault there is ours
   $PY -m cupydecode.cli bench --protocol "${PROTOCOLS%%,*}" --model phi-2 --seqlens 16384,65536 \
     --batch 1,16 2>>"$OUT_DIR/bench.err" | tee -a "$OUT_DIR/head_dims.txt" \
@@ -282,14 +288,8 @@ if has multi; then
   # several query tokens per sequence: their GPU tests, a memcheck of some, and the time of
   # q_len 2, 4, 8 against one token (targets: q_len 4 <= 1.15x, q_len 8 <= 1.3x at >= 64 MB),
   # torch SDPA with the causal mask aligned to the end beside
-  $PY -m pytest -q -p no:cacheprovider $( $PY -c "import xdist" 2>/dev/null && echo "-n 4") \
-    tests/test_gpu_multi_token.py 2>&1 | tail -n 30 > "$OUT_DIR/multi_tests.log"
-  add_summary "multi tests: $(tail -n 1 "$OUT_DIR/multi_tests.log")"
-  timeout 240 compute-sanitizer --tool memcheck --error-exitcode 3 \
-    $PY -m pytest -q -p no:cacheprovider tests/test_gpu_multi_token.py \
-    -k "(float16 and not bfloat16 and (32-8-128 or 48-1-128)) or paged or graph or bad or window" 2>&1 \
-    | tail -n 20 > "$OUT_DIR/sanitizer_multi.log"
-  add_summary "memcheck (multi): $(grep -E 'ERROR SUMMARY' "$OUT_DIR/sanitizer_multi.log" | tail -n 1) | $(grep -E 'passed|failed' "$OUT_DIR/sanitizer_multi.log" | tail -n 1)"
+  feature_tests multi tests/test_gpu_multi_token.py \
+    "(float16 and not bfloat16 and (32-8-128 or 48-1-128)) or paged or graph or bad or window"
   torch_opt=$(echo "$BASELINES" | grep -o -- "--baseline torch")
   for model in llama-3-8b llama-3-70b; do
     for n in 1 2 4 8; do
