@@ -301,8 +301,9 @@ def _check_decode_inputs(q, k_cache, v_cache, paged: bool = False):
     q = as_device_array(q, "q")
     k = as_device_array(k_cache, "k_cache")
     v = as_device_array(v_cache, "v_cache")
-    if q.ndim != 4:  # one query token per sequence, or q_len of them
-        check_ndim(q, "q", 3, "(batch, num_heads, head_dim) or (batch, q_len, num_heads, head_dim)")
+    if q.ndim not in (3, 4):  # one query token per sequence, or q_len of them
+        fail(ValueError, "q", "a 3-D (batch, num_heads, head_dim) or 4-D (batch, q_len, "
+             "num_heads, head_dim) array", f"{q.ndim}-D array of shape {tuple(q.shape)}")
     cache = ("(num_pages, page_size, num_kv_heads, head_dim) (a paged cache: block_table given)"
              if paged else "(batch, max_seqlen, num_kv_heads, head_dim)")
     check_ndim(k, "k_cache", 4, cache)

@@ -188,7 +188,8 @@ def test_multi_token_bad_inputs_are_refused(cupy):
     k = cupy.zeros((2, 64, 2, 64), cupy.float16)
     with pytest.raises(ValueError, match=r"q: expected q_len.*\[1, 64\].*65"):
         cupydecode.flash_decode(cupy.zeros((2, 65, 8, 64), cupy.float16), k, k)
-    with pytest.raises(ValueError, match=r"q: expected .*or \(batch, q_len, num_heads, head_dim\)"):
+    with pytest.raises(ValueError, match=r"q: expected a 3-D .* or 4-D \(batch, q_len, num_heads, "
+                                         r"head_dim\) array, got 5-D"):
         cupydecode.flash_decode(cupy.zeros((2, 1, 4, 8, 64), cupy.float16), k, k)
     with pytest.raises(ValueError, match=r"cache_seqlens: expected lengths >= q_len=4.*3"):
         cupydecode.flash_decode(q, k, k, [64, 3])
@@ -210,3 +211,22 @@ def test_multi_token_bad_inputs_are_refused(cupy):
         one.run(q[:, :1], k, k)  # four dimensions for a plan of one token
     out, lse = plan.run(q, k, k, cupy.asarray([64, 10], cupy.int32))  # still usable
     assert out.shape == (2, 4, 8, 64) and lse.shape == (2, 4, 8)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_each_query_token_equals_the_one_token_call_at_its_length(cupy, rng, seed, dtype):
+    """Independent of the reference: token t of a q_len call equals the one-token call on the
+    same cache with the length cut to its position + 1 (what a token-by-token decode computes),
+    to the tolerance of the two plans' different split counts."""
+    q_len, lens = 6, [2000, 700, 6]
+    q = to_device(randn(rng, (3, q_len, 32, 128), dtype))
+    k = to_device(randn(rng, (3, 2000, 8, 128), dtype))
+    v = to_device(randn(rng, (3, 2000, 8, 128), dtype))
+    out, lse = cupydecode.flash_decode(q, k, v, cupy.asarray(np.asarray(lens, np.int32)),
+                                       return_lse=True)
+    for t in range(q_len):
+        cut = cupy.asarray(np.asarray([n - q_len + t + 1 for n in lens], np.int32))
+        o1, l1 = cupydecode.flash_decode(q[:, t], k, v, cut, return_lse=True)
+        ctx = context(seed, dtype=dtype, t=t)
+        assert_out_close(out[:, t], o1, OUT_TOL[dtype], ctx)
+        assert_lse_close(lse[:, t], l1, LSE_TOL[dtype], ctx)
