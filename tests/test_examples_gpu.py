@@ -30,6 +30,10 @@ def test_serving_loop_example(cupy):
     assert "relative error of the last step" in _run_example("serving_loop.py")
 
 
+def test_speculative_verify_example(cupy):
+    assert "relative error of the last step" in _run_example("speculative_verify.py")
+
+
 def test_jax_interop_example(cupy):
     if importlib.util.find_spec("jax") is None:
         pytest.skip("JAX is not installed (an optional package for this example only)")
