@@ -39,6 +39,7 @@ MAX_SPLITS = 4096
 MAX_TOKENS = 2**30   # token counts are int32 in the kernels, with headroom for chunk arithmetic
 MAX_BATCH = 65535    # sequences are the grid's z dimension
 MAX_Q_LEN = 64       # query tokens per sequence (draft tokens verified in one call)
+MAX_APPEND_Q_LEN = 16  # of those, appended in the call (k_new, v_new): NEW_ROWS in decode_split.cu
 LOG2E = 1.4426950408889634  # the kernels take softmax_scale · log2(e) (scores in log2 units)
 # Any split plan ends in a merge whose fixed tail (partials out, arrival count, merge) costs
 # ~2–3 µs on the H200, the time to stream ~8 MB at ~4.5 TB/s: charged to every plan with s > 1.
@@ -129,7 +130,8 @@ class SplitKernelConfig:
         acc = self.num_warps * ROWS * (w + 8) * 4  # rows padded (ACC_STRIDE)
         ml = 2 * self.num_warps * ROWS * 4
         live = self.rings * self.stages * 4 if self.paged else 0  # LIVE_BYTES
-        new = self.kv_per_block * 2 * w * es  # NEW_BYTES: the appended token's rows
+        # NEW_BYTES: the appended tokens' rows (MULTI_Q: up to MAX_APPEND_Q_LEN of them)
+        new = self.kv_per_block * 2 * w * es * (MAX_APPEND_Q_LEN if self.multi_q else 1)
         return q + max(pipe, acc) + ml + live + new
 
     def defines(self) -> dict[str, int]:

@@ -11,8 +11,8 @@ import numbers
 
 import numpy as np
 
-from ._policy import (DTYPE_IDS, HEAD_DIMS_TEXT, LOG2E, MAX_BATCH, MAX_Q_LEN, MAX_SPLITS,
-                      MAX_TOKENS, SUPPORTED_HEAD_DIMS)
+from ._policy import (DTYPE_IDS, HEAD_DIMS_TEXT, LOG2E, MAX_APPEND_Q_LEN, MAX_BATCH, MAX_Q_LEN,
+                      MAX_SPLITS, MAX_TOKENS, SUPPORTED_HEAD_DIMS)
 
 
 _DTYPE_NAMES: dict = {}
@@ -495,12 +495,12 @@ def check_new_tokens(k_new, v_new, batch: int, num_kv_heads: int, head_dim: int,
     (rows are copied as 16-byte vectors); nothing is ever copied to make them so. Returns
     ``(k_new, v_new, (kn_sb, kn_ss, kn_sh, vn_sb, vn_ss, vn_sh))``, strides in elements. Inputs
     that passed are remembered by their :func:`new_key` (and the current device). With several
-    query tokens (``q_len`` > 1) nothing is appended in the call: the draft tokens' K and V go
-    into the cache first."""
-    if q_len > 1:
+    query tokens (``q_len`` > 1, at most MAX_APPEND_Q_LEN), one new token per query token: each
+    is (batch, q_len, num_kv_heads, head_dim)."""
+    if q_len > MAX_APPEND_Q_LEN:
         name = "k_new" if k_new is not None else "v_new"
-        fail(ValueError, name, f"None with q_len={q_len} query tokens (appending is for one "
-             "token per sequence: write the draft tokens' K and V into the cache first, and "
+        fail(ValueError, name, f"None with q_len={q_len} query tokens (the call appends at most "
+             f"{MAX_APPEND_Q_LEN}: write the draft tokens' K and V into the cache first, and "
              "pass cache_seqlens that count them)", "an array")
     if (k_new is None) != (v_new is None):
         given, missing = ("k_new", "v_new") if v_new is None else ("v_new", "k_new")
@@ -511,13 +511,19 @@ def check_new_tokens(k_new, v_new, batch: int, num_kv_heads: int, head_dim: int,
     kk, vk = new_key(k_new), new_key(v_new)
     key = None
     if kk is not None and vk is not None:
-        key = (kk, vk, batch, num_kv_heads, head_dim, dtype, cupy.cuda.runtime.getDevice())
+        key = (kk, vk, batch, num_kv_heads, head_dim, dtype, q_len,
+               cupy.cuda.runtime.getDevice())
         hit = _NEW_CHECKED.get(key)
         if hit is not None:
             return k_new, v_new, hit
-    shapes = ((batch, 1, num_kv_heads, head_dim), (batch, num_kv_heads, head_dim))
-    layout = (f"(batch={batch}, 1, num_kv_heads={num_kv_heads}, head_dim={head_dim}) or "
-              f"({batch}, {num_kv_heads}, {head_dim}) (one new token per sequence)")
+    if q_len == 1:
+        shapes = ((batch, 1, num_kv_heads, head_dim), (batch, num_kv_heads, head_dim))
+        layout = (f"(batch={batch}, 1, num_kv_heads={num_kv_heads}, head_dim={head_dim}) or "
+                  f"({batch}, {num_kv_heads}, {head_dim}) (one new token per sequence)")
+    else:
+        shapes = ((batch, q_len, num_kv_heads, head_dim),)
+        layout = (f"(batch={batch}, q_len={q_len}, num_kv_heads={num_kv_heads}, "
+                  f"head_dim={head_dim}) (one new token per query token)")
     arrays, strides = [], []
     for name, x in (("k_new", k_new), ("v_new", v_new)):
         x = as_device_array(x, name)
@@ -526,7 +532,7 @@ def check_new_tokens(k_new, v_new, batch: int, num_kv_heads: int, head_dim: int,
             fail(TypeError, name, f"dtype {dtype} (the cache's)", dt)
         if tuple(x.shape) not in shapes:
             fail(ValueError, name, f"shape {layout}", tuple(x.shape))
-        check_vector_layout(x, name, (0, x.ndim - 2))
+        check_vector_layout(x, name, (0, 1, 2) if q_len > 1 else (0, x.ndim - 2))
         check_same_device({name: x})
         arrays.append(x)
         strides += new_token_strides(x)

@@ -131,7 +131,8 @@ class DecodePlan:
     takes q of shape (batch, N, num_heads, head_dim), and writes out (batch, N, num_heads,
     head_dim) and lse (batch, N, num_heads); token t of a sequence of L tokens attends the keys
     up to position L − N + t (and, with a window, only the last W + 1 of those). The N tokens'
-    K and V must be in the cache already (``k_new`` takes one token per sequence). Blocks tile
+    K and V are in the cache already, or ``run(..., k_new=, v_new=)`` of shape (batch, N,
+    num_kv_heads, head_dim) appends them in the same launch (N ≤ 16). Blocks tile
     a KV head's N × G (token, head) rows as they tile G heads, reading each K/V tile once for
     all of them; the kernel is built with ``MULTI_Q``.
 
@@ -350,7 +351,7 @@ class DecodePlan:
         if strides is None:  # a layout this plan has not seen: the full checks, once
             q, k_cache, v_cache, block_table, strides = self._check_layout(
                 q, k_cache, v_cache, block_table, layout)
-        V.check_lengths_fit(cache_seqlens, self.q_len)
+        V.check_lengths_fit(cache_seqlens, self.q_len if k_new is None and v_new is None else 1)
         seqlens, seqlen_all = V.check_seqlens(cache_seqlens, self.batch, self.max_seqlen,
                                               allow_host_array=False)
         scale = self._scale if softmax_scale is None else V.check_scale(softmax_scale,
@@ -444,7 +445,7 @@ class DecodePlan:
         # Raw pointers in the struct are as safe as array arguments: the arrays are alive during
         # this call, and CuPy's pool hands freed memory out again only in stream order.
         k_new, v_new, new_strides, n_new = (0, 0, _NO_NEW, 0) if new is None else (
-            new[0].data.ptr, new[1].data.ptr, new[2], 1)
+            new[0].data.ptr, new[1].data.ptr, new[2], self.q_len)
         self._split_launch(
             stream.ptr,
             q.data.ptr, k.data.ptr, v.data.ptr, 0 if seqlens is None else seqlens.data.ptr,
@@ -560,7 +561,8 @@ def flash_decode(q: ArrayLike, k_cache: ArrayLike, v_cache: ArrayLike,
             (batch, q_len, num_heads, head_dim) for q_len query tokens per sequence (up to 64;
             speculative decoding, MTP): token t of a sequence of L tokens sits at position
             L − q_len + t and attends the keys up to it (causal, aligned to the end); those q_len
-            tokens' K and V must be in the cache already (cache_seqlens counts them). out and
+            tokens' K and V are in the cache already (cache_seqlens counts them), or k_new/v_new
+            of q_len tokens (q_len ≤ 16) append them in the call. out and
             lse then have the q_len axis too.
         k_cache, v_cache: (batch, max_seqlen, num_kv_heads, head_dim), same dtype; last dim
             contiguous, other strides honoured. num_heads must be a multiple of num_kv_heads.
@@ -587,7 +589,8 @@ def flash_decode(q: ArrayLike, k_cache: ArrayLike, v_cache: ArrayLike,
             cache_seqlens[b] + 1 tokens. Positions at or past max_seqlen are not written and the
             length stays max_seqlen; a page index outside [0, num_pages) is not written.
             cache_seqlens=None (every sequence full) writes nothing. The caller advances
-            cache_seqlens.
+            cache_seqlens. With q of q_len tokens: (batch, q_len, num_kv_heads, head_dim), the
+            q_len tokens written at cache_seqlens[b] … + q_len − 1 (q_len ≤ 16).
         window_left: W ≥ 0 attends only the keys at positions ≥ L − 1 − W of a sequence of L
             tokens (W + 1 keys: a sliding window, e.g. Mistral's 4096); the splits cover only
             those, so a window over a long cache costs about what a cache of W + 1 tokens does.
@@ -644,7 +647,8 @@ def flash_decode(q: ArrayLike, k_cache: ArrayLike, v_cache: ArrayLike,
                                                           shape["page_size"], num_pages)
             shape["max_seqlen"] = max_pages * shape["page_size"]
     q_len = shape["q_len"]
-    V.check_lengths_fit(cache_seqlens, q_len)
+    # (appending: the query tokens are the new ones, any length before them will do)
+    V.check_lengths_fit(cache_seqlens, q_len if k_new is None and v_new is None else 1)
     seqlens, seqlen_all = V.check_seqlens(cache_seqlens, shape["batch"], shape["max_seqlen"])
     scale = V.check_scale(softmax_scale, shape["head_dim"])
     num_splits, split_size = V.check_splits(num_splits, split_size)

@@ -122,7 +122,9 @@ static_assert(sizeof(q_t) == sizeof(kv_t), "the tile math multiplies q and K/V o
 // PAGED: one word per ring stage, the rows of its tile that hold a key (the KV view's mask)
 #define LIVE_BYTES (PAGED ? RINGS * STAGES * 4 : 0)
 // The appended token's K and V rows (k_new, v_new) of each of the block's KV heads
-#define NEW_BYTES (KV_PER_BLOCK * 2 * HEAD_DIM * ES)
+// (MULTI_Q: up to NEW_ROWS appended tokens per sequence, one per query token)
+#define NEW_ROWS (MULTI_Q ? 16 : 1)
+#define NEW_BYTES (KV_PER_BLOCK * 2 * NEW_ROWS * HEAD_DIM * ES)
 #define SMEM_BYTES (Q_BYTES + BODY_BYTES + ML_BYTES + LIVE_BYTES + NEW_BYTES)
 
 #if (HEAD_DIM * 2 / 16) < 8
@@ -531,8 +533,8 @@ cd_decode_split(const cd_decode_params p) {
     // A block of several KV heads holds 8 query rows per KV head (the mma's N): a launch with
     // more (a host bug) must not index past them, even on an empty chunk.
     if (KV_PER_BLOCK > 1 && group > 8) __trap();
-    // MULTI_Q plans never append (the host refuses k_new there): a launch that does is a host bug
-    if (MULTI_Q && p.n_new) __trap();
+    // sm_new holds NEW_ROWS appended rows (the host checks q_len against it): more is a host bug
+    if (p.n_new > NEW_ROWS) __trap();
     // Once every block of this grid has passed here (so none is left to be scheduled), a merge
     // kernel launched after it may start and wait on the SMs for this grid's end (common.cuh).
     cd_launch_dependents();
@@ -731,6 +733,27 @@ cd_decode_split(const cd_decode_params p) {
         // hold (patch_new_row); the blocks of head tile 0 also write them into the cache. No part
         // of this launch reads those cache rows after the copy.
         uint4* sm_new = reinterpret_cast<uint4*>(smem + Q_BYTES + BODY_BYTES + ML_BYTES + LIVE_BYTES);
+#if MULTI_Q
+        // MULTI_Q: the appended tokens are [new_lo, seqlen), n_new of them (fewer at capacity);
+        // this chunk holds [new_in, new_out) of them, token new_lo + j in sm_new's rows 2j, 2j + 1
+        const int new_in = max(new_lo, chunk_start), new_out = min(seqlen, chunk_end);
+        const bool has_new = new_in < new_out;
+        auto patch_new_row = [&](int i) {
+            if (!has_new) return;
+            const int t0 = tile_start(i);
+            const int r_lo = max(new_in - t0, 0), r_hi = min(new_out - t0, TILE_N);
+            unsigned char* st = ring + (i % STAGES) * 2 * TILE_BYTES;
+            for (int r = r_lo; r < r_hi; ++r) {
+                if (!((tile_live(i) >> r) & 1u)) continue;
+                const int j = t0 + r - new_lo;
+                for (int c = (lane - r * CPR) & 31; c < CPR; c += 32) {  // lane (r·CPR + c) % 32
+                    *reinterpret_cast<uint4*>(st + swz(r, c) * 16) = sm_new[(2 * j) * CPR + c];
+                    *reinterpret_cast<uint4*>(st + TILE_BYTES + swz(r, c) * 16) =
+                        sm_new[(2 * j + 1) * CPR + c];
+                }
+            }
+        };
+#else
         const bool has_new = new_lo < chunk_end;
         // after tile i's copies have landed (this lane's: it copied the same 16-byte chunks, in
         // either copy of load_tile, so program order covers it), before the tile is shown
@@ -743,6 +766,7 @@ cd_decode_split(const cd_decode_params p) {
                 *reinterpret_cast<uint4*>(st + TILE_BYTES + swz(r, c) * 16) = sm_new[(2 * kh + 1) * CPR + c];
             }
         };
+#endif
 
         // Start streaming K/V first: the Q load and its barrier then overlap the first
         // tiles' latency instead of delaying it.
@@ -757,7 +781,7 @@ cd_decode_split(const cd_decode_params p) {
         // here and stored after the Q load, so that the latencies overlap; a page index outside
         // [0, num_pages) writes nothing (and its row counts for nothing: tile_live).
         static_assert(KV_PER_BLOCK * CPR <= NUM_THREADS, "a thread per chunk of the new rows");
-        const bool app = has_new && tid < KV_PER_BLOCK * CPR;
+        const bool app = !MULTI_Q && has_new && tid < KV_PER_BLOCK * CPR;
         const int app_head = unit * KV_PER_BLOCK + tid / CPR, app_c = tid % CPR;
         uint4 app_k = make_uint4(0u, 0u, 0u, 0u), app_v = app_k;
         long long app_kr = -1, app_vr = -1;  // the row's place in the cache; -1: not written
@@ -794,6 +818,36 @@ cd_decode_split(const cd_decode_params p) {
             reinterpret_cast<uint4*>(sq)[r * CPR + c] = val;
 #endif
         }
+#if MULTI_Q
+        // the chunk's appended rows (one KV head per block): k_new's and v_new's token j into
+        // sm_new, and, by head tile 0's block, into the cache (paged: through the table; a page
+        // index outside [0, num_pages) writes nothing and its row counts for nothing)
+        for (int i = tid; i < (new_out - new_in) * CPR; i += NUM_THREADS) {
+            const int j = new_in - new_lo + i / CPR, c = i % CPR, tok = new_lo + j;
+            uint4 nk = make_uint4(0u, 0u, 0u, 0u), nv = nk;
+            if (CHUNK_IN_MEMORY(c)) {
+                nk = *reinterpret_cast<const uint4*>(p.k_new + b * p.kn_sb + j * p.kn_ss
+                                                     + (long long)kv_head * p.kn_sh + c * EPC);
+                nv = *reinterpret_cast<const uint4*>(p.v_new + b * p.vn_sb + j * p.vn_ss
+                                                     + (long long)kv_head * p.vn_sh + c * EPC);
+            }
+            sm_new[(2 * j) * CPR + c] = nk;
+            sm_new[(2 * j + 1) * CPR + c] = nv;
+            if (head_tile != 0 || !CHUNK_IN_MEMORY(c)) continue;
+#if PAGED
+            const int pj = tok / page_size;
+            const int page = entry(pj);
+            if ((unsigned)page >= (unsigned)num_pages) continue;
+            const long long kr = page * k_sb + (long long)(tok - pj * page_size) * k_ss;
+            const long long vr = page * v_sb + (long long)(tok - pj * page_size) * v_ss;
+#else
+            const long long kr = b * k_sb + (long long)tok * k_ss;
+            const long long vr = b * v_sb + (long long)tok * v_ss;
+#endif
+            *reinterpret_cast<uint4*>(const_cast<kv_t*>(k) + kr + (long long)kv_head * k_sh + c * EPC) = nk;
+            *reinterpret_cast<uint4*>(const_cast<kv_t*>(v) + vr + (long long)kv_head * v_sh + c * EPC) = nv;
+        }
+#endif
         if (app) {
             sm_new[(2 * (tid / CPR)) * CPR + app_c] = app_k;
             sm_new[(2 * (tid / CPR) + 1) * CPR + app_c] = app_v;

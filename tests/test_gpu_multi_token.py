@@ -196,9 +196,12 @@ def test_multi_token_bad_inputs_are_refused(cupy):
     with pytest.raises(ValueError, match=r"cache_seqlens: expected lengths >= q_len=4.*2"):
         cupydecode.flash_decode(q, k, k, 2)
     cupydecode.flash_decode(q, k, k, [64, 0])  # an empty slot (length 0) is accepted
-    new = cupy.zeros((2, 4, 2, 64), cupy.float16)
-    with pytest.raises(ValueError, match=r"k_new: expected None with q_len=4"):
-        cupydecode.flash_decode(q, k, k, [10, 10], k_new=new, v_new=new)
+    one_new = cupy.zeros((2, 1, 2, 64), cupy.float16)
+    with pytest.raises(ValueError, match=r"k_new: expected shape \(batch=2, q_len=4, "):
+        cupydecode.flash_decode(q, k, k, [10, 10], k_new=one_new, v_new=one_new)
+    q17, new17 = cupy.zeros((2, 17, 8, 64), cupy.float16), cupy.zeros((2, 17, 2, 64), cupy.float16)
+    with pytest.raises(ValueError, match=r"k_new: expected None with q_len=17.*at most 16"):
+        cupydecode.flash_decode(q17, k, k, [10, 10], k_new=new17, v_new=new17)
     plan = cupydecode.DecodePlan(2, 8, 2, 64, 64, "float16", q_len=4)
     with pytest.raises(ValueError, match=r"q/k_cache/v_cache: expected the plan's shape"):
         plan.run(cupy.zeros((2, 8, 64), cupy.float16), k, k)  # one token for a plan of 4
@@ -230,3 +233,40 @@ def test_each_query_token_equals_the_one_token_call_at_its_length(cupy, rng, see
         ctx = context(seed, dtype=dtype, t=t)
         assert_out_close(out[:, t], o1, OUT_TOL[dtype], ctx)
         assert_lse_close(lse[:, t], l1, LSE_TOL[dtype], ctx)
+
+
+@pytest.mark.parametrize("page_size", [None, 16, 3])
+@pytest.mark.parametrize("q_len", [2, 5, 16])
+def test_multi_token_append(cupy, rng, seed, q_len, page_size):
+    """k_new, v_new of q_len tokens: written into the cache at cache_seqlens[b] … + q_len − 1
+    (through the block table when paged; nothing at or past the capacity) and attended, each
+    query token causal to its own new position; the rest of the cache unchanged, bit for bit.
+    Lengths: one that fills the capacity exactly, one that runs past it, an empty one; tokens
+    across a chunk boundary (forced splits) and page boundaries."""
+    heads, kv_heads, dim, cap = 32, 8, 128, 600
+    lens = [250, cap - q_len, cap - 1, 0]
+    q = randn(rng, (4, q_len, heads, dim), "float16")
+    k = nan_tail(randn(rng, (4, cap, kv_heads, dim), "float16"), lens)
+    v = nan_tail(randn(rng, (4, cap, kv_heads, dim), "float16"), lens)
+    k_new = randn(rng, (4, q_len, kv_heads, dim), "float16")
+    v_new = randn(rng, (4, q_len, kv_heads, dim), "float16")
+    ref = R.decode_attention(q, k, v, lens, k_new=k_new, v_new=v_new)
+    if page_size is None:
+        caches, table, exp = (to_device(k), to_device(v)), None, R.append_kv(k, v, lens, k_new, v_new)
+    else:
+        kp, vp, tab = to_paged(rng, k, v, page_size)
+        caches, table = (to_device(kp), to_device(vp)), cupy.asarray(tab)
+        exp = R.append_kv(kp, vp, lens, k_new, v_new, tab)
+    ctx = context(seed, q_len=q_len, page_size=page_size, lens=lens)
+    for mode in ({"num_splits": 1}, {"num_splits": 7, "merge": "fused"}, {}):
+        kc, vc = caches[0].copy(), caches[1].copy()
+        plan = cupydecode.DecodePlan(4, heads, kv_heads, dim, cap, "float16", q_len=q_len,
+                                     page_size=page_size, **mode)
+        out = cupy.full(q.shape, np.nan, cupy.float16)
+        lse = cupy.full(q.shape[:3], np.nan, cupy.float32)
+        plan.run(to_device(q), kc, vc, cupy.asarray(np.asarray(lens, np.int32)), out=out,
+                 lse=lse, block_table=table, k_new=to_device(k_new), v_new=to_device(v_new))
+        assert_out_close(out, ref[0], OUT_TOL["float16"], f"{mode} {ctx}")
+        assert_lse_close(lse, ref[1], LSE_TOL["float16"], f"{mode} {ctx}")
+        for got, want in ((kc, exp[0]), (vc, exp[1])):
+            assert np.array_equal(got.get().view(np.uint16), want.view(np.uint16)), (mode, ctx)
