@@ -362,8 +362,8 @@ def check(ctx, batch, seqlen, heads, kv_heads, head_dim, dtype, splits, seed, va
                                          lengths, model, soft_cap, page_size, window)) or varlen or q_scale != 1.0
     single = single or append or alibi or sinks or q_len > 1
     if append and q_len > 1:
-        raise click.BadParameter("expected one query token with --append (draft tokens are in "
-                                 "the cache already)", param_hint="'--q-len'")
+        raise click.BadParameter("expected --q-len 1 with --append (the command appends one "
+                                 "token per sequence)", param_hint="'--q-len'")
     if single:
         # a model's every layer type (Gemma-2's sliding and full layers); --window sets one
         layers = list(MODELS[model.lower()].layers()) if model else [None]
@@ -633,8 +633,8 @@ def bench(ctx, model, head_dim, dtype, seqlens, batches, splits, protocols, proc
     from . import bench as B
 
     if append and q_len > 1:
-        raise click.BadParameter("expected one query token with --append (draft tokens are in "
-                                 "the cache already)", param_hint="'--q-len'")
+        raise click.BadParameter("expected --q-len 1 with --append (the command appends one "
+                                 "token per sequence)", param_hint="'--q-len'")
     if plot_path:
         _check_plot_available(ctx)
     require_gpu(ctx)
