@@ -204,6 +204,16 @@ def check_window(window_left) -> int | None:
     return w
 
 
+def _host_finite(x, name: str) -> np.ndarray:
+    """Host values (a list, tuple or NumPy array) of real, finite numbers, as a NumPy array."""
+    arr = np.asarray(x)
+    if arr.dtype == bool or not np.issubdtype(arr.dtype, np.number):
+        fail(TypeError, name, "real numbers", f"dtype {arr.dtype}")
+    if not np.all(np.isfinite(arr)):
+        fail(ValueError, name, "finite values", "a non-finite value")
+    return arr
+
+
 def check_head_values(x, name: str, num_heads: int, allow_host_array: bool = True):
     """A per-query-head float32 vector (``alibi_slopes``, ``sinks``): None, a (num_heads,)
     float32 device array used as is (contiguous, on the current device), or (with
@@ -214,13 +224,9 @@ def check_head_values(x, name: str, num_heads: int, allow_host_array: bool = Tru
     if x is None:
         return None
     if isinstance(x, (list, tuple, np.ndarray)) and allow_host_array:
-        arr = np.asarray(x)
-        if arr.dtype == bool or not np.issubdtype(arr.dtype, np.number):
-            fail(TypeError, name, "real numbers", f"dtype {arr.dtype}")
+        arr = _host_finite(x, name)
         if arr.shape != (num_heads,):
             fail(ValueError, name, f"shape ({num_heads},) (one per query head)", arr.shape)
-        if not np.all(np.isfinite(arr)):
-            fail(ValueError, name, "finite values", "a non-finite value")
         return cupy.asarray(arr, dtype=cupy.float32)
     arr = as_device_array(x, name)
     if dtype_name(arr.dtype) != "float32":
@@ -374,6 +380,10 @@ def check_block_table(block_table, batch: int, page_size: int, num_pages: int,
     import cupy
 
     layout = f"({batch}, max_pages_per_seq >= {min_pages}) int32 (or int64)"
+
+    def check_table_shape(arr):  # the same for host and device tables
+        if arr.ndim != 2 or arr.shape[0] != batch or arr.shape[1] < min_pages:
+            fail(ValueError, "block_table", f"shape {layout}", tuple(arr.shape))
     if isinstance(block_table, (list, tuple, np.ndarray)):
         if not allow_host_array:
             fail(TypeError, "block_table", f"a {layout} device array (a plan never copies from "
@@ -381,8 +391,7 @@ def check_block_table(block_table, batch: int, page_size: int, num_pages: int,
         arr = np.asarray(block_table)
         if arr.dtype == bool or not np.issubdtype(arr.dtype, np.integer):
             fail(TypeError, "block_table", "integers", f"dtype {arr.dtype}")
-        if arr.ndim != 2 or arr.shape[0] != batch or arr.shape[1] < min_pages:
-            fail(ValueError, "block_table", f"shape {layout}", arr.shape)
+        check_table_shape(arr)
         if arr.size and (arr.min() < 0 or arr.max() >= num_pages):
             fail(ValueError, "block_table", f"page indices in [0, num_pages={num_pages})",
                  f"values in [{arr.min()}, {arr.max()}]")
@@ -391,8 +400,7 @@ def check_block_table(block_table, batch: int, page_size: int, num_pages: int,
         arr = as_device_array(block_table, "block_table")
         if dtype_name(arr.dtype) not in ("int32", "int64"):
             fail(TypeError, "block_table", "dtype int32 or int64", dtype_name(arr.dtype))
-        if arr.ndim != 2 or arr.shape[0] != batch or arr.shape[1] < min_pages:
-            fail(ValueError, "block_table", f"shape {layout}", tuple(arr.shape))
+        check_table_shape(arr)
         if arr.shape[1] > 1 and arr.strides[1] != arr.itemsize:
             fail(ValueError, "block_table", "rows contiguous (a column stride of 1 element)",
                  f"strides {tuple(arr.strides)} bytes")
@@ -564,11 +572,7 @@ def check_merge_sinks(sinks, rows_shape: tuple):
     if sinks is None:
         return None
     if isinstance(sinks, (list, tuple, np.ndarray)):
-        arr = np.asarray(sinks)
-        if arr.dtype == bool or not np.issubdtype(arr.dtype, np.number):
-            fail(TypeError, "sinks", "real numbers", f"dtype {arr.dtype}")
-        if not np.all(np.isfinite(arr)):
-            fail(ValueError, "sinks", "finite values", "a non-finite value")
+        arr = _host_finite(sinks, "sinks")
         shape = arr.shape
     else:
         arr = as_device_array(sinks, "sinks")
