@@ -169,12 +169,15 @@ def _rows(cache, b: int, n: int, rows):
     return cache[b, :n] if rows is None else cache[rows[0], rows[1]]
 
 
-def append_kv(k_cache, v_cache, cache_seqlens, k_new, v_new, block_table=None, xp=np):
+def append_kv(k_cache, v_cache, cache_seqlens, k_new, v_new, block_table=None, xp=np,
+              max_seqlen=None):
     """The caches after appending ``k_new``/``v_new`` (batch, q_len, num_kv_heads, head_dim) at
     positions cache_seqlens[b] … cache_seqlens[b] + q_len − 1 of each sequence, through
     ``block_table`` for a paged cache: ``(k, v, lengths)`` as new host arrays (the inputs are not
     changed), lengths = cache_seqlens + q_len clamped to the capacity. Positions past the
-    capacity, and rows of pages whose index is outside [0, num_pages), are not written.
+    capacity, and rows of pages whose index is outside [0, num_pages), are not written. The
+    capacity is the cache's (pages per sequence × page_size when paged), or ``max_seqlen`` where
+    given (a plan's, which may end inside a sequence's last page).
     ``xp=cupy``: the copies are made on the GPU instead (CuPy inputs; caches too large for the
     host), lengths and the table still on the host."""
     if xp is np:
@@ -185,6 +188,8 @@ def append_kv(k_cache, v_cache, cache_seqlens, k_new, v_new, block_table=None, x
     table = None if block_table is None else _host(block_table).astype(np.int64)
     batch, q_len = k_new.shape[0], k_new.shape[1]
     capacity = k.shape[1] * (1 if table is None else table.shape[1])
+    if max_seqlen is not None:
+        capacity = min(capacity, int(max_seqlen))
     lens = seqlens_array(cache_seqlens, batch, capacity)
     for b in range(batch):
         for i in range(q_len):

@@ -160,9 +160,10 @@ def test_multi_token_plan_in_a_graph_with_lengths_changed_in_place(cupy, rng, se
         plan.run(case.q, dk, dv, case.seqlens, out=out, lse=lse)
         graph = stream.end_capture()
     for lens in ([3000, 900, 10], [3004, 904, 14], [4096, 4, 4]):
-        case.seqlens[...] = cupy.asarray(np.asarray(lens, np.int32))
-        out.fill(np.nan)
-        graph.launch(stream)
+        with stream:  # (the replay's stream does not wait for the legacy default stream)
+            case.seqlens[...] = cupy.asarray(np.asarray(lens, np.int32))
+            out.fill(np.nan)
+            graph.launch(stream)
         stream.synchronize()
         ref = R.decode_attention(q, k, v, lens)
         ctx = context(seed, lens=lens)
@@ -256,7 +257,7 @@ def test_multi_token_append(cupy, rng, seed, q_len, page_size):
     else:
         kp, vp, tab = to_paged(rng, k, v, page_size)
         caches, table = (to_device(kp), to_device(vp)), cupy.asarray(tab)
-        exp = R.append_kv(kp, vp, lens, k_new, v_new, tab)
+        exp = R.append_kv(kp, vp, lens, k_new, v_new, tab, max_seqlen=cap)  # (pages: 608)
     ctx = context(seed, q_len=q_len, page_size=page_size, lens=lens)
     for mode in ({"num_splits": 1}, {"num_splits": 7, "merge": "fused"}, {}):
         kc, vc = caches[0].copy(), caches[1].copy()

@@ -208,15 +208,15 @@ def test_paged_plan_in_a_graph_with_tables_changed_in_place(cupy, rng, seed):
             rows = slice(j * page_size, (j + 1) * page_size)
             kp[new_table[b, j]] = k2[b, rows]
             vp[new_table[b, j]] = v2[b, rows]
-    case.k[...] = to_device(kp)
-    case.v[...] = to_device(vp)
-    case.table[...] = cupy.asarray(new_table)
-    case.seqlens[...] = cupy.asarray(np.asarray(new_lens, np.int32))
     case.lengths = new_lens
     case.ref_out, case.ref_lse = R.decode_attention(q, k2, v2, new_lens)
-    out.fill(np.nan)
-    lse.fill(np.nan)
-    with stream:
+    with stream:  # every update in stream order with the replay (a non-blocking stream)
+        case.k[...] = to_device(kp)
+        case.v[...] = to_device(vp)
+        case.table[...] = cupy.asarray(new_table)
+        case.seqlens[...] = cupy.asarray(np.asarray(new_lens, np.int32))
+        out.fill(np.nan)
+        lse.fill(np.nan)
         graph.launch(stream)
     stream.synchronize()
     case.check(cupy, out, lse, "replay after the table, cache and lengths changed")

@@ -109,12 +109,12 @@ def test_soft_cap_in_a_graph(cupy, rng, seed):
     stream.synchronize()
     case.check(out, lse, "graph")
     q2 = R.to_float64(case.host[0])[:, ::-1].astype(case.host[0].dtype)  # heads reversed
-    case.q[...] = to_device(q2)
     case.ref_out, case.ref_lse = R.decode_attention(q2, *case.host[1:], case.lengths,
                                                     logits_soft_cap=5.0)
-    out.fill(np.nan)
-    lse.fill(np.nan)
-    with stream:
+    with stream:  # every update in stream order with the replay (a non-blocking stream)
+        case.q[...] = to_device(q2)
+        out.fill(np.nan)
+        lse.fill(np.nan)
         graph.launch(stream)
     stream.synchronize()
     case.check(out, lse, "graph after q changed")
