@@ -9,7 +9,8 @@ CuPy is imported lazily, so ``import cupydecode`` (and the NumPy reference) work
 """
 
 from . import reference
+from ._policy import Tuning
 from .decode import DecodePlan, flash_decode, merge_states
 
 __version__ = "0.1.0"
-__all__ = ["flash_decode", "merge_states", "DecodePlan", "reference", "__version__"]
+__all__ = ["flash_decode", "merge_states", "DecodePlan", "Tuning", "reference", "__version__"]

@@ -279,6 +279,34 @@ HEADS_AS_N_LONG_CHUNK = 8 * TILE_N
 WARPS_IN_STEP_MIN_CHUNK = 8192
 
 
+@dataclass(frozen=True)
+class Tuning:
+    """Overrides of the launch policy's block shape for one :class:`DecodePlan`, for A/B
+    measurements of kernel shapes in one process (tools/ab.py). Each field left None keeps the
+    policy's choice; the split count stays the policy's (or the plan's num_splits/split_size).
+
+    num_warps, stages: the split kernel's warps per block and K/V ring depth (tiles per warp);
+    l2_evict_first: the L2 evict-first hint on the K/V copies; warps_in_step: the block's warps
+    meet at a barrier per tile (one-M-tile blocks only; a block whose slots have unequal tile
+    counts runs unsynchronised whatever this says). An override that the kernel cannot build or
+    the GPU cannot hold is refused when the plan is made.
+    """
+
+    num_warps: int | None = None
+    stages: int | None = None
+    l2_evict_first: bool | None = None
+    warps_in_step: bool | None = None
+
+
+def tuned(config: SplitKernelConfig, tuning: Tuning | None) -> SplitKernelConfig:
+    """``config`` with ``tuning``'s block-shape overrides (the policy's values where None)."""
+    if tuning is None:
+        return config
+    changes = {name: getattr(tuning, name) for name in ("num_warps", "stages", "l2_evict_first")
+               if getattr(tuning, name) is not None}
+    return replace(config, **changes) if changes else config
+
+
 def warps_in_step(config: SplitKernelConfig, chunk_tokens: int) -> bool:
     """Whether a plan's blocks keep their warps in step (a runtime flag of the split kernel):
     heads-as-N blocks of several KV heads always (reading their heads' row pieces together is
@@ -300,7 +328,7 @@ def split_kernel_configs(dtype: str, head_dim: int) -> list[SplitKernelConfig]:
 
 
 def compile_check_configs() -> list[SplitKernelConfig]:
-    """What the compile checks build (tests/test_compile.py, scripts/sass_compare.py): every
+    """What the compile checks build (tests/test_compile.py, tools/sass_compare.py): every
     block shape of every dtype and head_dim (:func:`split_kernel_configs`), and each shape with
     the compile-time switches on — the soft-cap, ALiBi and the paged KV view together, the most
     registers any can take (each alone is a subset of that code; their code is the same in all

@@ -167,6 +167,46 @@ _FLOAT32_TINY = float(np.finfo(np.float32).tiny)
 MAX_SOFT_CAP = 1000.0
 
 
+def check_tuning(tuning, config, smem_optin: int):
+    """The policy's block shape ``config`` with ``tuning``'s overrides (None or a
+    :class:`cupydecode.Tuning`), checked to give a kernel that builds and fits in
+    ``smem_optin`` bytes of shared memory per block (0: unknown)."""
+    from ._policy import Tuning, tuned
+
+    if tuning is None:
+        return config
+    if not isinstance(tuning, Tuning):
+        fail(TypeError, "tuning", "a cupydecode.Tuning or None", type(tuning).__name__)
+    for name in ("num_warps", "stages"):
+        value = getattr(tuning, name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
+            fail(TypeError, f"tuning.{name}", "an int or None", f"{type(value).__name__} {value!r}")
+    for name in ("l2_evict_first", "warps_in_step"):
+        value = getattr(tuning, name)
+        if value is not None and not isinstance(value, bool):
+            fail(TypeError, f"tuning.{name}", "True, False or None", repr(value))
+    config = tuned(config, tuning)
+    per_slot = config.m_tiles * config.kv_per_block  # warps of one token slot
+    nw = config.num_warps
+    if not (per_slot <= nw <= 32 and nw % per_slot == 0 and nw & (nw - 1) == 0):
+        fail(ValueError, "tuning.num_warps", f"a power of two from {per_slot} to 32 "
+             f"(this plan's blocks: {config.m_tiles} M-tile(s) x {config.kv_per_block} KV "
+             f"head(s) per token slot)", config.num_warps)
+    if config.m_tiles > 1 and config.slots > 15:
+        fail(ValueError, "tuning.num_warps", f"at most {15 * per_slot} for blocks of "
+             f"{config.m_tiles} M-tiles (15 named barriers)", config.num_warps)
+    if not 2 <= config.stages <= 16:
+        fail(ValueError, "tuning.stages", "2 to 16", config.stages)
+    if tuning.warps_in_step and config.m_tiles > 1:
+        fail(ValueError, "tuning.warps_in_step", "False or None for blocks of several M-tiles "
+             "(their slots meet at named barriers already)", True)
+    if smem_optin and config.smem_bytes > smem_optin:
+        fail(ValueError, "tuning", f"a block shape within the GPU's {smem_optin} bytes of "
+             f"shared memory per block", f"{config.num_warps} warps x {config.stages} stages "
+             f"({config.smem_bytes} bytes)")
+    return config
+
+
 def check_soft_cap(logits_soft_cap) -> float | None:
     """``logits_soft_cap``: None (or 0, FlashAttention's "no cap") → None; else c in
     (0, MAX_SOFT_CAP]."""

@@ -215,7 +215,7 @@ def graph_time_cupy(call, n_calls: int, trials: int = GRAPH_TRIALS,
     ``call`` launches work on the current CuPy stream. It is run once per i first (compiles,
     allocates, initialises cuBLAS) on the capture stream, then captured and replayed, each
     replay queued behind :func:`hold_stream` with its events (``hold=False``: recorded on an
-    idle stream, as a caller without the spin kernel sees it: scripts/step_extras.py).
+    idle stream, as a caller without the spin kernel sees it).
     With ``before`` (the decode-step protocol, :class:`StepTraffic`), ``before(i)`` is captured
     ahead of every ``call(i)``, and the time of the graph of the ``before`` calls alone is
     subtracted (:func:`_event_times`).

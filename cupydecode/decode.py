@@ -136,6 +136,10 @@ class DecodePlan:
     a KV head's N × G (token, head) rows as they tile G heads, reading each K/V tile once for
     all of them; the kernel is built with ``MULTI_Q``.
 
+    ``tuning``: a :class:`cupydecode.Tuning` overrides the policy's block shape (warps, ring
+    stages, the L2 hint, warps in step) for A/B measurements of kernel shapes; the default
+    (None) is the policy's shape, the one the measurements in docs/PERFORMANCE.md chose.
+
     A plan's workspace (partials and the fused merge's arrival counters) is shared by its runs:
     run one plan on one stream at a time, and make one plan per stream for concurrent decoding
     (``flash_decode`` keeps its cached plans per stream for this reason, and per thread on the
@@ -146,7 +150,8 @@ class DecodePlan:
                  max_seqlen: int, dtype, num_splits: int | None = None,
                  split_size: int | None = None, merge: str = "auto", enable_pdl: bool = False,
                  *, logits_soft_cap: float | None = None, page_size: int | None = None,
-                 window_left: int | None = None, alibi: bool = False, q_len: int = 1):
+                 window_left: int | None = None, alibi: bool = False, q_len: int = 1,
+                 tuning: _policy.Tuning | None = None):
         cupy = _kernels.import_cupy()
 
         self.batch = V.check_int(batch, "batch", 0, _policy.MAX_BATCH)
@@ -226,6 +231,7 @@ class DecodePlan:
                     * _policy.ITEMSIZE[self.dtype])  # what a run reads at most
         if not _policy.l2_evict_first(self.dtype, kv_bytes):
             self.config = dataclasses.replace(self.config, l2_evict_first=False)
+        self.config = V.check_tuning(tuning, self.config, smem_optin)  # (tuning's overrides)
         if self.logits_soft_cap is not None:
             self.config = dataclasses.replace(self.config, soft_cap=True)
         if self.alibi:
@@ -276,7 +282,9 @@ class DecodePlan:
         self._window_arg = -1 if self.window_left is None else self.window_left
         # pages per sequence a block table must have for this plan's max_seqlen
         self._min_pages = 0 if self.page_size is None else -(-self.max_seqlen // self.page_size)
-        self._in_step = int(_policy.warps_in_step(self.config, self.chunk_tokens))
+        self._in_step = int(_policy.warps_in_step(self.config, self.chunk_tokens)
+                            if tuning is None or tuning.warps_in_step is None
+                            else tuning.warps_in_step)
         self._part_ptrs = ((0, 0) if self.o_part is None
                            else (self.o_part.data.ptr, self.lse_part.data.ptr))
         self._counter_ptr = 0 if self._counters is None else self._counters.data.ptr

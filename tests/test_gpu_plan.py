@@ -8,8 +8,8 @@ import pytest
 import cupydecode
 from cupydecode import _kernels, _policy
 from cupydecode import reference as R
-from helpers import (DTYPES, LSE_TOL, OUT_TOL, assert_lse_close, assert_out_close, context,
-                     decode_inputs, np_dtype, poison_pool, to_device)
+from helpers import (DTYPES, LSE_TOL, OUT_TOL, DecodeCase, assert_lse_close, assert_out_close,
+                     context, decode_inputs, np_dtype, poison_pool, to_device)
 
 pytestmark = pytest.mark.gpu
 
@@ -554,3 +554,19 @@ def test_long_calls_take_plain_copies(cupy):
     long = cupydecode.DecodePlan(16, 32, 8, 128, 65536, "float16")         # 4.3 GB
     assert short.config.l2_evict_first and not long.config.l2_evict_first
     assert cupydecode.DecodePlan(16, 32, 8, 128, 65536, "float32").config.l2_evict_first
+
+
+@pytest.mark.parametrize("tuning", [
+    dict(num_warps=8, stages=2), dict(num_warps=2, stages=6), dict(l2_evict_first=False),
+    dict(warps_in_step=True), dict(warps_in_step=False, num_warps=8, stages=3)])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_tuned_block_shapes_agree_with_the_reference(cupy, rng, seed, dtype, tuning):
+    """Block shapes and flags set through cupydecode.Tuning (the A/B tool's override) build and
+    give the reference's outputs, split and not; the plan reports the shape it runs."""
+    case = DecodeCase(rng, seed, 3, 32, 8, 128, 3000, dtype, [3000, 1111, 0])
+    for splits in (1, 5):
+        plan = case.plan(num_splits=splits, tuning=cupydecode.Tuning(**tuning))
+        for name in ("num_warps", "stages", "l2_evict_first"):
+            if name in tuning:
+                assert getattr(plan.config, name) == tuning[name], (name, plan.config)
+        case.check(*case.run(plan), f"{tuning} splits={splits}")

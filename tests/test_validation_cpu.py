@@ -289,3 +289,39 @@ def test_merge_sinks_shape_must_end_the_rows_shape():
     with pytest.raises(TypeError, match=r"^sinks: expected real numbers"):
         V.check_merge_sinks(np.array([True, False]), (2, 2))
     assert V.check_merge_sinks(None, (2, 8)) is None
+
+
+def _policy_config(**kw):
+    from cupydecode import _policy
+
+    return _policy.split_kernel_config("float16", 128, **kw)
+
+
+@pytest.mark.parametrize("tuning, exc, match", [
+    ("4x2", TypeError, r"tuning: expected a cupydecode.Tuning or None, got str"),
+    (cupydecode.Tuning(num_warps=8.0), TypeError, r"tuning.num_warps: expected an int"),
+    (cupydecode.Tuning(stages=True), TypeError, r"tuning.stages: expected an int"),
+    (cupydecode.Tuning(l2_evict_first=1), TypeError, r"tuning.l2_evict_first: expected True"),
+    (cupydecode.Tuning(num_warps=3), ValueError, r"tuning.num_warps: expected a power of two.*got 3"),
+    (cupydecode.Tuning(num_warps=64), ValueError, r"tuning.num_warps: .*got 64"),
+    (cupydecode.Tuning(stages=1), ValueError, r"tuning.stages: expected 2 to 16, got 1"),
+    (cupydecode.Tuning(stages=12), ValueError, r"tuning: expected a block shape within the GPU's "
+                                               r"232448 bytes.*4 warps x 12 stages"),
+])
+def test_tuning_errors_name_the_field(tuning, exc, match):
+    with pytest.raises(exc, match=match):
+        V.check_tuning(tuning, _policy_config(), 232448)
+
+
+def test_tuning_overrides_only_what_it_names():
+    base = _policy_config()
+    assert V.check_tuning(None, base, 232448) is base
+    assert V.check_tuning(cupydecode.Tuning(), base, 232448) == base
+    got = V.check_tuning(cupydecode.Tuning(num_warps=8, stages=2, l2_evict_first=False), base, 0)
+    assert (got.num_warps, got.stages, got.l2_evict_first) == (8, 2, False)
+    assert (got.m_tiles, got.heads_as_n, got.dtype) == (base.m_tiles, base.heads_as_n, base.dtype)
+    m2 = _policy_config(m_tiles=2)
+    with pytest.raises(ValueError, match=r"tuning.num_warps: expected a power of two from 2"):
+        V.check_tuning(cupydecode.Tuning(num_warps=1), m2, 0)
+    with pytest.raises(ValueError, match=r"tuning.warps_in_step"):
+        V.check_tuning(cupydecode.Tuning(warps_in_step=True), m2, 0)

@@ -7,7 +7,7 @@ count unchanged changed register names and predicate senses at most.
 Needs NVRTC and nvdisasm (pip install nvidia-cuda-nvrtc nvidia-cuda-nvdisasm); found in the
 site-packages' nvidia/*/ folders unless --nvrtc / --nvdisasm say where.
 
-Usage: python scripts/sass_compare.py FOLDER [--arch sm_90] [--nvrtc LIB] [--nvdisasm BIN]
+Usage: python tools/sass_compare.py FOLDER [--arch sm_90] [--nvrtc LIB] [--nvdisasm BIN]
 """
 
 import argparse

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything to check and time on a GPU machine in one go, from a checkout (no install needed):
-#   bash scripts/device_check.sh [OUTDIR]          (default OUTDIR: ./device_out)
+#   bash tools/device_check.sh [OUTDIR]          (default OUTDIR: ./device_out)
 # Steps: versions → full pytest (GPU tests included) → compute-sanitizer memcheck on a
 # representative subset → `cupydecode check` → `cupydecode bench` sweeps with peers (torch SDPA;
 # FlashInfer when importable). Logs, CSV/JSON and the plot go to OUTDIR; a summary prints last.
@@ -15,7 +15,7 @@
 # `check --model` for every preset's every layer type; "multi": several query tokens per
 # sequence, tested, memchecked and timed against one).
 # A machine that returns only a few files: run it into a scratch folder and pack that, e.g.
-#   bash scripts/device_check.sh /tmp/dc; tar czf "$OUT/device_check.tgz" -C /tmp/dc .
+#   bash tools/device_check.sh /tmp/dc; tar czf "$OUT/device_check.tgz" -C /tmp/dc .
 set -u
 OUT_DIR=${1:-${OUT:-./device_out}}
 mkdir -p "$OUT_DIR"

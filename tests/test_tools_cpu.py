@@ -1,0 +1,28 @@
+"""The developer tools parse their arguments into public overrides (no GPU)."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import cupydecode
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tools"))
+
+
+def test_ab_arms_are_public_tunings():
+    ab = pytest.importorskip("ab")
+    assert ab.parse_tuning("num_warps=8,stages=2,l2_evict_first=false") == cupydecode.Tuning(
+        num_warps=8, stages=2, l2_evict_first=False)
+    assert ab.parse_tuning("") == cupydecode.Tuning()
+    with pytest.raises(SystemExit, match="unknown Tuning field 'warps'"):
+        ab.parse_tuning("warps=8")
+
+
+@pytest.mark.parametrize("tool", ["ab.py", "profile.py"])
+def test_tools_print_their_usage_without_a_gpu(tool):
+    result = subprocess.run([sys.executable, str(ROOT / "tools" / tool), "--help"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and "usage" in result.stdout.lower(), result.stderr

@@ -1,0 +1,135 @@
+"""A/B timing of kernel shapes and kernel versions side by side, in one process, on the same
+buffers, in the decode-step protocol (the bench's): each arm is a DecodePlan built with a
+``cupydecode.Tuning`` (block-shape overrides) and/or from another folder of kernel sources; the
+arms are timed in turn, every second pass in reverse order, and each arm's output is checked
+against float64 before it is timed.
+
+Usage:
+  python tools/ab.py [--points 1x16384,16x65536] [--layout 32/8/128] [--dtype float16]
+                     [--protocol step|back-to-back] [--passes 2]
+                     [--arm LABEL=FIELD=VALUE,...]... [--kernels LABEL=FOLDER]...
+                     [--sub 'LABEL|OLD|NEW']...
+  --arm 'w8s2=num_warps=8,stages=2'   a plan with those Tuning fields (num_warps, stages,
+                                      l2_evict_first, warps_in_step; true/false for the flags)
+  --kernels 'prev=/tmp/prev'          the kernels of a folder (files it lacks: the shipped
+                                      ones), e.g. filled with `git show REV:kernels/FILE`
+  --sub 'nohint|L2::evict_first|L2::evict_normal'
+                                      the shipped decode_split.cu with OLD replaced by NEW
+The first arm is always the shipped kernels with the policy's shape ("policy"); the table gives
+each arm's median GPU µs per call and its ratio to the first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import cupydecode as cd  # noqa: E402
+from cupydecode import _kernels  # noqa: E402
+from cupydecode.bench import (StepTraffic, _subset_checker, buffer_sets_needed,  # noqa: E402
+                              graph_time_cupy, settle)
+from cupydecode.workloads import Workload, make_inputs  # noqa: E402
+
+TUNING_FIELDS = {f.name: f.type for f in dataclasses.fields(cd.Tuning)}
+
+
+def parse_tuning(text: str) -> cd.Tuning:
+    """'num_warps=8,stages=2,l2_evict_first=false' → Tuning(...)."""
+    values = {}
+    for item in filter(None, text.split(",")):
+        name, _, value = item.partition("=")
+        if name not in TUNING_FIELDS:
+            raise SystemExit(f"--arm: unknown Tuning field {name!r} (fields: {', '.join(TUNING_FIELDS)})")
+        if value.lower() in ("true", "false"):
+            values[name] = value.lower() == "true"
+        else:
+            values[name] = int(value)
+    return cd.Tuning(**values)
+
+
+@contextlib.contextmanager
+def kernels_of(folder: str | None, subs: tuple[str, str] | None):
+    """Plans built inside use the kernels of ``folder``, or the shipped decode_split.cu with
+    the substitution ``subs`` (OLD, NEW) applied."""
+    with contextlib.ExitStack() as stack:
+        if folder is not None:
+            stack.enter_context(_kernels.kernel_sources(folder))
+        elif subs is not None:
+            src = (_kernels.kernel_dir() / "decode_split.cu").read_text()
+            if subs[0] not in src:
+                raise SystemExit(f"--sub: {subs[0]!r} is not in kernels/decode_split.cu")
+            tmp = Path(stack.enter_context(tempfile.TemporaryDirectory()))
+            (tmp / "decode_split.cu").write_text(src.replace(subs[0], subs[1]))
+            stack.enter_context(_kernels.kernel_sources(tmp))
+        yield
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--points", default="1x16384,1x65536,16x8192,16x65536")
+    ap.add_argument("--layout", default="32/8/128", help="num_heads/num_kv_heads/head_dim")
+    ap.add_argument("--dtype", default="float16")
+    ap.add_argument("--protocol", default="step", choices=("step", "back-to-back"))
+    ap.add_argument("--passes", type=int, default=2)
+    ap.add_argument("--arm", action="append", default=[])
+    ap.add_argument("--kernels", action="append", default=[])
+    ap.add_argument("--sub", action="append", default=[])
+    args = ap.parse_args(argv)
+
+    arms = [("policy", None, None, None)]  # (label, Tuning, kernel folder, substitution)
+    arms += [(a.partition("=")[0], parse_tuning(a.partition("=")[2]), None, None) for a in args.arm]
+    arms += [(k.partition("=")[0], None, k.partition("=")[2], None) for k in args.kernels]
+    arms += [(s.split("|")[0], None, None, tuple(s.split("|")[1:3])) for s in args.sub]
+    heads, kv_heads, dim = (int(x) for x in args.layout.split("/"))
+    import cupy
+
+    l2 = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["l2CacheSize"]
+    print(f"{'point':>12s}" + "".join(f"  {label:>14s}" for label, *_ in arms), flush=True)
+    for point in args.points.split(","):
+        batch, seqlen = (int(x) for x in point.split("x"))
+        w = Workload(batch=batch, seqlen=seqlen, num_heads=heads, num_kv_heads=kv_heads,
+                     head_dim=dim, dtype=args.dtype)
+        sets = [make_inputs(dataclasses.replace(w, seed=None))[:3]
+                for _ in range(max(2, buffer_sets_needed(w, l2)))]
+        check = _subset_checker(w, *sets[0])
+        before = StepTraffic(w, l2) if args.protocol == "step" else None
+        n_calls = max(10, len(sets))
+        times = {label: [] for label, *_ in arms}
+        plans = {}
+        for label, tuning, folder, subs in arms:  # build (compile) and check every arm first
+            with kernels_of(folder, subs):
+                made = [cd.DecodePlan(batch, heads, kv_heads, dim, seqlen, args.dtype,
+                                      tuning=tuning) for _ in sets]  # a workspace per set
+            made[0].run(*sets[0])
+            err = check(made[0].out)
+            if not err <= 2e-3:
+                raise SystemExit(f"{label} at {point}: relative error {err:.2e} against float64")
+            plans[label] = made
+        settle()
+        for rep in range(args.passes):
+            for label, *_ in (arms if rep % 2 == 0 else arms[::-1]):
+                made = plans[label]
+
+                def call(i, made=made):
+                    made[i % len(sets)].run(*sets[i % len(sets)])
+                times[label].append(graph_time_cupy(call, n_calls, before=before,
+                                                    span=len(sets))[0])
+        first = statistics.median(times[arms[0][0]])
+        cells = []
+        for label, *_ in arms:
+            us = statistics.median(times[label])
+            cells.append(f"{us:8.2f} x{us / first:.3f}")
+        print(f"{point:>12s}" + "".join(f"  {c:>14s}" for c in cells), flush=True)
+        del sets, plans, before
+        cupy.get_default_memory_pool().free_all_blocks()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
