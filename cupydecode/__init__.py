@@ -12,5 +12,5 @@ from . import reference
 from ._policy import Tuning
 from .decode import DecodePlan, flash_decode, merge_states
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 __all__ = ["flash_decode", "merge_states", "DecodePlan", "Tuning", "reference", "__version__"]
