@@ -312,10 +312,14 @@ def tuned(config: SplitKernelConfig, tuning: Tuning | None) -> SplitKernelConfig
     return replace(config, **changes) if changes else config
 
 
-def warps_in_step(config: SplitKernelConfig, chunk_tokens: int) -> bool:
+def warps_in_step(config: SplitKernelConfig, chunk_tokens: int,
+                  tuning: Tuning | None = None) -> bool:
     """Whether a plan's blocks keep their warps in step (a runtime flag of the split kernel):
     heads-as-N blocks of several KV heads always (reading their heads' row pieces together is
-    their point), others on chunks of at least WARPS_IN_STEP_MIN_CHUNK tokens."""
+    their point), others on chunks of at least WARPS_IN_STEP_MIN_CHUNK tokens; ``tuning``'s
+    warps_in_step instead where it sets one."""
+    if tuning is not None and tuning.warps_in_step is not None:
+        return tuning.warps_in_step
     return config.heads_as_n and (config.kv_per_block > 1
                                   or chunk_tokens >= WARPS_IN_STEP_MIN_CHUNK)
 

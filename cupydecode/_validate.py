@@ -13,7 +13,7 @@ import numpy as np
 
 from ._policy import (DTYPE_IDS, HEAD_DIMS_TEXT, ITEMSIZE, LOG2E, MAX_APPEND_Q_LEN, MAX_BATCH,
                       MAX_Q_LEN, MAX_SPLITS, MAX_TOKENS, SPLIT_STATIC_SMEM_BYTES,
-                      SUPPORTED_HEAD_DIMS)
+                      SUPPORTED_HEAD_DIMS, Tuning, tuned)
 
 
 _DTYPE_NAMES: dict = {}
@@ -173,8 +173,6 @@ def check_tuning(tuning, config, smem_optin: int):
     ``tuning``'s overrides (None or a :class:`cupydecode.Tuning`), checked to give a kernel that
     builds (decode_split.cu's conditions) and fits in ``smem_optin`` bytes of shared memory per
     block (0: unknown)."""
-    from ._policy import Tuning, tuned
-
     if tuning is None:
         return config
     if not isinstance(tuning, Tuning):

@@ -282,9 +282,7 @@ class DecodePlan:
         self._window_arg = -1 if self.window_left is None else self.window_left
         # pages per sequence a block table must have for this plan's max_seqlen
         self._min_pages = 0 if self.page_size is None else -(-self.max_seqlen // self.page_size)
-        self._in_step = int(_policy.warps_in_step(self.config, self.chunk_tokens)
-                            if tuning is None or tuning.warps_in_step is None
-                            else tuning.warps_in_step)
+        self._in_step = int(_policy.warps_in_step(self.config, self.chunk_tokens, tuning))
         self._part_ptrs = ((0, 0) if self.o_part is None
                            else (self.o_part.data.ptr, self.lse_part.data.ptr))
         self._counter_ptr = 0 if self._counters is None else self._counters.data.ptr

@@ -40,6 +40,16 @@ from cupydecode.workloads import Workload, make_inputs  # noqa: E402
 TUNING_FIELDS = {f.name: f.type for f in dataclasses.fields(cd.Tuning)}
 
 
+def buffer_sets(w: Workload) -> list:
+    """Fresh (q, k, v) sets of workload ``w``, enough that together they exceed 4x L2 (at least
+    2): each call of a rotation reads a cache the calls before it did not."""
+    import cupy
+
+    l2 = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["l2CacheSize"]
+    return [make_inputs(dataclasses.replace(w, seed=None))[:3]
+            for _ in range(max(2, buffer_sets_needed(w, l2)))]
+
+
 def parse_tuning(text: str) -> cd.Tuning:
     """'num_warps=8,stages=2,l2_evict_first=false' → Tuning(...)."""
     values = {}
@@ -99,8 +109,7 @@ def main(argv=None) -> int:
         batch, seqlen = (int(x) for x in point.split("x"))
         w = Workload(batch=batch, seqlen=seqlen, num_heads=heads, num_kv_heads=kv_heads,
                      head_dim=dim, dtype=args.dtype)
-        sets = [make_inputs(dataclasses.replace(w, seed=None))[:3]
-                for _ in range(max(2, buffer_sets_needed(w, l2)))]
+        sets = buffer_sets(w)
         check = _subset_checker(w, *sets[0])
         before = StepTraffic(w, l2) if args.protocol == "step" else None
         n_calls = max(10, len(sets))

@@ -11,16 +11,14 @@ Usage: python tools/profile_shape.py BATCH SEQLEN [--layout 32/8/128] [--dtype f
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import cupydecode as cd  # noqa: E402
-from ab import parse_tuning  # noqa: E402
-from cupydecode.bench import buffer_sets_needed  # noqa: E402
-from cupydecode.workloads import Workload, make_inputs  # noqa: E402
+from ab import buffer_sets, parse_tuning  # noqa: E402
+from cupydecode.workloads import Workload  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -37,9 +35,7 @@ def main(argv=None) -> int:
     heads, kv_heads, dim = (int(x) for x in args.layout.split("/"))
     w = Workload(batch=args.batch, seqlen=args.seqlen, num_heads=heads, num_kv_heads=kv_heads,
                  head_dim=dim, dtype=args.dtype)
-    l2 = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["l2CacheSize"]
-    sets = [make_inputs(dataclasses.replace(w, seed=None))[:3]
-            for _ in range(max(2, buffer_sets_needed(w, l2)))]
+    sets = buffer_sets(w)
     plan = cd.DecodePlan(args.batch, heads, kv_heads, dim, args.seqlen, args.dtype,
                          tuning=parse_tuning(args.arm) if args.arm else None)
     for i in range(args.calls):
