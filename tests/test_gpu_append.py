@@ -152,12 +152,15 @@ def test_append_matches_reference(cupy, rng, seed, dtype, layout, page_size):
 def test_paged_append_with_mtile_blocks(cupy, rng, seed, page_size):
     """Blocks of several M-tiles (falcon-7b's 71 query heads on one KV head of head_dim 64: 3
     rings × 6 stages), paged, with the append: their page masks take a number of words that is
-    not a multiple of 4, after which the new rows' 16-byte vectors must still be aligned."""
-    lengths = [800, 0, 799, 15, 16, 99]
-    case = AppendCase(cupy, rng, seed, len(lengths), 71, 1, 64, MAX_SEQLEN, "float16", lengths,
+    not a multiple of 4, after which the new rows' 16-byte vectors must still be aligned.
+    max_seqlen 816 is a multiple of both page sizes, so that flash_decode's capacity (the
+    table's: whole pages) and the plan's (max_seqlen) are the reference's."""
+    max_seqlen = 816
+    lengths = [max_seqlen, 0, max_seqlen - 1, 15, 16, 99]
+    case = AppendCase(cupy, rng, seed, len(lengths), 71, 1, 64, max_seqlen, "float16", lengths,
                       page_size)
     case.check(*case.flash_decode(cupy), "flash_decode")
-    # one split streams all 800 tokens: long enough a chunk for the M-tile shape
+    # one split streams all 816 tokens: long enough a chunk for the M-tile shape
     plan = cupydecode.DecodePlan(*case.shape, "float16", page_size=page_size, num_splits=1)
     cfg = plan.config
     assert cfg.m_tiles > 1 and cfg.rings * cfg.stages % 4, cfg  # (the shape this test is about)
@@ -202,6 +205,35 @@ def test_device_lengths_out_of_range_are_clamped(cupy, rng, seed, page_size):
     case.check(*case.flash_decode(cupy), "flash_decode")
     plan = cupydecode.DecodePlan(*case.shape, "bfloat16", page_size=page_size, num_splits=3)
     case.check(*case.plan_run(cupy, plan), "plan, 3 splits")
+
+
+def test_capacity_is_whole_pages_for_flash_decode_and_max_seqlen_for_a_plan(cupy, rng, seed):
+    """Pages of 3 over max_seqlen 800 (267 pages per sequence: 801 rows): flash_decode's capacity
+    is the table's, so a sequence of 800 gets its new token at row 800 and attends 801 tokens;
+    a DecodePlan of max_seqlen 800 writes nothing there and attends 800 (the plan's capacity).
+    Both with one split and with several (the splits must reach the last row)."""
+    lens = [800, 799, 0, 401]
+    case = AppendCase(cupy, rng, seed, len(lens), 16, 4, 128, 800, "float16", lens, 3)
+    kp, vp = case.before
+    table = case.host_table
+    assert table.shape[1] * 3 == 801
+    q, _, _, k_new, v_new = case.host
+    ref = {cap: R.attention_rows(q, *R.append_kv(kp, vp, lens, k_new, v_new, table,
+                                                 max_seqlen=cap), block_table=table)
+           for cap in (801, 800)}
+    expected = {cap: R.append_kv(kp, vp, lens, k_new, v_new, table, max_seqlen=cap)[:2]
+                for cap in (801, 800)}
+    assert _written_rows(kp, expected[801][0]) == 4 and _written_rows(kp, expected[800][0]) == 3
+    for splits in (1, 4, None):
+        case.ref_out, case.ref_lse = (x.reshape(*x.shape[:1], -1, *x.shape[3:])
+                                      for x in ref[801])
+        case.expected = expected[801]
+        case.check(*case.flash_decode(cupy, num_splits=splits), f"flash_decode splits={splits}")
+        plan = cupydecode.DecodePlan(*case.shape, "float16", page_size=3, num_splits=splits)
+        case.ref_out, case.ref_lse = (x.reshape(*x.shape[:1], -1, *x.shape[3:])
+                                      for x in ref[800])
+        case.expected = expected[800]
+        case.check(*case.plan_run(cupy, plan), f"plan splits={plan.num_splits}")
 
 
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
