@@ -5,7 +5,7 @@ reads a cache the previous ones did not):
   ncu --set full -k regex:cd_decode_split python tools/profile_shape.py 16 65536 [--arm num_warps=8,stages=2]
 
 Usage: python tools/profile_shape.py BATCH SEQLEN [--layout 32/8/128] [--dtype float16] [--calls 4]
-                               [--arm FIELD=VALUE,...]
+                               [--q-len 1] [--arm FIELD=VALUE,...]
 """
 
 from __future__ import annotations
@@ -28,21 +28,23 @@ def main(argv=None) -> int:
     ap.add_argument("--layout", default="32/8/128", help="num_heads/num_kv_heads/head_dim")
     ap.add_argument("--dtype", default="float16")
     ap.add_argument("--calls", type=int, default=4)
+    ap.add_argument("--q-len", type=int, default=1, help="query tokens per sequence")
     ap.add_argument("--arm", default="", help="Tuning fields, e.g. num_warps=8,stages=2")
     args = ap.parse_args(argv)
     import cupy
 
     heads, kv_heads, dim = (int(x) for x in args.layout.split("/"))
     w = Workload(batch=args.batch, seqlen=args.seqlen, num_heads=heads, num_kv_heads=kv_heads,
-                 head_dim=dim, dtype=args.dtype)
+                 head_dim=dim, dtype=args.dtype, q_len=args.q_len)
     sets = buffer_sets(w)
     plan = cd.DecodePlan(args.batch, heads, kv_heads, dim, args.seqlen, args.dtype,
-                         tuning=parse_tuning(args.arm) if args.arm else None)
+                         q_len=args.q_len, tuning=parse_tuning(args.arm) if args.arm else None)
     for i in range(args.calls):
         plan.run(*sets[i % len(sets)])
     cupy.cuda.Device().synchronize()
     cfg = plan.config
-    print(f"b{args.batch} L{args.seqlen} {args.layout} {args.dtype}: {plan.num_splits} splits of "
+    print(f"b{args.batch} L{args.seqlen} {args.layout} {args.dtype} q_len {args.q_len}: "
+          f"{plan.num_splits} splits of "
           f"{plan.chunk_tokens} tokens, {cfg.num_warps} warps x {cfg.stages} stages, "
           f"{cfg.m_tiles} M-tile(s), merge {plan.merge}; {args.calls} calls")
     return 0
