@@ -221,6 +221,10 @@ def compile_for_arch(filename: str, defines: dict[str, int], arch: str,
     src = program_source(filename, defines)
     prog = nvrtc.createProgram(src, filename, [], [])
     options = [f"-arch={arch}", *COMPILE_OPTIONS, *(("-Xptxas", "-v") if ptxas_info else ())]
+    if ptxas_info and tuple(nvrtc.getVersion()) >= (12, 9):
+        # NVRTC 12.9+ caches compilations across processes, and a result from its cache comes
+        # without ptxas's report: the resource use is asked for, so compile for real
+        options.append("--no-cache")
     try:
         try:
             nvrtc.compileProgram(prog, options)
