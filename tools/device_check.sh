@@ -284,6 +284,11 @@ if has soak; then
   add_summary "soak: $(grep -E 'passed|failed' "$OUT_DIR/soak.log" | tail -n 1)"
 fi
 
+if has fp8; then
+  # fp8 KV: the standalone quantiser against the reference, code for code, and its memcheck
+  feature_tests fp8 tests/test_gpu_fp8.py "e4m3 or slice or strided or bad"
+fi
+
 if has multi; then
   # several query tokens per sequence: their GPU tests, a memcheck of some, and the time of
   # q_len 2, 4, 8 against one token (targets: q_len 4 <= 1.15x, q_len 8 <= 1.3x at >= 64 MB),
