@@ -13,7 +13,8 @@
 # sinks' cost; "soak": tests/test_gpu_soak.py, 10^5 random calls from several threads;
 # "head_dims": head_dims between the kernel widths, tested, memchecked and timed; "models":
 # `check --model` for every preset's every layer type; "multi": several query tokens per
-# sequence, tested, memchecked and timed against one).
+# sequence, tested, memchecked and timed against one; "fp8": the fp8 quantiser, tested and
+# memchecked).
 # A machine that returns only a few files: run it into a scratch folder and pack that, e.g.
 #   bash tools/device_check.sh /tmp/dc; tar czf "$OUT/device_check.tgz" -C /tmp/dc .
 set -u
