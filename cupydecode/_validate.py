@@ -674,8 +674,10 @@ def check_kv_scale(scale, name: str, lead: tuple, num_kv_heads: int, allow_none:
         fail(TypeError, name, expected, repr(scale))
     if isinstance(scale, numbers.Real):
         s = float(scale)
-        if not (math.isfinite(s) and s > 0.0 and s <= 3.4e38):
-            fail(ValueError, name, "a finite float > 0", s)
+        with np.errstate(over="ignore"):
+            s32 = np.float32(s)
+        if not (np.isfinite(s32) and s32 > 0):  # (the kernels use it as a float32)
+            fail(ValueError, name, "a finite float > 0 (in float32: > 0 and ≤ 3.4028235e38)", s)
         return 1, None, s
     if isinstance(scale, (list, tuple, np.ndarray)):
         fail(TypeError, name, expected + " (host arrays are not copied: cupy.asarray them)",

@@ -52,7 +52,7 @@ def quantize_kv(x: ArrayLike, kv_dtype: str = "e4m3", scale: float | ArrayLike |
     num_kv_heads, head_dim = x.shape[-2], x.shape[-1]
     if not 1 <= head_dim <= _policy.QUANTIZE_MAX_HEAD_DIM:
         V.fail(ValueError, "x", f"head_dim from 1 to {_policy.QUANTIZE_MAX_HEAD_DIM}", head_dim)
-    if head_dim > 1 and x.strides[-1] != x.itemsize:
+    if head_dim > 1 and x.size and x.strides[-1] != x.itemsize:  # (an empty array's strides: 0)
         V.fail(ValueError, "x", "head_dim contiguous (stride 1 element)",
                f"stride {x.strides[-1] // x.itemsize}")
     mode, scale_arr, scale_all = V.check_kv_scale(scale, "scale", tuple(x.shape[:-2]),
@@ -65,7 +65,7 @@ def quantize_kv(x: ArrayLike, kv_dtype: str = "e4m3", scale: float | ArrayLike |
             V.fail(TypeError, "out", "dtype uint8 (fp8 codes)", V.dtype_name(out.dtype))
         if tuple(out.shape) != tuple(x.shape):
             V.fail(ValueError, "out", f"shape {tuple(x.shape)} (x's)", f"shape {tuple(out.shape)}")
-        if head_dim > 1 and out.strides[-1] != 1:
+        if head_dim > 1 and out.size and out.strides[-1] != 1:
             V.fail(ValueError, "out", "head_dim contiguous", f"stride {out.strides[-1]}")
     V.check_same_device({"x": x, "out": out})
     scale_out = cupy.empty(x.shape[:-1], cupy.float32) if mode == 0 else None

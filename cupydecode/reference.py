@@ -66,10 +66,7 @@ def _scale_of(scale, name: str, lead: tuple, num_kv_heads: int, xp=np):
     if scale is None:
         raise ValueError(f"{name}: expected a scale with kv_dtype (a float, ({num_kv_heads},) or "
                          f"{(*lead, num_kv_heads)}), got None")
-    if xp is np:
-        a = _host(scale)
-    else:
-        a = scale if hasattr(scale, "shape") and not np.isscalar(scale) else xp.asarray(scale)
+    a = _host(scale) if xp is np else xp.asarray(scale)
     shape = tuple(a.shape)
     if shape not in ((), (num_kv_heads,), (*lead, num_kv_heads)):
         raise ValueError(f"{name}: expected a float, shape ({num_kv_heads},) or "
@@ -78,12 +75,13 @@ def _scale_of(scale, name: str, lead: tuple, num_kv_heads: int, xp=np):
 
 
 def dequantize_kv(cache, kv_dtype: str, scale, xp=np):
-    """float64 values code · scale of an fp8 cache (contiguous (batch, max_seqlen, Hkv, D) or
-    paged (num_pages, page_size, Hkv, D)); ``scale`` per tensor, per KV head or per (token, KV
-    head) (:data:`FP8_FORMATS`). ``xp=cupy``: on the GPU (a CuPy cache and scale)."""
+    """float64 values code · scale of fp8 codes (…, num_kv_heads, head_dim): a cache (batch,
+    max_seqlen, Hkv, D) or paged (num_pages, page_size, Hkv, D), or rows (tokens, Hkv, D);
+    ``scale`` per tensor, per KV head or per (token, KV head) (:data:`FP8_FORMATS`).
+    ``xp=cupy``: on the GPU (a CuPy cache and scale)."""
     lut = xp.asarray(fp8_values(kv_dtype))
     codes = _codes(cache if xp is not np else _host(cache))
-    s = _scale_of(scale, "scale", tuple(codes.shape[:2]), codes.shape[2], xp)
+    s = _scale_of(scale, "scale", tuple(codes.shape[:-2]), codes.shape[-2], xp)
     return lut[codes] * s[..., None]
 
 

@@ -17,11 +17,16 @@ POISON = 0x7F  # an e4m3 NaN code (and an e5m2 NaN): a byte the kernel did not w
 
 
 def _inputs(rng, shape, dtype):
-    """K-like rows of every magnitude (2^-12 … 2^12 per row), with a NaN, ±inf and a value past
-    the e4m3 range planted in the first row."""
+    """K-like rows of every magnitude (2^-12 … 2^12 per row), and rows with planted values: a NaN
+    alone (a row maximum that ignored NaN would give another scale), ±inf alone, all zeros, a
+    value past the e4m3 range."""
     x = randn(rng, shape, "float32")
     x *= np.exp2(rng.uniform(-12, 12, shape[:-1] + (1,))).astype(np.float32)
-    x.reshape(-1, shape[-1])[0, :4] = [np.nan, np.inf, -np.inf, 1e6]
+    rows = x.reshape(-1, shape[-1])
+    rows[0, 3] = np.nan
+    rows[1, :2] = [np.inf, -np.inf]
+    rows[2] = 0.0
+    rows[3, 5] = 1e6
     return x.astype(np_dtype(dtype))
 
 
@@ -46,14 +51,15 @@ def test_quantize_matches_the_reference(cupy, rng, seed, kv_dtype, dtype, granul
              "head": rng.uniform(0.001, 1.0, heads).astype(np.float32),
              "token": rng.uniform(0.001, 1.0, lead).astype(np.float32)}[granularity]
     want_codes, want_scale = R.quantize_kv(x, kv_dtype, scale)
-    out = cupy.full(shape, POISON, cupy.uint8)
     dev_scale = scale if scale is None or np.isscalar(scale) else cupy.asarray(scale)
-    codes, got_scale = cupydecode.quantize_kv(to_device(x), kv_dtype, dev_scale, out=out)
-    assert codes is out
     ctx = context(seed, kv_dtype=kv_dtype, dtype=dtype, granularity=granularity, shape=shape)
-    _check(codes, got_scale, want_codes, want_scale if scale is None else None, kv_dtype, ctx)
-    if scale is not None and not np.isscalar(scale):
-        assert got_scale is dev_scale, ctx
+    for poison in (POISON, 0x3C):  # (a NaN code, then a finite one: no byte left unwritten)
+        out = cupy.full(shape, poison, cupy.uint8)
+        codes, got_scale = cupydecode.quantize_kv(to_device(x), kv_dtype, dev_scale, out=out)
+        assert codes is out
+        _check(codes, got_scale, want_codes, want_scale if scale is None else None, kv_dtype, ctx)
+        if scale is not None and not np.isscalar(scale):
+            assert got_scale is dev_scale, ctx
 
 
 def test_quantize_into_a_cache_slice_writes_only_the_slice(cupy, rng, seed):
@@ -73,13 +79,43 @@ def test_quantize_into_a_cache_slice_writes_only_the_slice(cupy, rng, seed):
     assert np.array_equal(scale.get(), want_scale), ctx
 
 
-def test_quantize_of_a_strided_input(cupy, rng, seed):
-    """x as a view with free leading strides (every second token of a bigger array)."""
-    big = randn(rng, (2, 40, 4, 64), "bfloat16")
-    x_dev = to_device(big)[:, ::2]
-    codes, scale = cupydecode.quantize_kv(x_dev, "e5m2")
-    want_codes, want_scale = R.quantize_kv(big[:, ::2], "e5m2")
-    _check(codes, scale, want_codes, want_scale, "e5m2", context(seed))
+@pytest.mark.parametrize("view", ["tokens", "heads", "both"])
+def test_quantize_of_a_strided_input(cupy, rng, seed, view):
+    """x as a view with free leading strides: every second token, every second KV head, both."""
+    big = randn(rng, (2, 40, 8, 64), "bfloat16")
+    pick = {"tokens": np.s_[:, ::2], "heads": np.s_[:, :, ::2], "both": np.s_[:, ::2, 1::2]}[view]
+    codes, scale = cupydecode.quantize_kv(to_device(big)[pick], "e5m2")
+    want_codes, want_scale = R.quantize_kv(big[pick], "e5m2")
+    _check(codes, scale, want_codes, want_scale, "e5m2", context(seed, view=view))
+
+
+def test_quantize_one_token_per_sequence_into_the_cache(cupy, rng, seed):
+    """The decode step's use: x (batch, H, D), the new tokens, written to out = cache[:, t] (3
+    dimensions, strided), and into every second KV head of another cache (a head stride)."""
+    cache = cupy.asarray(rng.integers(0, 256, (6, 32, 8, 128)).astype(np.uint8))
+    before = cache.get()
+    x = randn(rng, (6, 8, 128), "float16")
+    codes, scale = cupydecode.quantize_kv(to_device(x), "e4m3", 0.02, out=cache[:, 7])
+    want_codes, _ = R.quantize_kv(x, "e4m3", 0.02)
+    after = cache.get()
+    ctx = context(seed)
+    assert np.array_equal(after[:, 7], want_codes) and scale == 0.02, ctx
+    after[:, 7] = before[:, 7]
+    assert np.array_equal(after, before), ctx
+    half = randn(rng, (6, 4, 128), "float16")
+    cupydecode.quantize_kv(to_device(half), "e4m3", out=cache[:, 9, ::2])
+    want_half, _ = R.quantize_kv(half, "e4m3")
+    got = cache.get()
+    assert np.array_equal(got[:, 9, ::2], want_half), ctx
+    assert np.array_equal(got[:, 9, 1::2], before[:, 9, 1::2]), ctx
+
+
+def test_quantize_of_more_rows_than_one_pass_of_the_grid(cupy, rng, seed):
+    """Enough rows (4 × 4096 × 8) that every warp of the grid takes several in turn."""
+    x = randn(rng, (4, 4096, 8, 64), "float16")
+    codes, scale = cupydecode.quantize_kv(to_device(x), "e4m3")
+    want_codes, want_scale = R.quantize_kv(x, "e4m3")
+    _check(codes, scale, want_codes, want_scale, "e4m3", context(seed))
 
 
 def test_empty_input_returns_empty_codes(cupy):
@@ -91,7 +127,7 @@ def test_quantize_bad_inputs_are_refused(cupy):
     x = cupy.zeros((2, 3, 4, 64), cupy.float16)
     cases = [
         (dict(x=x, kv_dtype="fp8"), ValueError, r"kv_dtype: expected 'e4m3' or 'e5m2'"),
-        (dict(x=x, scale=-1.0), ValueError, r"scale: expected a finite float > 0, got -1.0"),
+        (dict(x=x, scale=-1.0), ValueError, r"scale: expected a finite float > 0 .*got -1.0"),
         (dict(x=x, scale=float("nan")), ValueError, r"scale: expected a finite float > 0"),
         (dict(x=x, scale=True), TypeError, r"scale: expected a float > 0"),
         (dict(x=x, scale=np.ones(4, np.float32)), TypeError, r"scale: .*host arrays"),

@@ -341,10 +341,11 @@ def test_kv_dtype_errors_name_the_argument(bad):
 @pytest.mark.parametrize("scale, exc, match", [
     (None, ValueError, r"k_scale: expected a float > 0, a \(8,\) float32 device array .* "
                        r"\(2, 5, 8\) float32 device array .*got None"),
-    (0.0, ValueError, r"k_scale: expected a finite float > 0, got 0.0"),
-    (-2, ValueError, r"k_scale: expected a finite float > 0, got -2.0"),
-    (float("inf"), ValueError, r"k_scale: expected a finite float > 0, got inf"),
+    (0.0, ValueError, r"k_scale: expected a finite float > 0 .*got 0.0"),
+    (-2, ValueError, r"k_scale: expected a finite float > 0 .*got -2.0"),
+    (float("inf"), ValueError, r"k_scale: expected a finite float > 0 .*got inf"),
     (1e39, ValueError, r"k_scale: expected a finite float > 0"),
+    (1e-50, ValueError, r"k_scale: expected a finite float > 0 \(in float32"),
     (True, TypeError, r"k_scale: expected a float > 0"),
     ([1.0] * 8, TypeError, r"k_scale: .*host arrays are not copied"),
     (np.ones(8, np.float32), TypeError, r"k_scale: .*host arrays are not copied"),

@@ -287,7 +287,7 @@ fi
 
 if has fp8; then
   # fp8 KV: the standalone quantiser against the reference, code for code, and its memcheck
-  feature_tests fp8 tests/test_gpu_fp8.py "e4m3 or slice or strided or bad"
+  feature_tests fp8 tests/test_gpu_fp8.py "(e4m3 and float16 and not bfloat16) or slice or strided or bad or cache or grid"
 fi
 
 if has multi; then
