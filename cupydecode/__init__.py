@@ -13,5 +13,5 @@ from ._policy import Tuning
 from .decode import DecodePlan, flash_decode, merge_states
 from .quantize import quantize_kv
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 __all__ = ["flash_decode", "merge_states", "DecodePlan", "Tuning", "quantize_kv", "reference", "__version__"]

@@ -129,7 +129,7 @@ class SplitKernelConfig:
         pipe = self.rings * self.stages * 2 * TILE_N * w * es
         acc = self.num_warps * ROWS * (w + 8) * 4  # rows padded (ACC_STRIDE)
         ml = 2 * self.num_warps * ROWS * 4
-        live = self.rings * self.stages * 4 if self.paged else 0  # LIVE_BYTES
+        live = -(-self.rings * self.stages * 4 // 16) * 16 if self.paged else 0  # LIVE_BYTES
         # NEW_BYTES: the appended tokens' rows (MULTI_Q: up to MAX_APPEND_Q_LEN of them)
         new = self.kv_per_block * 2 * w * es * (MAX_APPEND_Q_LEN if self.multi_q else 1)
         return q + max(pipe, acc) + ml + live + new
@@ -277,6 +277,11 @@ HEADS_AS_N_LONG_CHUNK = 8 * TILE_N
 # b1 × 256k −0.20%, qwen2.5-7b b16 × 64k ±0, gemma-2b b16 × 64k +0.17%; as a timing experiment
 # on 1024-token chunks (b1 × 16k) +1.7%, hence the threshold.
 WARPS_IN_STEP_MIN_CHUNK = 8192
+
+
+# Static shared memory of the split kernel beside its dynamic SMEM_BYTES (the epilogue's row
+# states and tokens, the merge's flag): at most this many bytes (ptxas reports 128–964).
+SPLIT_STATIC_SMEM_BYTES = 1024
 
 
 @dataclass(frozen=True)

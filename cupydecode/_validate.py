@@ -11,8 +11,9 @@ import numbers
 
 import numpy as np
 
-from ._policy import (DTYPE_IDS, HEAD_DIMS_TEXT, LOG2E, MAX_APPEND_Q_LEN, MAX_BATCH, MAX_Q_LEN,
-                      MAX_SPLITS, MAX_TOKENS, SUPPORTED_HEAD_DIMS)
+from ._policy import (DTYPE_IDS, HEAD_DIMS_TEXT, ITEMSIZE, LOG2E, MAX_APPEND_Q_LEN, MAX_BATCH,
+                      MAX_Q_LEN, MAX_SPLITS, MAX_TOKENS, SPLIT_STATIC_SMEM_BYTES,
+                      SUPPORTED_HEAD_DIMS)
 
 
 _DTYPE_NAMES: dict = {}
@@ -168,9 +169,10 @@ MAX_SOFT_CAP = 1000.0
 
 
 def check_tuning(tuning, config, smem_optin: int):
-    """The policy's block shape ``config`` with ``tuning``'s overrides (None or a
-    :class:`cupydecode.Tuning`), checked to give a kernel that builds and fits in
-    ``smem_optin`` bytes of shared memory per block (0: unknown)."""
+    """The plan's block shape ``config`` (the policy's, with every switch the plan sets) with
+    ``tuning``'s overrides (None or a :class:`cupydecode.Tuning`), checked to give a kernel that
+    builds (decode_split.cu's conditions) and fits in ``smem_optin`` bytes of shared memory per
+    block (0: unknown)."""
     from ._policy import Tuning, tuned
 
     if tuning is None:
@@ -188,22 +190,27 @@ def check_tuning(tuning, config, smem_optin: int):
     config = tuned(config, tuning)
     per_slot = config.m_tiles * config.kv_per_block  # warps of one token slot
     nw = config.num_warps
-    if not (per_slot <= nw <= 32 and nw % per_slot == 0 and nw & (nw - 1) == 0):
-        fail(ValueError, "tuning.num_warps", f"a power of two from {per_slot} to 32 "
+    if not (per_slot <= nw <= 32 and nw % per_slot == 0):
+        fail(ValueError, "tuning.num_warps", f"a multiple of {per_slot} from {per_slot} to 32 "
              f"(this plan's blocks: {config.m_tiles} M-tile(s) x {config.kv_per_block} KV "
-             f"head(s) per token slot)", config.num_warps)
+             f"head(s) per token slot)", nw)
+    chunks = config.kv_per_block * config.width * ITEMSIZE[config.dtype] // 16
+    if config.threads < chunks:  # (a thread per 16-byte chunk of the block's new K/V rows)
+        fail(ValueError, "tuning.num_warps", f"at least {-(-chunks // 32)} for {config.dtype} "
+             f"head_dim {config.width} (a thread per 16-byte chunk of a row)", nw)
     if config.m_tiles > 1 and config.slots > 15:
         fail(ValueError, "tuning.num_warps", f"at most {15 * per_slot} for blocks of "
-             f"{config.m_tiles} M-tiles (15 named barriers)", config.num_warps)
+             f"{config.m_tiles} M-tiles (15 named barriers)", nw)
     if not 2 <= config.stages <= 16:
         fail(ValueError, "tuning.stages", "2 to 16", config.stages)
     if tuning.warps_in_step and config.m_tiles > 1:
         fail(ValueError, "tuning.warps_in_step", "False or None for blocks of several M-tiles "
              "(their slots meet at named barriers already)", True)
-    if smem_optin and config.smem_bytes > smem_optin:
+    need = config.smem_bytes + SPLIT_STATIC_SMEM_BYTES
+    if smem_optin and need > smem_optin:
         fail(ValueError, "tuning", f"a block shape within the GPU's {smem_optin} bytes of "
-             f"shared memory per block", f"{config.num_warps} warps x {config.stages} stages "
-             f"({config.smem_bytes} bytes)")
+             f"shared memory per block", f"{nw} warps x {config.stages} stages "
+             f"({config.smem_bytes} bytes + up to {SPLIT_STATIC_SMEM_BYTES} static)")
     return config
 
 

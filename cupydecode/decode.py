@@ -231,7 +231,6 @@ class DecodePlan:
                     * _policy.ITEMSIZE[self.dtype])  # what a run reads at most
         if not _policy.l2_evict_first(self.dtype, kv_bytes):
             self.config = dataclasses.replace(self.config, l2_evict_first=False)
-        self.config = V.check_tuning(tuning, self.config, smem_optin)  # (tuning's overrides)
         if self.logits_soft_cap is not None:
             self.config = dataclasses.replace(self.config, soft_cap=True)
         if self.alibi:
@@ -240,6 +239,7 @@ class DecodePlan:
             self.config = dataclasses.replace(self.config, paged=True)
         if self.q_len > 1:
             self.config = dataclasses.replace(self.config, multi_q=True)
+        self.config = V.check_tuning(tuning, self.config, smem_optin)  # (tuning's overrides)
         self.merge = _policy.merge_mode(self.num_splits, rows_per_block, self.head_dim,
                                         self.config.num_warps, merge, programmatic)
         rows = self.batch * self.q_len * self.num_heads

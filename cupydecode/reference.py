@@ -29,8 +29,8 @@ def seqlens_array(cache_seqlens, batch: int, max_seqlen: int) -> np.ndarray:
     """cache_seqlens (None, int, sequence or array, host or device) as host int64 (batch,)."""
     if cache_seqlens is None:
         return np.full(batch, max_seqlen, np.int64)
-    if isinstance(cache_seqlens, (int, np.integer)):
-        return np.full(batch, int(cache_seqlens), np.int64)
+    if isinstance(cache_seqlens, (int, np.integer)):  # (clamped as the arrays are)
+        return np.full(batch, min(max(int(cache_seqlens), 0), max_seqlen), np.int64)
     return np.clip(_host(cache_seqlens).astype(np.int64).reshape(batch), 0, max_seqlen)
 
 

@@ -119,8 +119,9 @@ static_assert(sizeof(q_t) == sizeof(kv_t), "the tile math multiplies q and K/V o
 #ifndef PAGED
 #define PAGED 0
 #endif
-// PAGED: one word per ring stage, the rows of its tile that hold a key (the KV view's mask)
-#define LIVE_BYTES (PAGED ? RINGS * STAGES * 4 : 0)
+// PAGED: one word per ring stage, the rows of its tile that hold a key (the KV view's mask),
+// rounded up to 16 bytes: sm_new after it is read and written in 16-byte vectors
+#define LIVE_BYTES (PAGED ? (RINGS * STAGES * 4 + 15) / 16 * 16 : 0)
 // The appended token's K and V rows (k_new, v_new) of each of the block's KV heads
 // (MULTI_Q: up to NEW_ROWS appended tokens per sequence, one per query token)
 #define NEW_ROWS (MULTI_Q ? 16 : 1)

@@ -148,6 +148,22 @@ def test_append_matches_reference(cupy, rng, seed, dtype, layout, page_size):
         case.check(*case.plan_run(cupy, plan), f"{mode} merge={plan.merge}")
 
 
+@pytest.mark.parametrize("page_size", [16, 3])
+def test_paged_append_with_mtile_blocks(cupy, rng, seed, page_size):
+    """Blocks of several M-tiles (falcon-7b's 71 query heads on one KV head of head_dim 64: 3
+    rings × 6 stages), paged, with the append: their page masks take a number of words that is
+    not a multiple of 4, after which the new rows' 16-byte vectors must still be aligned."""
+    lengths = [800, 0, 799, 15, 16, 99]
+    case = AppendCase(cupy, rng, seed, len(lengths), 71, 1, 64, MAX_SEQLEN, "float16", lengths,
+                      page_size)
+    case.check(*case.flash_decode(cupy), "flash_decode")
+    # one split streams all 800 tokens: long enough a chunk for the M-tile shape
+    plan = cupydecode.DecodePlan(*case.shape, "float16", page_size=page_size, num_splits=1)
+    cfg = plan.config
+    assert cfg.m_tiles > 1 and cfg.rings * cfg.stages % 4, cfg  # (the shape this test is about)
+    case.check(*case.plan_run(cupy, plan), f"m_tiles={cfg.m_tiles}")
+
+
 @pytest.mark.parametrize("page_size", [None, 16])
 def test_host_lengths_and_new_token_forms(cupy, rng, seed, page_size):
     """Host lengths (a list, copied; an int, every sequence alike), k_new/v_new of 3 dims and as

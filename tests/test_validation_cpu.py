@@ -302,7 +302,7 @@ def _policy_config(**kw):
     (cupydecode.Tuning(num_warps=8.0), TypeError, r"tuning.num_warps: expected an int"),
     (cupydecode.Tuning(stages=True), TypeError, r"tuning.stages: expected an int"),
     (cupydecode.Tuning(l2_evict_first=1), TypeError, r"tuning.l2_evict_first: expected True"),
-    (cupydecode.Tuning(num_warps=3), ValueError, r"tuning.num_warps: expected a power of two.*got 3"),
+    (cupydecode.Tuning(num_warps=0), ValueError, r"tuning.num_warps: expected a multiple of 1.*got 0"),
     (cupydecode.Tuning(num_warps=64), ValueError, r"tuning.num_warps: .*got 64"),
     (cupydecode.Tuning(stages=1), ValueError, r"tuning.stages: expected 2 to 16, got 1"),
     (cupydecode.Tuning(stages=12), ValueError, r"tuning: expected a block shape within the GPU's "
@@ -321,10 +321,34 @@ def test_tuning_overrides_only_what_it_names():
     assert (got.num_warps, got.stages, got.l2_evict_first) == (8, 2, False)
     assert (got.m_tiles, got.heads_as_n, got.dtype) == (base.m_tiles, base.heads_as_n, base.dtype)
     m2 = _policy_config(m_tiles=2)
-    with pytest.raises(ValueError, match=r"tuning.num_warps: expected a power of two from 2"):
-        V.check_tuning(cupydecode.Tuning(num_warps=1), m2, 0)
+    with pytest.raises(ValueError, match=r"tuning.num_warps: expected a multiple of 2 from 2"):
+        V.check_tuning(cupydecode.Tuning(num_warps=3), m2, 0)
     with pytest.raises(ValueError, match=r"tuning.warps_in_step"):
         V.check_tuning(cupydecode.Tuning(warps_in_step=True), m2, 0)
+
+
+def test_tuning_accepts_every_policy_shape_and_refuses_what_cannot_build():
+    """Tuning() leaves every shape the policy makes (M-tile blocks of 15 warps included, every
+    switch on) as it is; one warp cannot copy a float32 256-dim row's 64 chunks; a paged
+    multi-token plan's shared memory counts its mask words and new rows."""
+    import dataclasses
+
+    from cupydecode import _policy
+
+    for cfg in _policy.compile_check_configs():
+        for paged in (False, True):
+            cc = dataclasses.replace(cfg, paged=paged, multi_q=cfg.kv_per_block == 1)
+            assert V.check_tuning(cupydecode.Tuning(), cc, 232448) == cc
+    f32 = _policy.split_kernel_config("float32", 256)
+    with pytest.raises(ValueError, match=r"tuning.num_warps: expected at least 2 for float32"):
+        V.check_tuning(cupydecode.Tuning(num_warps=1), f32, 0)
+    big = dataclasses.replace(_policy.split_kernel_config("float16", 256), paged=True,
+                              multi_q=True, num_warps=1, stages=13)
+    assert big.smem_bytes + _policy.SPLIT_STATIC_SMEM_BYTES > 232448 > dataclasses.replace(
+        big, paged=False, multi_q=False).smem_bytes
+    with pytest.raises(ValueError, match=r"tuning: expected a block shape within"):
+        V.check_tuning(cupydecode.Tuning(num_warps=1, stages=13), dataclasses.replace(
+            big, num_warps=4, stages=2), 232448)
 
 
 @pytest.mark.parametrize("kv_dtype", ["e4m3", "e5m2"])

@@ -34,6 +34,7 @@ import cupydecode as cd  # noqa: E402
 from cupydecode import _kernels  # noqa: E402
 from cupydecode.bench import (StepTraffic, _subset_checker, buffer_sets_needed,  # noqa: E402
                               graph_time_cupy, settle)
+from cupydecode.check import REL_TOL  # noqa: E402
 from cupydecode.workloads import Workload, make_inputs  # noqa: E402
 
 TUNING_FIELDS = {f.name: f.type for f in dataclasses.fields(cd.Tuning)}
@@ -86,6 +87,9 @@ def main(argv=None) -> int:
     arms += [(a.partition("=")[0], parse_tuning(a.partition("=")[2]), None, None) for a in args.arm]
     arms += [(k.partition("=")[0], None, k.partition("=")[2], None) for k in args.kernels]
     arms += [(s.split("|")[0], None, None, tuple(s.split("|")[1:3])) for s in args.sub]
+    labels = [label for label, *_ in arms]
+    if len(set(labels)) != len(labels):
+        raise SystemExit(f"arm labels must differ (the first is 'policy'), got {labels}")
     heads, kv_heads, dim = (int(x) for x in args.layout.split("/"))
     import cupy
 
@@ -108,7 +112,7 @@ def main(argv=None) -> int:
                                       tuning=tuning) for _ in sets]  # a workspace per set
             made[0].run(*sets[0])
             err = check(made[0].out)
-            if not err <= 2e-3:
+            if not err <= REL_TOL[args.dtype]:
                 raise SystemExit(f"{label} at {point}: relative error {err:.2e} against float64")
             plans[label] = made
         settle()

@@ -85,7 +85,7 @@ if has sanitizer; then
   timeout 300 compute-sanitizer --tool memcheck --error-exitcode 3 \
     $PY -m pytest -q -p no:cacheprovider tests/test_gpu_append.py \
     -k "(append_matches_reference and float16 and not bfloat16) or clamped or out_of_range_page \
-    or graph or host_lengths or hnd" 2>&1 \
+    or graph or host_lengths or hnd or mtile" 2>&1 \
     | tail -n 40 > "$OUT_DIR/sanitizer_append.log"
   add_summary "memcheck (append): $(grep -E 'ERROR SUMMARY' "$OUT_DIR/sanitizer_append.log" | tail -n 1) | $(grep -E 'passed|failed' "$OUT_DIR/sanitizer_append.log" | tail -n 1)"
 fi

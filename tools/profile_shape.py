@@ -2,9 +2,9 @@
 policy's block shape or a ``cupydecode.Tuning`` override, on buffers larger than L2 (each call
 reads a cache the previous ones did not):
 
-  ncu --set full -k regex:cd_decode_split python tools/profile.py 16 65536 [--arm num_warps=8,stages=2]
+  ncu --set full -k regex:cd_decode_split python tools/profile_shape.py 16 65536 [--arm num_warps=8,stages=2]
 
-Usage: python tools/profile.py BATCH SEQLEN [--layout 32/8/128] [--dtype float16] [--calls 4]
+Usage: python tools/profile_shape.py BATCH SEQLEN [--layout 32/8/128] [--dtype float16] [--calls 4]
                                [--arm FIELD=VALUE,...]
 """
 
