@@ -413,6 +413,8 @@ def default_check_matrix() -> list[Workload]:
         W(4, 300, 32, 8, 128, "float16", None, (299, 0, 17, 300), name="append, varlen", **new),
         W(2, 4097, 28, 4, 128, "bfloat16", 3, (4096, 1000), name="append, GQA 7", **new),
         W(2, 2000, 48, 1, 128, "float16", 1, (1999, 2000), name="append, M-tiles", **new),
+        W(2, 2000, 71, 1, 64, "float16", 1, (1999, 700), name="append, paged 16, M-tiles",
+          page_size=16, **new),
         W(3, 257, 16, 8, 256, "float32", None, (256, 0, 100), name="append, varlen", **new),
         W(4, 300, 32, 8, 128, "bfloat16", None, (299, 15, 16, 0), name="append, paged 16",
           page_size=16, **new),
