@@ -629,3 +629,15 @@ def plan_shape(dtype: str, head_dim: int, group: int, batch: int, num_kv_heads: 
 def merge_vec(head_dim: int) -> int:
     """Elements per thread in kernels/merge_states.cu."""
     return 4 if head_dim % 4 == 0 else 1
+
+
+# quantize_kv (kernels/quantize_kv.cu): one warp per (token, KV head) row of at most this many
+# elements (8 per lane); blocks of 8 warps, at most 4 blocks per SM in grid-stride order.
+QUANTIZE_MAX_HEAD_DIM = 256
+QUANTIZE_THREADS = 256
+
+
+def quantize_launch(rows: int, sm_count: int) -> tuple[int, int]:
+    """(blocks, threads) of quantize_kv for ``rows`` rows."""
+    per_block = QUANTIZE_THREADS // 32
+    return max(1, min(-(-rows // per_block), 4 * sm_count)), QUANTIZE_THREADS

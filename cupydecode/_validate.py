@@ -648,3 +648,52 @@ def check_merge_inputs(o_parts, lse_parts):
         fail(ValueError, "o_parts", "at least one state and head_dim >= 1", tuple(o.shape))
     check_same_device({"o_parts": o, "lse_parts": lse})
     return o, lse, dt
+
+
+# ---------------------------------------------------------------- fp8 KV (kv_dtype, scales)
+
+KV_DTYPES = ("e4m3", "e5m2")
+
+
+def check_kv_dtype(kv_dtype) -> str:
+    """``kv_dtype``: "e4m3" or "e5m2" (the fp8 formats of reference.FP8_FORMATS)."""
+    if not isinstance(kv_dtype, str) or kv_dtype not in KV_DTYPES:
+        fail(ValueError, "kv_dtype", " or ".join(map(repr, KV_DTYPES)), repr(kv_dtype))
+    return kv_dtype
+
+
+def check_kv_scale(scale, name: str, lead: tuple, num_kv_heads: int, allow_none: bool = False):
+    """An fp8 cache's scale: ``(mode, device array or None, float)`` with mode 0 for None (where
+    ``allow_none``: computed per (token, KV head)), 1 a positive finite float (per tensor), 2 a
+    (num_kv_heads,) float32 device array (per KV head), 3 a float32 device array of shape
+    ``lead`` + (num_kv_heads,), contiguous (per token and KV head). Device values are never
+    read on the host."""
+    per_token = (*lead, num_kv_heads)
+    expected = (f"a float > 0, a ({num_kv_heads},) float32 device array (per KV head) or a "
+                f"{per_token} float32 device array (per token and KV head)")
+    if scale is None:
+        if not allow_none:
+            fail(ValueError, name, expected, "None")
+        return 0, None, 1.0
+    if isinstance(scale, bool):
+        fail(TypeError, name, expected, repr(scale))
+    if isinstance(scale, numbers.Real):
+        s = float(scale)
+        with np.errstate(over="ignore"):
+            s32 = np.float32(s)
+        if not (np.isfinite(s32) and s32 > 0):  # (the kernels use it as a float32)
+            fail(ValueError, name, "a finite float > 0 (in float32: > 0 and ≤ 3.4028235e38)", s)
+        return 1, None, s
+    if isinstance(scale, (list, tuple, np.ndarray)):
+        fail(TypeError, name, expected + " (host arrays are not copied: cupy.asarray them)",
+             type(scale).__name__)
+    arr = as_device_array(scale, name)
+    if dtype_name(arr.dtype) != "float32":
+        fail(TypeError, name, expected, f"dtype {dtype_name(arr.dtype)}")
+    shape = tuple(arr.shape)
+    if shape not in ((num_kv_heads,), per_token):
+        fail(ValueError, name, expected, f"shape {shape}")
+    if not arr.flags.c_contiguous:
+        fail(ValueError, name, "a contiguous array", f"strides {arr.strides}")
+    check_same_device({name: arr})
+    return (2 if shape == (num_kv_heads,) else 3), arr, 1.0

@@ -34,9 +34,93 @@ def seqlens_array(cache_seqlens, batch: int, max_seqlen: int) -> np.ndarray:
     return np.clip(_host(cache_seqlens).astype(np.int64).reshape(batch), 0, max_seqlen)
 
 
+# Low-precision KV formats: kv_dtype → (ml_dtypes type, the largest finite value). A cache in one
+# of them holds uint8 codes (or that ml_dtypes type); a key is code · k_scale, a value code · v_scale.
+FP8_FORMATS = {"e4m3": ("float8_e4m3fn", 448.0), "e5m2": ("float8_e5m2", 57344.0)}
+
+
+def fp8_values(kv_dtype: str) -> np.ndarray:
+    """(256,) float64: the value of every code of ``kv_dtype`` ("e4m3" or "e5m2"; NaN codes are
+    NaN, e5m2's infinities ±inf)."""
+    import ml_dtypes
+
+    if kv_dtype not in FP8_FORMATS:
+        raise ValueError(f"kv_dtype: expected one of {', '.join(map(repr, FP8_FORMATS))}, "
+                         f"got {kv_dtype!r}")
+    fp8 = getattr(ml_dtypes, FP8_FORMATS[kv_dtype][0])
+    return np.arange(256, dtype=np.uint8).view(fp8).astype(np.float64)
+
+
+def _codes(cache):
+    """A cache's uint8 codes (an ml_dtypes float8 array viewed as its bytes)."""
+    if cache.dtype.itemsize != 1:
+        raise TypeError(f"an fp8 cache: expected uint8 codes (or an ml_dtypes float8 array), "
+                        f"got dtype {cache.dtype}")
+    return cache if cache.dtype == np.uint8 else cache.view(np.uint8)
+
+
+def _scale_of(scale, name: str, lead: tuple, num_kv_heads: int, xp=np):
+    """``scale`` as an xp float64 copy of a shape that broadcasts against (lead...,
+    num_kv_heads): a float (per tensor), (num_kv_heads,) (per KV head) or lead +
+    (num_kv_heads,) (per token and head). A GPU scale comes to the host for ``xp=numpy``."""
+    if scale is None:
+        raise ValueError(f"{name}: expected a scale with kv_dtype (a float, ({num_kv_heads},) or "
+                         f"{(*lead, num_kv_heads)}), got None")
+    a = _host(scale) if xp is np else xp.asarray(scale)
+    shape = tuple(a.shape)
+    if shape not in ((), (num_kv_heads,), (*lead, num_kv_heads)):
+        raise ValueError(f"{name}: expected a float, shape ({num_kv_heads},) or "
+                         f"{(*lead, num_kv_heads)}, got shape {shape}")
+    return a.astype(np.float64)  # (a copy)
+
+
+def dequantize_kv(cache, kv_dtype: str, scale, xp=np):
+    """float64 values code · scale of fp8 codes (…, num_kv_heads, head_dim): a cache (batch,
+    max_seqlen, Hkv, D) or paged (num_pages, page_size, Hkv, D), or rows (tokens, Hkv, D);
+    ``scale`` per tensor, per KV head or per (token, KV head) (:data:`FP8_FORMATS`).
+    ``xp=cupy``: on the GPU (a CuPy cache and scale)."""
+    lut = xp.asarray(fp8_values(kv_dtype))
+    codes = _codes(cache if xp is not np else _host(cache))
+    s = _scale_of(scale, "scale", tuple(codes.shape[:-2]), codes.shape[-2], xp)
+    return lut[codes] * s[..., None]
+
+
+def quantize_kv(x, kv_dtype: str, scale=None, xp=np):
+    """``(codes, scale)``: fp8 codes (uint8) of ``x`` (…, num_kv_heads, head_dim; float16,
+    bfloat16 or float32) for ``scale`` (per tensor, per KV head, or per (token, KV head) of x's
+    leading shape), as the kernels quantise: x / scale in float32 (x in float32, the scale
+    rounded to float32, IEEE division), rounded to the nearest code (ties to even), saturated to
+    ±the largest finite value (infinities too); NaN stays NaN.
+    ``scale=None``: per (token, KV head), computed as the kernels' quantising append computes
+    it: amax_d |x| / the largest finite value in float32 (1 where the row is all zero or not
+    finite), returned as float32 of x's shape without head_dim."""
+    import ml_dtypes
+
+    xh = x if xp is not np else _host(x)
+    x32 = xh.astype(np.float32) if xp is np else xh.astype(xp.float32)
+    fp8_name, top = FP8_FORMATS[kv_dtype] if kv_dtype in FP8_FORMATS else (None, None)
+    if fp8_name is None:
+        fp8_values(kv_dtype)  # raises the ValueError
+    if scale is None:
+        amax = xp.abs(x32).max(axis=-1)
+        scale = amax / np.float32(top)
+        scale = xp.where(xp.isfinite(scale) & (scale > 0), scale, np.float32(1.0)).astype(np.float32)
+        s32 = scale
+    else:
+        s32 = _scale_of(scale, "scale", tuple(x32.shape[:-2]), x32.shape[-2], xp
+                        ).astype(np.float32)
+    y = xp.clip(x32 / s32[..., None], -np.float32(top), np.float32(top))
+    if xp is np:
+        codes = y.astype(getattr(ml_dtypes, fp8_name)).view(np.uint8)
+    else:  # the float32 → fp8 rounding on the host (ml_dtypes), the codes back on the GPU
+        codes = xp.asarray(y.get().astype(getattr(ml_dtypes, fp8_name)).view(np.uint8))
+    return codes, scale
+
+
 def attention_rows(q, k_cache, v_cache, cache_seqlens=None, softmax_scale=None,
                    batch_ids=None, kv_heads=None, xp=np, logits_soft_cap=None,
-                   block_table=None, window_left=None, alibi_slopes=None, sinks=None):
+                   block_table=None, window_left=None, alibi_slopes=None, sinks=None,
+                   kv_dtype=None, k_scale=None, v_scale=None):
     """Direct softmax attention in float64 for some sequences and KV heads: the one reference
     computation, with NumPy (``xp=numpy``: GPU inputs are copied to the host) or with CuPy
     (``xp=cupy``: on the GPU, for caches too large for the host reference).
@@ -59,10 +143,22 @@ def attention_rows(q, k_cache, v_cache, cache_seqlens=None, softmax_scale=None,
     heads of each selected KV head, in order). A row that attends nothing gives out = 0 and
     lse = −inf (σ_h with a sink). Memory: float64 copies of one sequence's K and V for the
     selected heads at a time.
+
+    ``kv_dtype`` "e4m3" or "e5m2" (:data:`FP8_FORMATS`): the caches hold fp8 codes (uint8, or
+    ml_dtypes float8 arrays) and a key is code · k_scale, a value code · v_scale, each scale a
+    float (per tensor), (num_kv_heads,) (per KV head) or the cache's leading shape +
+    (num_kv_heads,) (per token and KV head: (batch, max_seqlen, Hkv), or (num_pages, page_size,
+    Hkv) paged).
     """
     if xp is np:
         q, k_cache, v_cache = (_host(x) for x in (q, k_cache, v_cache))
     table = None if block_table is None else _host(block_table).astype(np.int64)
+    lut = None if kv_dtype is None else xp.asarray(fp8_values(kv_dtype))
+    if lut is not None:  # fp8 codes, and their scales as xp float64 arrays that broadcast
+        k_cache, v_cache = _codes(k_cache), _codes(v_cache)
+        lead, hkv = tuple(k_cache.shape[:2]), k_cache.shape[2]
+        k_scale, v_scale = (_scale_of(sc, name, lead, hkv, xp)
+                            for sc, name in ((k_scale, "k_scale"), (v_scale, "v_scale")))
     single = q.ndim == 3
     q4 = q[:, None] if single else q                      # (batch, q_len, num_heads, head_dim)
     batch, q_len, num_heads, head_dim = q4.shape
@@ -99,7 +195,7 @@ def attention_rows(q, k_cache, v_cache, cache_seqlens=None, softmax_scale=None,
         if rows is not None:
             attend &= rows[2][None, :]                      # tokens on out-of-range pages
         qb = q4[b].reshape(q_len, num_kv_heads, group, head_dim)[:, kv_heads].astype(xp.float64)
-        kb = _rows(k_cache, b, n, rows)[:, kv_heads].astype(xp.float64)   # (n, nk, D)
+        kb = _load(k_cache, k_scale, lut, b, n, rows, kv_heads, xp)        # (n, nk, D)
         s = xp.einsum("tkgd,nkd->tkgn", qb, kb) * scale     # s_j = c · q·k_j
         del kb
         if cap is not None:
@@ -107,7 +203,7 @@ def attention_rows(q, k_cache, v_cache, cache_seqlens=None, softmax_scale=None,
         if slopes is not None:                              # s_j ← s_j − slope_h · (pos − j)
             dist = (pos[:, None] - j[None, :]).astype(np.float64)
             s = s - xp.asarray(slopes[heads])[None, :, :, None] * xp.asarray(dist)[:, None, None, :]
-        vb = _rows(v_cache, b, n, rows)[:, kv_heads].astype(xp.float64)
+        vb = _load(v_cache, v_scale, lut, b, n, rows, kv_heads, xp)
         for t in range(q_len):  # each query token over exactly the keys it attends
             keys = np.flatnonzero(attend[t])
             if keys.size == 0:
@@ -169,8 +265,24 @@ def _rows(cache, b: int, n: int, rows):
     return cache[b, :n] if rows is None else cache[rows[0], rows[1]]
 
 
+def _load(cache, scale, lut, b: int, n: int, rows, kv_heads, xp):
+    """Sequence ``b``'s first ``n`` K or V rows of the KV heads ``kv_heads`` in float64
+    (n, nk, head_dim): the cache's values, or with ``lut`` (an fp8 cache) its codes' values
+    times ``scale`` (per tensor, per KV head, or per token and head, as the cache is indexed)."""
+    x = _rows(cache, b, n, rows)[:, kv_heads]
+    if lut is None:
+        return x.astype(xp.float64)
+    if scale.ndim == 0:
+        s = scale
+    elif scale.ndim == 1:
+        s = scale[xp.asarray(kv_heads)][None, :, None]
+    else:
+        s = _rows(scale, b, n, rows)[:, kv_heads][..., None]
+    return lut[x] * s
+
+
 def append_kv(k_cache, v_cache, cache_seqlens, k_new, v_new, block_table=None, xp=np,
-              max_seqlen=None):
+              max_seqlen=None, kv_dtype=None, k_scale=None, v_scale=None):
     """The caches after appending ``k_new``/``v_new`` (batch, q_len, num_kv_heads, head_dim) at
     positions cache_seqlens[b] … cache_seqlens[b] + q_len − 1 of each sequence, through
     ``block_table`` for a paged cache: ``(k, v, lengths)`` as new host arrays (the inputs are not
@@ -178,6 +290,10 @@ def append_kv(k_cache, v_cache, cache_seqlens, k_new, v_new, block_table=None, x
     capacity, and rows of pages whose index is outside [0, num_pages), are not written. The
     capacity is the cache's (pages per sequence × page_size when paged), or ``max_seqlen`` where
     given (a plan's, which may end inside a sequence's last page).
+    ``kv_dtype`` (an fp8 cache of codes): the new tokens are written as codes of ``k_scale`` /
+    ``v_scale`` (:func:`quantize_kv`); per-(token, head) scales are computed for the new tokens
+    and written into copies of the scale arrays at their slots, and the result is then
+    ``(k, v, lengths, k_scale, v_scale)``.
     ``xp=cupy``: the copies are made on the GPU instead (CuPy inputs; caches too large for the
     host), lengths and the table still on the host."""
     if xp is np:
@@ -185,6 +301,18 @@ def append_kv(k_cache, v_cache, cache_seqlens, k_new, v_new, block_table=None, x
         k_new, v_new = _host(k_new), _host(v_new)
     else:
         k, v = k_cache.copy(), v_cache.copy()
+    scales = None
+    if kv_dtype is not None:
+        k, v = _codes(k), _codes(v)
+        lead, hkv = tuple(k.shape[:2]), k.shape[2]
+        scales = [_scale_of(sc, name, lead, hkv, xp)
+                  for sc, name in ((k_scale, "k_scale"), (v_scale, "v_scale"))]
+        per_token = [sc.ndim == 3 for sc in scales]
+        new_codes = []  # (codes, scales) of k_new and v_new, quantised once
+        for x, sc, tok in zip((k_new, v_new), scales, per_token):
+            codes, got = quantize_kv(x, kv_dtype, None if tok else sc, xp)
+            new_codes.append((codes, got if tok else None))
+        (k_new, k_tok), (v_new, v_tok) = new_codes
     table = None if block_table is None else _host(block_table).astype(np.int64)
     batch, q_len = k_new.shape[0], k_new.shape[1]
     capacity = k.shape[1] * (1 if table is None else table.shape[1])
@@ -197,18 +325,25 @@ def append_kv(k_cache, v_cache, cache_seqlens, k_new, v_new, block_table=None, x
             if t >= capacity:
                 break
             if table is None:
-                k[b, t], v[b, t] = k_new[b, i], v_new[b, i]
-                continue
-            page = table[b, t // k.shape[1]]
-            if 0 <= page < k.shape[0]:
-                k[page, t % k.shape[1]] = k_new[b, i]
-                v[page, t % k.shape[1]] = v_new[b, i]
-    return k, v, np.minimum(lens + q_len, capacity)
+                slot = (b, t)
+            else:
+                page = table[b, t // k.shape[1]]
+                if not 0 <= page < k.shape[0]:
+                    continue
+                slot = (page, t % k.shape[1])
+            k[slot], v[slot] = k_new[b, i], v_new[b, i]
+            if scales is not None:
+                for sc, tok in ((scales[0], k_tok), (scales[1], v_tok)):
+                    if tok is not None:
+                        sc[slot] = tok[b, i]
+    lens = np.minimum(lens + q_len, capacity)
+    return (k, v, lens) if scales is None else (k, v, lens, *scales)
 
 
 def decode_attention(q, k_cache, v_cache, cache_seqlens=None, softmax_scale=None,
                      logits_soft_cap=None, block_table=None, k_new=None, v_new=None,
-                     window_left=None, alibi_slopes=None, sinks=None):
+                     window_left=None, alibi_slopes=None, sinks=None, kv_dtype=None,
+                     k_scale=None, v_scale=None):
     """Direct softmax attention in float64 (NumPy): returns ``(out, lse)``.
 
     q (batch, num_heads, head_dim), or (batch, q_len, num_heads, head_dim) for several query
@@ -217,7 +352,9 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens=None, softmax_scale=None
     log. ``k_new``/``v_new`` (batch, q_len, num_kv_heads, head_dim; 3 dims for one token): the
     new tokens are appended first (:func:`append_kv`, on copies) and attended too. The score
     options and their order: :func:`attention_rows`. A row that attends nothing gives out = 0,
-    lse = −inf.
+    lse = −inf. ``kv_dtype`` "e4m3" or "e5m2": the caches hold fp8 codes and attention runs on
+    their values code · k_scale, code · v_scale (new tokens quantised first, as
+    :func:`append_kv` does).
     """
     if (k_new is None) != (v_new is None):
         raise ValueError("k_new and v_new: expected both or neither")
@@ -227,11 +364,15 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens=None, softmax_scale=None
         if k_new.shape[1] != q_len:
             raise ValueError(f"k_new: expected {q_len} new token(s) per sequence (q's q_len), "
                              f"got {k_new.shape[1]}")
-        k_cache, v_cache, cache_seqlens = append_kv(k_cache, v_cache, cache_seqlens, k_new, v_new,
-                                                    block_table)
+        grown = append_kv(k_cache, v_cache, cache_seqlens, k_new, v_new, block_table,
+                          kv_dtype=kv_dtype, k_scale=k_scale, v_scale=v_scale)
+        k_cache, v_cache, cache_seqlens = grown[:3]
+        if kv_dtype is not None:
+            k_scale, v_scale = grown[3:]
     out, lse = attention_rows(q, k_cache, v_cache, cache_seqlens, softmax_scale,
                               logits_soft_cap=logits_soft_cap, block_table=block_table,
-                              window_left=window_left, alibi_slopes=alibi_slopes, sinks=sinks)
+                              window_left=window_left, alibi_slopes=alibi_slopes, sinks=sinks,
+                              kv_dtype=kv_dtype, k_scale=k_scale, v_scale=v_scale)
     lead = out.shape[:-3]                                   # (batch,) or (batch, q_len)
     return (out.reshape(*lead, -1, out.shape[-1]), lse.reshape(*lead, -1))
 

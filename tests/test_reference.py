@@ -467,3 +467,189 @@ def test_merge_treats_pos_inf_as_empty_and_keeps_nan_in_its_row(rng, seed):
     assert np.isnan(got_o[3, 5]), ctx
     np.testing.assert_array_equal(got_o[4], want_o[4], err_msg=ctx)
     assert got_lse[4] == want_lse[4], ctx
+
+
+# ---------------------------------------------------------------- fp8 KV caches (kv_dtype)
+
+def _direct_values(codes, kv_dtype, scale):
+    """Each code's value times its scale, element by element from the format's definition
+    (sign, exponent, mantissa), not through the reference's table."""
+    ebits, mbits, bias = {"e4m3": (4, 3, 7), "e5m2": (5, 2, 15)}[kv_dtype]
+    flat = np.asarray(codes, np.uint8).reshape(-1)
+    vals = np.empty(flat.size)
+    for i, c in enumerate(flat):
+        c = int(c)
+        sign = -1.0 if c >> 7 else 1.0
+        e, m = (c >> mbits) & ((1 << ebits) - 1), c & ((1 << mbits) - 1)
+        if kv_dtype == "e4m3" and e == 15 and m == 7:
+            vals[i] = math.nan
+        elif kv_dtype == "e5m2" and e == 31:
+            vals[i] = math.nan if m else sign * math.inf
+        elif e == 0:
+            vals[i] = sign * m * 2.0 ** (1 - bias - mbits)
+        else:
+            vals[i] = sign * (1 + m / 2 ** mbits) * 2.0 ** (e - bias)
+    s = np.asarray(scale, np.float64)
+    return vals.reshape(np.shape(codes)) * (s[..., None] if s.ndim else s)
+
+
+@pytest.mark.parametrize("kv_dtype, top", [("e4m3", 448.0), ("e5m2", 57344.0)])
+def test_fp8_codes_are_the_formats_values(kv_dtype, top):
+    codes = np.arange(256, dtype=np.uint8)
+    got, want = R.fp8_values(kv_dtype), _direct_values(codes, kv_dtype, 1.0)
+    assert np.array_equal(np.isnan(got), np.isnan(want))
+    assert np.array_equal(got[~np.isnan(got)], want[~np.isnan(want)])
+    assert np.nanmax(got[np.isfinite(got)]) == top
+
+
+@pytest.mark.parametrize("kv_dtype", ["e4m3", "e5m2"])
+def test_quantize_rounds_to_the_nearest_code_and_saturates(rng, seed, kv_dtype):
+    """Every code is the nearest representable value of x / scale (ties aside), finite values
+    beyond the range and infinities saturate, NaN stays NaN; the computed per-(token, head)
+    scale maps each row's largest |x| to the largest finite code."""
+    top = R.FP8_FORMATS[kv_dtype][1]
+    x = (rng.standard_normal((3, 5, 2, 16)) * rng.uniform(0.01, 50, (3, 5, 2, 1))).astype(np.float32)
+    x[0, 0, 0, :3] = [np.inf, -np.inf, np.nan]
+    x[0, 0, 1, 0] = 1e30
+    values = R.fp8_values(kv_dtype)
+    finite = np.sort(values[np.isfinite(values)])
+    for scale in (0.05, np.float32([0.02, 0.3]), None):
+        codes, got_scale = R.quantize_kv(x, kv_dtype, scale)
+        s = np.float32(scale) if scale is None or np.ndim(scale) == 0 else np.float32(scale)
+        s = got_scale if scale is None else s
+        y = (x / (s[..., None] if np.ndim(s) else s)).astype(np.float64)
+        got = values[codes]
+        assert np.isnan(got[0, 0, 0, 2]), (seed, kv_dtype)
+        live = np.isfinite(y)
+        clipped = np.clip(y, -top, top)
+        # the nearest finite value to each clipped x / scale
+        idx = np.clip(np.searchsorted(finite, clipped), 1, finite.size - 1)
+        lo, hi = finite[idx - 1], finite[idx]
+        best = np.minimum(np.abs(clipped - lo), np.abs(clipped - hi))
+        assert np.all(np.abs(got[live] - clipped[live]) <= best[live] * (1 + 1e-12)), (seed, scale)
+        assert got[0, 0, 0, 0] == top and got[0, 0, 0, 1] == -top, (seed, scale)
+        if scale is None:
+            assert got_scale.dtype == np.float32 and got_scale.shape == x.shape[:-1]
+            rows = np.isfinite(x).all(axis=-1)
+            peak = np.abs(got).max(axis=-1)
+            assert np.all(peak[rows] == top), seed
+
+
+@pytest.mark.parametrize("kv_dtype", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("granularity", ["tensor", "head", "token"])
+def test_fp8_attention_is_attention_on_the_dequantised_cache(rng, seed, kv_dtype, granularity):
+    """decode_attention with kv_dtype equals the direct softmax over code · scale computed from
+    the format's definition; a reference that ignored the scales (or used another head's or
+    token's) would differ."""
+    batch, seqlen, heads, kv_heads, dim = 2, 23, 4, 2, 8
+    q = randn(rng, (batch, heads, dim), "float16")
+    codes_k = rng.integers(0, 256, (batch, seqlen, kv_heads, dim)).astype(np.uint8)
+    codes_v = rng.integers(0, 256, (batch, seqlen, kv_heads, dim)).astype(np.uint8)
+    for codes in (codes_k, codes_v):  # no NaN or infinite codes (their rows are tested apart)
+        codes[~np.isfinite(R.fp8_values(kv_dtype)[codes])] = 0x38
+    shape = {"tensor": (), "head": (kv_heads,), "token": (batch, seqlen, kv_heads)}[granularity]
+    k_scale = rng.uniform(0.001, 0.01, shape).astype(np.float32)
+    v_scale = rng.uniform(0.5, 2.0, shape).astype(np.float32)
+    if granularity == "tensor":
+        k_scale, v_scale = float(k_scale), float(v_scale)
+    lens = [seqlen, 9]
+    kd = _direct_values(codes_k, kv_dtype, k_scale)
+    vd = _direct_values(codes_v, kv_dtype, v_scale)
+    scale = dim ** -0.5
+    want_out, want_lse = direct_attention(q, kd, vd, lens, scale)
+    out, lse = R.decode_attention(q, codes_k, codes_v, lens, kv_dtype=kv_dtype,
+                                  k_scale=k_scale, v_scale=v_scale)
+    ctx = context(seed, kv_dtype=kv_dtype, granularity=granularity)
+    assert np.allclose(out, want_out, rtol=1e-10, atol=1e-12), ctx
+    assert np.allclose(lse, want_lse, rtol=1e-10, atol=1e-12), ctx
+    unscaled, _ = R.decode_attention(q, codes_k, codes_v, lens, kv_dtype=kv_dtype,
+                                     k_scale=1.0, v_scale=1.0)
+    assert R.relative_error(unscaled, want_out) > 1e-2, ctx
+    if granularity != "tensor":  # another head's (or token's) scales give other outputs
+        flip = np.flip(np.asarray(v_scale), axis=-1)
+        other, _ = R.decode_attention(q, codes_k, codes_v, lens, kv_dtype=kv_dtype,
+                                      k_scale=k_scale, v_scale=flip)
+        assert R.relative_error(other, want_out) > 1e-3, ctx
+    # ml_dtypes float8 arrays are their codes
+    import ml_dtypes
+
+    fp8 = getattr(ml_dtypes, R.FP8_FORMATS[kv_dtype][0])
+    out2, _ = R.decode_attention(q, codes_k.view(fp8), codes_v.view(fp8), lens,
+                                 kv_dtype=kv_dtype, k_scale=k_scale, v_scale=v_scale)
+    assert np.array_equal(out2, out), ctx
+
+
+@pytest.mark.parametrize("per_token", [False, True])
+@pytest.mark.parametrize("paged", [False, True])
+def test_fp8_append_quantises_the_new_tokens(rng, seed, per_token, paged):
+    """append_kv with kv_dtype writes quantize_kv's codes of the new tokens (and, per token,
+    their computed scales) at their slots, through the table when paged; nothing else changes;
+    decode_attention with k_new attends the appended cache."""
+    batch, cap, kv_heads, dim, q_len, page = 3, 20, 2, 8, 3, 4
+    k = rng.integers(0, 0x70, (batch, cap, kv_heads, dim)).astype(np.uint8)
+    v = rng.integers(0, 0x70, (batch, cap, kv_heads, dim)).astype(np.uint8)
+    sk = (rng.uniform(0.01, 0.1, (batch, cap, kv_heads)) if per_token
+          else rng.uniform(0.01, 0.1, (kv_heads,))).astype(np.float32)
+    sv = (rng.uniform(0.01, 0.1, (batch, cap, kv_heads)) if per_token
+          else rng.uniform(0.01, 0.1, (kv_heads,))).astype(np.float32)
+    k_new = randn(rng, (batch, q_len, kv_heads, dim), "float16")
+    v_new = randn(rng, (batch, q_len, kv_heads, dim), "float16")
+    lens = [5, cap - 1, 0]
+    table = None
+    if paged:  # pages of `page` tokens in a random order; scales paged alike
+        per_seq = cap // page
+        table = rng.permutation(batch * per_seq).reshape(batch, per_seq).astype(np.int32)
+
+        def pages_of(x):
+            out = np.zeros((batch * per_seq, page) + x.shape[2:], x.dtype)
+            for b in range(batch):
+                for j in range(per_seq):
+                    out[table[b, j]] = x[b, j * page:(j + 1) * page]
+            return out
+        k, v = pages_of(k), pages_of(v)
+        if per_token:
+            sk, sv = pages_of(sk), pages_of(sv)
+    k2, v2, lens2, sk2, sv2 = R.append_kv(k, v, lens, k_new, v_new, table, kv_dtype="e4m3",
+                                          k_scale=sk, v_scale=sv)
+    ck, tk = R.quantize_kv(k_new, "e4m3", None if per_token else sk)
+    cv, tv = R.quantize_kv(v_new, "e4m3", None if per_token else sv)
+    ctx = context(seed, per_token=per_token, paged=paged)
+    assert list(lens2) == [5 + q_len, cap, q_len], ctx
+    written = np.zeros(k.shape[:2], bool)
+    for b in range(batch):
+        for i in range(q_len):
+            t = lens[b] + i
+            if t >= cap:
+                continue
+            slot = (b, t) if table is None else (table[b, t // page], t % page)
+            written[slot] = True
+            assert np.array_equal(k2[slot], ck[b, i]) and np.array_equal(v2[slot], cv[b, i]), ctx
+            if per_token:
+                assert np.array_equal(sk2[slot], tk[b, i]) and np.array_equal(sv2[slot], tv[b, i])
+    assert np.array_equal(k2[~written], k[~written]) and np.array_equal(v2[~written], v[~written])
+    if per_token:
+        assert np.array_equal(sk2[~written], sk[~written]), ctx
+    else:
+        assert np.array_equal(sk2, sk) and np.array_equal(sv2, sv), ctx
+    q = randn(rng, (batch, q_len, 4, dim), "float16")
+    got = R.decode_attention(q, k, v, lens, block_table=table, k_new=k_new, v_new=v_new,
+                             kv_dtype="e4m3", k_scale=sk, v_scale=sv)
+    want = R.decode_attention(q, k2, v2, lens2, block_table=table, kv_dtype="e4m3",
+                              k_scale=sk2, v_scale=sv2)
+    assert np.array_equal(got[0], want[0]), ctx
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda c, s: R.fp8_values("e3m4"), r"kv_dtype: expected one of 'e4m3', 'e5m2', got 'e3m4'"),
+    (lambda c, s: R.dequantize_kv(c, "e4m3", np.ones(3, np.float32)),
+     r"scale: expected a float, shape \(2,\) or \(2, 5, 2\), got shape \(3,\)"),
+    (lambda c, s: R.decode_attention(np.zeros((2, 4, 8)), c, c, kv_dtype="e4m3", k_scale=s),
+     r"v_scale: expected a scale with kv_dtype"),
+    (lambda c, s: R.decode_attention(np.zeros((2, 4, 8)), c.astype(np.float16), c,
+                                     kv_dtype="e4m3", k_scale=s, v_scale=s),
+     r"fp8 cache: expected uint8 codes"),
+])
+def test_fp8_reference_refuses_what_it_cannot_read(call, match):
+    codes = np.zeros((2, 5, 2, 8), np.uint8)
+    with pytest.raises((ValueError, TypeError), match=match):
+        call(codes, 0.5)

@@ -349,3 +349,37 @@ def test_tuning_accepts_every_policy_shape_and_refuses_what_cannot_build():
     with pytest.raises(ValueError, match=r"tuning: expected a block shape within"):
         V.check_tuning(cupydecode.Tuning(num_warps=1, stages=13), dataclasses.replace(
             big, num_warps=4, stages=2), 232448)
+
+
+@pytest.mark.parametrize("kv_dtype", ["e4m3", "e5m2"])
+def test_kv_dtype_names(kv_dtype):
+    assert V.check_kv_dtype(kv_dtype) == kv_dtype
+
+
+@pytest.mark.parametrize("bad", ["fp8", "E4M3", None, 8])
+def test_kv_dtype_errors_name_the_argument(bad):
+    with pytest.raises(ValueError, match=r"kv_dtype: expected 'e4m3' or 'e5m2', got"):
+        V.check_kv_dtype(bad)
+
+
+@pytest.mark.parametrize("scale, exc, match", [
+    (None, ValueError, r"k_scale: expected a float > 0, a \(8,\) float32 device array .* "
+                       r"\(2, 5, 8\) float32 device array .*got None"),
+    (0.0, ValueError, r"k_scale: expected a finite float > 0 .*got 0.0"),
+    (-2, ValueError, r"k_scale: expected a finite float > 0 .*got -2.0"),
+    (float("inf"), ValueError, r"k_scale: expected a finite float > 0 .*got inf"),
+    (1e39, ValueError, r"k_scale: expected a finite float > 0"),
+    (1e-50, ValueError, r"k_scale: expected a finite float > 0 \(in float32"),
+    (True, TypeError, r"k_scale: expected a float > 0"),
+    ([1.0] * 8, TypeError, r"k_scale: .*host arrays are not copied"),
+    (np.ones(8, np.float32), TypeError, r"k_scale: .*host arrays are not copied"),
+])
+def test_kv_scale_host_values_are_checked(scale, exc, match):
+    with pytest.raises(exc, match=match):
+        V.check_kv_scale(scale, "k_scale", (2, 5), 8)
+
+
+def test_kv_scale_modes_for_host_values():
+    assert V.check_kv_scale(None, "scale", (2, 5), 8, allow_none=True) == (0, None, 1.0)
+    assert V.check_kv_scale(0.25, "scale", (2, 5), 8) == (1, None, 0.25)
+    assert V.check_kv_scale(np.float32(2), "scale", (2, 5), 8) == (1, None, 2.0)

@@ -13,7 +13,8 @@
 # sinks' cost; "soak": tests/test_gpu_soak.py, 10^5 random calls from several threads;
 # "head_dims": head_dims between the kernel widths, tested, memchecked and timed; "models":
 # `check --model` for every preset's every layer type; "multi": several query tokens per
-# sequence, tested, memchecked and timed against one).
+# sequence, tested, memchecked and timed against one; "fp8": the fp8 quantiser, tested and
+# memchecked).
 # A machine that returns only a few files: run it into a scratch folder and pack that, e.g.
 #   bash tools/device_check.sh /tmp/dc; tar czf "$OUT/device_check.tgz" -C /tmp/dc .
 set -u
@@ -282,6 +283,11 @@ if has soak; then
   CUPYDECODE_SOAK=1 CUPYDECODE_SOAK_CALLS=${SOAK_CALLS:-100000} timeout 540 \
     $PY -m pytest -q -p no:cacheprovider tests/test_gpu_soak.py 2>&1 | tail -n 20 > "$OUT_DIR/soak.log"
   add_summary "soak: $(grep -E 'passed|failed' "$OUT_DIR/soak.log" | tail -n 1)"
+fi
+
+if has fp8; then
+  # fp8 KV: the standalone quantiser against the reference, code for code, and its memcheck
+  feature_tests fp8 tests/test_gpu_fp8.py "(e4m3 and float16 and not bfloat16) or slice or strided or bad or cache or grid"
 fi
 
 if has multi; then
