@@ -322,6 +322,10 @@ class StructLaunch:
     Each thread packs into its own buffer, so concurrent launches from several threads cannot
     mix their parameters (the driver copies the parameters before ``cuLaunchKernel`` returns).
 
+    ``tail`` (a ``struct.Struct``): the parameters continue after ``layout`` with ``tail``'s,
+    which :meth:`launch_with_tail` packs only when their key changes (a plan's strides and
+    scalars stay the same from call to call, its pointers do not).
+
     With ``programmatic`` (where :func:`programmatic_launch_supported`), the launch is a
     programmatic dependent of the kernel before it in the stream, through ``cuLaunchKernelEx``
     (if the driver refuses it, that launch and the later ones are plain ``cuLaunchKernel``s);
@@ -330,11 +334,13 @@ class StructLaunch:
 
     def __init__(self, fn, grid: tuple[int, int, int], block: tuple[int, int, int],
                  shared_mem: int, layout, offsets: tuple[int, ...] = (0,),
-                 programmatic: bool = False):
+                 programmatic: bool = False, tail=None):
         from cupy_backends.cuda.api import driver
 
         if any(o < 0 or o >= layout.size for o in offsets):
             raise ValueError(f"offsets {offsets} outside the {layout.size}-byte layout")
+        self._tail = tail
+        self._size = layout.size + (0 if tail is None else tail.size)
         allow_shared_memory(fn, shared_mem)
         self._driver = driver       # imported once, not on every launch
         self._kernel = fn           # keeps the module (and so the CUfunction) alive
@@ -354,7 +360,7 @@ class StructLaunch:
         slot = getattr(self._local, "slot", None)
         if slot is None:
             bind_context()  # cuLaunchKernel needs a context current in the launching thread
-            buf = (ctypes.c_uint64 * (-(-self._layout.size // 8)))()   # 8-byte aligned
+            buf = (ctypes.c_uint64 * (-(-self._size // 8)))()   # 8-byte aligned
             base = ctypes.addressof(buf)
             argv = (ctypes.c_void_p * len(self._offsets))(*(base + o for o in self._offsets))
             config = None
@@ -365,12 +371,30 @@ class StructLaunch:
                 config._attr = attr  # kept alive with the configuration that points at it
             slot = self._local.slot = (buf, argv, ctypes.addressof(argv), config,
                                        0 if config is None else ctypes.addressof(config))
+            self._local.tail_key = None
         return slot
 
     def __call__(self, stream_ptr: int, *values) -> None:
         """Pack ``values`` with the layout and launch on the stream ``stream_ptr``."""
-        buf, _, argv, config, config_ptr = self._slot()
-        self._layout.pack_into(buf, 0, *values)
+        slot = self._slot()
+        self._layout.pack_into(slot[0], 0, *values)
+        self._launch(stream_ptr, slot)
+
+    def launch_with_tail(self, stream_ptr: int, values: tuple, tail_key, tail_values) -> None:
+        """Launch with ``values`` packed with the layout and ``tail_values()`` with the tail
+        after them, the tail packed only where ``tail_key`` differs from the one this thread
+        packed last (equal keys must mean equal tail values)."""
+        slot = self._slot()
+        local = self._local
+        if local.tail_key != tail_key:
+            local.tail_key = None  # (a packing that raises leaves no key behind)
+            self._tail.pack_into(slot[0], self._layout.size, *tail_values())
+            local.tail_key = tail_key
+        self._layout.pack_into(slot[0], 0, *values)
+        self._launch(stream_ptr, slot)
+
+    def _launch(self, stream_ptr: int, slot) -> None:
+        _, _, argv, config, config_ptr = slot
         launch_ex = self._launch_ex  # (a slot has a configuration whenever this is set)
         if launch_ex is not None:
             config.stream = stream_ptr

@@ -264,10 +264,10 @@ def check_head_values(x, name: str, num_heads: int, allow_host_array: bool = Tru
     float32 device array used as is (contiguous, on the current device), or (with
     ``allow_host_array``) finite host values copied to the device. Returns the device array or
     None."""
-    import cupy
-
     if x is None:
         return None
+    import cupy
+
     if isinstance(x, (list, tuple, np.ndarray)) and allow_host_array:
         arr = _host_finite(x, name)
         if arr.shape != (num_heads,):
@@ -481,17 +481,25 @@ def check_lengths_fit(cache_seqlens, q_len: int) -> None:
              f"sequence's last {q_len}, already in the cache)", f"a length of {least}")
 
 
-def check_seqlens(cache_seqlens, batch: int, max_seqlen: int, allow_host_array: bool = True):
+def check_seqlens(cache_seqlens, batch: int, max_seqlen: int, allow_host_array: bool = True,
+                  device: int | None = None):
     """Return ``(device_array_or_None, int_value)`` for the kernel's (seqlens, seqlen_all).
 
     A device array, int32 or int64 (torch's default integer type), is used as is (never read on
     the host; the kernel clamps each entry to [0, max_seqlen]). Host sequences are range-checked
-    here, then copied to the device.
+    here, then copied to the device. ``device``: the current device where the caller knows it
+    (a ``cupy.ndarray`` that passed is then remembered by its properties, as inputs are).
     """
-    import cupy
-
     if cache_seqlens is None:
         return None, max_seqlen
+    import cupy
+
+    key = None
+    if device is not None and type(cache_seqlens) is cupy.ndarray:
+        key = (cache_seqlens.shape, cache_seqlens.strides, cache_seqlens.dtype,
+               cache_seqlens.data.device_id, batch, device)
+        if key in _SEQLENS_CHECKED:
+            return cache_seqlens, max_seqlen
     if isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool):
         return None, check_int(cache_seqlens, "cache_seqlens", 0, max_seqlen)
     if isinstance(cache_seqlens, (list, tuple, np.ndarray)):
@@ -516,7 +524,12 @@ def check_seqlens(cache_seqlens, batch: int, max_seqlen: int, allow_host_array: 
     if arr.size > 1 and arr.strides[0] != arr.itemsize:
         fail(ValueError, "cache_seqlens", "a contiguous array", f"stride {arr.strides[0]} bytes")
     check_same_device({"cache_seqlens": arr})
+    if key is not None and len(_SEQLENS_CHECKED) < 64:
+        _SEQLENS_CHECKED.add(key)
     return arr, max_seqlen
+
+
+_SEQLENS_CHECKED: set = set()  # check_seqlens' device arrays that passed, by their properties
 
 
 def new_key(x):

@@ -291,8 +291,8 @@ class DecodePlan:
         self._score_default = self._score_values(self._scale)
         self._split_launch = (None if self.batch == 0 else _kernels.StructLaunch(
             _split_function(self.config), self._grid, (self.config.threads, 1, 1),
-            self.config.smem_bytes, _PARAMS,
-            programmatic=programmatic and self.enable_pdl))
+            self.config.smem_bytes, _PARAMS_HEAD,
+            programmatic=programmatic and self.enable_pdl, tail=_PARAMS_TAIL))
         self._shape = dict(batch=self.batch, q_len=self.q_len, num_heads=self.num_heads,
                            num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
                            max_seqlen=self.max_seqlen)
@@ -357,18 +357,21 @@ class DecodePlan:
         if strides is None:  # a layout this plan has not seen: the full checks, once
             q, k_cache, v_cache, block_table, strides = self._check_layout(
                 q, k_cache, v_cache, block_table, layout)
-        V.check_lengths_fit(cache_seqlens, self.q_len if k_new is None and v_new is None else 1)
+        if self.q_len > 1:
+            V.check_lengths_fit(cache_seqlens, self.q_len if k_new is None and v_new is None else 1)
+        # (inputs that passed are on the current device, which is then the plan's)
         seqlens, seqlen_all = V.check_seqlens(cache_seqlens, self.batch, self.max_seqlen,
-                                              allow_host_array=False)
+                                              allow_host_array=False, device=self.device_id)
         scale = self._scale if softmax_scale is None else V.check_scale(softmax_scale,
                                                                         self.head_dim)
         out = self.out if out is None else V.check_out(out, "out", self.out.shape, self.dtype)
         lse = self.lse if lse is None else V.check_out(lse, "lse", self.lse.shape, "float32")
         new = (None if k_new is None and v_new is None else V.check_new_tokens(
             k_new, v_new, self.batch, self.num_kv_heads, self.head_dim, self.dtype, self.q_len))
-        slopes = V.check_alibi_slopes(alibi_slopes, self.alibi, self.num_heads,
-                                      allow_host_array=False)
-        sinks = V.check_head_values(sinks, "sinks", self.num_heads, allow_host_array=False)
+        slopes = (None if alibi_slopes is None and not self.alibi else V.check_alibi_slopes(
+            alibi_slopes, self.alibi, self.num_heads, allow_host_array=False))
+        if sinks is not None:
+            sinks = V.check_head_values(sinks, "sinks", self.num_heads, allow_host_array=False)
         self._launch(q, k_cache, v_cache, seqlens, seqlen_all, scale, out, lse, None, strides,
                      block_table, new, slopes, sinks)
         return out, lse
@@ -452,16 +455,22 @@ class DecodePlan:
         # this call, and CuPy's pool hands freed memory out again only in stream order.
         k_new, v_new, new_strides, n_new = (0, 0, _NO_NEW, 0) if new is None else (
             new[0].data.ptr, new[1].data.ptr, new[2], self.q_len)
-        self._split_launch(
+        seqlens_64 = 0 if seqlens is None else seqlens.itemsize >> 3
+        table_64 = 0 if table is None else table.itemsize >> 3
+
+        def tail() -> tuple:  # the parameters after the pointers, in the list's order
+            return (*strides[:11], *new_strides, *strides[11:], seqlen_all, *self._static,
+                    *self._score_args(scale), n_new, self._window_arg, seqlens_64, table_64,
+                    self.q_len)
+
+        self._split_launch.launch_with_tail(
             stream.ptr,
-            q.data.ptr, k.data.ptr, v.data.ptr, 0 if seqlens is None else seqlens.data.ptr,
-            *self._part_ptrs, out.data.ptr, 0 if lse is None else lse.data.ptr, self._counter_ptr,
-            0 if table is None else table.data.ptr, k_new, v_new,
-            0 if slopes is None else slopes.data.ptr, 0 if sinks is None else sinks.data.ptr,
-            *strides[:11], *new_strides,
-            *strides[11:], seqlen_all, *self._static, *self._score_args(scale), n_new,
-            self._window_arg, 0 if seqlens is None else seqlens.itemsize >> 3,
-            0 if table is None else table.itemsize >> 3, self.q_len)
+            (q.data.ptr, k.data.ptr, v.data.ptr, 0 if seqlens is None else seqlens.data.ptr,
+             *self._part_ptrs, out.data.ptr, 0 if lse is None else lse.data.ptr,
+             self._counter_ptr, 0 if table is None else table.data.ptr, k_new, v_new,
+             0 if slopes is None else slopes.data.ptr, 0 if sinks is None else sinks.data.ptr),
+            # everything tail() reads that can change between calls of this plan
+            (strides, new_strides, n_new, seqlen_all, scale, seqlens_64, table_64), tail)
         if self._merge_call is not None:
             self._merge_call(stream.ptr, *self._part_ptrs, out.data.ptr,
                              0 if lse is None else lse.data.ptr, *self._merge_static,
@@ -478,6 +487,11 @@ try:
 except FileNotFoundError:  # kernel sources missing (a broken install): building a plan says so
     _PARAM_LIST = ()
 _PARAMS = struct.Struct("<" + "".join(_PARAM_CODES[kind] for kind, _ in _PARAM_LIST))
+# The same list in two parts for StructLaunch.launch_with_tail: the pointers (every call's), then
+# the strides and scalars (packed again only when they change)
+_NUM_PTRS = next((i for i, (kind, _) in enumerate(_PARAM_LIST) if kind != "PTR"), len(_PARAM_LIST))
+_PARAMS_HEAD = struct.Struct("<" + "Q" * _NUM_PTRS)
+_PARAMS_TAIL = struct.Struct("<" + _PARAMS.format.lstrip("<")[_NUM_PTRS:])
 _LAUNCH_ORDER = ("q", "k", "v", "seqlens", "o_part", "lse_part", "out", "lse_out", "counters",
                  "block_table", "k_new", "v_new", "alibi_slopes", "sinks", "q_sb", "q_sh", "k_sb", "k_ss", "k_sh", "v_sb",
                  "v_ss", "v_sh", "out_sb", "out_sh", "bt_sb", "kn_sb", "kn_ss", "kn_sh", "vn_sb",
@@ -655,13 +669,15 @@ def flash_decode(q: ArrayLike, k_cache: ArrayLike, v_cache: ArrayLike,
     q_len = shape["q_len"]
     # (appending: the query tokens are the new ones, any length before them will do)
     V.check_lengths_fit(cache_seqlens, q_len if k_new is None and v_new is None else 1)
-    seqlens, seqlen_all = V.check_seqlens(cache_seqlens, shape["batch"], shape["max_seqlen"])
+    seqlens, seqlen_all = V.check_seqlens(cache_seqlens, shape["batch"], shape["max_seqlen"],
+                                          device=q.data.device_id)
     scale = V.check_scale(softmax_scale, shape["head_dim"])
     num_splits, split_size = V.check_splits(num_splits, split_size)
     new = (None if k_new is None and v_new is None else V.check_new_tokens(
         k_new, v_new, shape["batch"], shape["num_kv_heads"], shape["head_dim"], dt, q_len))
-    slopes = V.check_alibi_slopes(alibi_slopes, alibi, shape["num_heads"])
-    sinks = V.check_head_values(sinks, "sinks", shape["num_heads"])
+    slopes = None if not alibi else V.check_alibi_slopes(alibi_slopes, alibi, shape["num_heads"])
+    if sinks is not None:
+        sinks = V.check_head_values(sinks, "sinks", shape["num_heads"])
     # out and lse follow q: (batch, [q_len,] num_heads, head_dim), (batch, [q_len,] num_heads)
     out_shape = tuple(q.shape)
     # dtype objects, not names: CuPy parses a name on every call

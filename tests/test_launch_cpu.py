@@ -79,6 +79,29 @@ def test_struct_launch_passes_the_packed_block(captured):
     assert [_PARAMS.unpack(c[1]) for c in launches] == [_values(1), _values(2)]
 
 
+def test_launch_with_tail_packs_the_tail_only_when_its_key_changes(captured):
+    """The split kernel's pointers (decode._PARAMS_HEAD) every call, the rest
+    (decode._PARAMS_TAIL) only when the tail's key changes: the bytes the driver gets are those
+    of the whole list packed at once (decode._PARAMS)."""
+    from cupydecode.decode import _NUM_PTRS, _PARAMS_HEAD, _PARAMS_TAIL
+
+    assert _NUM_PTRS == 14 and _PARAMS_HEAD.size + _PARAMS_TAIL.size == _PARAMS.size
+    launch = _kernels.StructLaunch(_FakeKernel(), (8, 16, 2), (128, 1, 1), 4096, _PARAMS_HEAD,
+                                   tail=_PARAMS_TAIL)
+    packed = []
+
+    def tail_of(seed):
+        return lambda: (packed.append(seed), _values(seed)[_NUM_PTRS:])[1]
+
+    v1, v2 = _values(1), _values(2)
+    launch.launch_with_tail(0x5151, v1[:_NUM_PTRS], "a", tail_of(1))
+    launch.launch_with_tail(0x5151, v2[:_NUM_PTRS], "a", tail_of(2))  # same key: tail kept
+    launch.launch_with_tail(0x5151, v2[:_NUM_PTRS], "b", tail_of(2))
+    assert packed == [1, 2]
+    blocks = [_PARAMS.unpack(c[1]) for c in captured[1:]]
+    assert blocks == [v1, v2[:_NUM_PTRS] + v1[_NUM_PTRS:], v2]
+
+
 def test_struct_launch_buffers_are_per_thread(captured):
     launch = _kernels.StructLaunch(_FakeKernel(), (1, 1, 1), (32, 1, 1), 0, _PARAMS)
     slots = []
@@ -187,6 +210,18 @@ class _Stream:
     ptr = 0x77
 
 
+class _Recorder:
+    """A plan's split-kernel launch that hands ``record(stream, values)`` every value it would
+    pack, the pointers and the tail together, in the list's order."""
+
+    def __init__(self, record):
+        self.record = record
+
+    def launch_with_tail(self, stream, values, tail_key, tail_values):
+        hash(tail_key)  # (a key must be comparable and hashable like the values it stands for)
+        self.record(stream, tuple(values) + tuple(tail_values()))
+
+
 def _fake_plan(paged: bool):
     """A DecodePlan's launch state without a GPU: batch 3, 8 KV heads, head_dim 128 (float16),
     max_seqlen 640; the prepared launches record the values they would pack."""
@@ -200,7 +235,7 @@ def _fake_plan(paged: bool):
     plan._static = (640, 32, 4, 1, 64, plan.page_size or 0)
     plan._window_arg = 4095 if paged else -1
     plan._scale, plan._score_default = 0.5, (0.72, 1, 0.0, 0.0)
-    plan._split_launch = lambda stream, *values: calls.append(("split", stream, values))
+    plan._split_launch = _Recorder(lambda stream, values: calls.append(("split", stream, values)))
     return plan, calls
 
 
@@ -334,7 +369,7 @@ def test_append_values_write_the_reference_rows(layout, dtype):
     plan._window_arg = -1
     plan._scale, plan._score_default = 0.125, (0.125 * _policy.LOG2E, 0, 0.0, 0.0)
     split = []
-    plan._split_launch = lambda stream, *values: split.append(values)
+    plan._split_launch = _Recorder(lambda stream, values: split.append(values))
     from numpy.lib.array_utils import byte_bounds
 
     bt_sb = 0 if table is None else table.strides[0] // 4
