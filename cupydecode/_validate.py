@@ -459,6 +459,20 @@ def check_block_table(block_table, batch: int, page_size: int, num_pages: int,
     return arr, (arr.strides[0] // arr.itemsize if batch > 1 else 0), max_pages
 
 
+def check_paged_cache(shape: dict, block_table, min_pages: int = 1,
+                      allow_host_array: bool = True):
+    """A paged cache's shape (:func:`check_decode_inputs`' dict, with ``page_size`` and
+    ``num_pages``) and its ``block_table`` (:func:`check_block_table`): returns ``(shape,
+    table, row stride, num_pages)``, the shape a new dict with ``max_seqlen`` =
+    max_pages_per_seq × page_size in place of ``num_pages``."""
+    shape = dict(shape)  # (the checks' cached dict stays as it is)
+    num_pages = shape.pop("num_pages")
+    table, bt_sb, max_pages = check_block_table(block_table, shape["batch"], shape["page_size"],
+                                                num_pages, min_pages, allow_host_array)
+    shape["max_seqlen"] = max_pages * shape["page_size"]
+    return shape, table, bt_sb, num_pages
+
+
 def check_lengths_fit(cache_seqlens, q_len: int) -> None:
     """With ``q_len`` query tokens per sequence, host-given lengths (an int or a host sequence)
     must hold them: each query token is one of its sequence's last q_len tokens. A length of 0

@@ -401,13 +401,10 @@ class DecodePlan:
             if shape["page_size"] != self.page_size:
                 V.fail(ValueError, "k_cache", f"pages of the plan's page_size {self.page_size}",
                        f"shape {tuple(k.shape)}")
-            shape = dict(shape)  # (the checks' cached dict stays as it is)
-            num_pages = shape.pop("num_pages")
+            shape, block_table, bt_sb, num_pages = V.check_paged_cache(
+                shape, block_table, self._min_pages, allow_host_array=False)
             del shape["page_size"]
-            block_table, bt_sb, _ = V.check_block_table(block_table, shape["batch"],
-                                                        self.page_size, num_pages,
-                                                        self._min_pages, allow_host_array=False)
-            shape["max_seqlen"] = self.max_seqlen
+            shape["max_seqlen"] = self.max_seqlen  # (the table may hold more)
         if shape != self._shape or dt != self.dtype:
             V.fail(ValueError, "q/k_cache/v_cache",
                    f"the plan's shape {self._shape} and dtype {self.dtype}",
@@ -661,11 +658,7 @@ def flash_decode(q: ArrayLike, k_cache: ArrayLike, v_cache: ArrayLike,
         plan = strides = None
         bt_sb = num_pages = 0
         if block_table is not None:
-            shape = dict(shape)  # (the checks' cached dict stays as it is)
-            num_pages = shape.pop("num_pages")
-            table, bt_sb, max_pages = V.check_block_table(block_table, shape["batch"],
-                                                          shape["page_size"], num_pages)
-            shape["max_seqlen"] = max_pages * shape["page_size"]
+            shape, table, bt_sb, num_pages = V.check_paged_cache(shape, block_table)
     q_len = shape["q_len"]
     # (appending: the query tokens are the new ones, any length before them will do)
     V.check_lengths_fit(cache_seqlens, q_len if k_new is None and v_new is None else 1)
