@@ -21,7 +21,7 @@ def test_ab_arms_are_public_tunings():
         ab.parse_tuning("warps=8")
 
 
-@pytest.mark.parametrize("tool", ["ab.py", "profile_shape.py"])
+@pytest.mark.parametrize("tool", ["ab.py", "profile_shape.py", "host_cost.py"])
 def test_tools_print_their_usage_without_a_gpu(tool):
     result = subprocess.run([sys.executable, str(ROOT / "tools" / tool), "--help"],
                             capture_output=True, text=True, timeout=120)
