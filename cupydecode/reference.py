@@ -39,16 +39,21 @@ def seqlens_array(cache_seqlens, batch: int, max_seqlen: int) -> np.ndarray:
 FP8_FORMATS = {"e4m3": ("float8_e4m3fn", 448.0), "e5m2": ("float8_e5m2", 57344.0)}
 
 
-def fp8_values(kv_dtype: str) -> np.ndarray:
-    """(256,) float64: the value of every code of ``kv_dtype`` ("e4m3" or "e5m2"; NaN codes are
-    NaN, e5m2's infinities ±inf)."""
+def _fp8_format(kv_dtype: str):
+    """(the ml_dtypes type, the largest finite value) of ``kv_dtype`` (:data:`FP8_FORMATS`)."""
     import ml_dtypes
 
     if kv_dtype not in FP8_FORMATS:
         raise ValueError(f"kv_dtype: expected one of {', '.join(map(repr, FP8_FORMATS))}, "
                          f"got {kv_dtype!r}")
-    fp8 = getattr(ml_dtypes, FP8_FORMATS[kv_dtype][0])
-    return np.arange(256, dtype=np.uint8).view(fp8).astype(np.float64)
+    name, top = FP8_FORMATS[kv_dtype]
+    return getattr(ml_dtypes, name), top
+
+
+def fp8_values(kv_dtype: str) -> np.ndarray:
+    """(256,) float64: the value of every code of ``kv_dtype`` ("e4m3" or "e5m2"; NaN codes are
+    NaN, e5m2's infinities ±inf)."""
+    return np.arange(256, dtype=np.uint8).view(_fp8_format(kv_dtype)[0]).astype(np.float64)
 
 
 def _codes(cache):
@@ -94,13 +99,9 @@ def quantize_kv(x, kv_dtype: str, scale=None, xp=np):
     ``scale=None``: per (token, KV head), computed as the kernels' quantising append computes
     it: amax_d |x| / the largest finite value in float32 (1 where the row is all zero or not
     finite), returned as float32 of x's shape without head_dim."""
-    import ml_dtypes
-
+    fp8, top = _fp8_format(kv_dtype)
     xh = x if xp is not np else _host(x)
     x32 = xh.astype(np.float32) if xp is np else xh.astype(xp.float32)
-    fp8_name, top = FP8_FORMATS[kv_dtype] if kv_dtype in FP8_FORMATS else (None, None)
-    if fp8_name is None:
-        fp8_values(kv_dtype)  # raises the ValueError
     if scale is None:
         amax = xp.abs(x32).max(axis=-1)
         scale = amax / np.float32(top)
@@ -111,9 +112,9 @@ def quantize_kv(x, kv_dtype: str, scale=None, xp=np):
                         ).astype(np.float32)
     y = xp.clip(x32 / s32[..., None], -np.float32(top), np.float32(top))
     if xp is np:
-        codes = y.astype(getattr(ml_dtypes, fp8_name)).view(np.uint8)
+        codes = y.astype(fp8).view(np.uint8)
     else:  # the float32 → fp8 rounding on the host (ml_dtypes), the codes back on the GPU
-        codes = xp.asarray(y.get().astype(getattr(ml_dtypes, fp8_name)).view(np.uint8))
+        codes = xp.asarray(y.get().astype(fp8).view(np.uint8))
     return codes, scale
 
 
