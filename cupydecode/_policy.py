@@ -341,7 +341,8 @@ def compile_check_configs() -> list[SplitKernelConfig]:
     block shape of every dtype and head_dim (:func:`split_kernel_configs`), and each shape with
     the compile-time switches on — the soft-cap, ALiBi and the paged KV view together, the most
     registers any can take (each alone is a subset of that code; their code is the same in all
-    shapes, the registers not)."""
+    shapes, the registers not). At head_dims whose row piece is not whole bursts, the blocks of
+    several KV heads they take (burst_kv_groups)."""
     configs = [c for dt in DTYPE_IDS for d in KERNEL_HEAD_DIMS
                for c in split_kernel_configs(dt, d)]
     # head_dims between the widths (the zero-filled copies): each dtype's default shape, and the
@@ -350,6 +351,8 @@ def compile_check_configs() -> list[SplitKernelConfig]:
         configs += [split_kernel_config("float32", d), split_kernel_config("float16", d),
                     split_kernel_config("float16", d, group=1),
                     split_kernel_config("float16", d, LONG_CHUNK, m_tiles=2)]
+        configs += [split_kernel_config("float16", d, group=1, kv_per_block=k)
+                    for k in burst_kv_groups("float16", d, 1, 4)]  # blocks of KV heads (80)
     return configs + [replace(c, soft_cap=True, alibi=True, paged=True,
                               multi_q=c.kv_per_block == 1)
                       for c in configs if c.l2_evict_first]
@@ -423,6 +426,38 @@ def kv_per_block(dtype: str, head_dim: int, group: int, num_kv_heads: int, num_s
             or num_kv_heads % KV_GROUP):
         return 1
     return KV_GROUP
+
+
+# Blocks of adjacent KV heads also where one KV head's piece of a token's row is not a whole
+# number of the 64-byte bursts HBM reads in (2 · head_dim bytes: 160 at head_dim 80, 224 at
+# 112; 192 at 96 is three whole ones): a block streaming one such head reads the bursts it
+# shares with its neighbour heads' blocks at other times, so some bursts are read twice.
+# Measured on the H200 (decode-step protocol, fp16, NHD cache; blocks of k KV heads against one):
+#   phi-2 32/32/80   1 × 16k  k=2 (8 splits) 0.965×, k=4 (16 splits) 0.957×
+#                    1 × 64k  k=2 (8) 0.948×, k=4 (16) 0.931×
+#                   16 × 16k  k=2 (1) 0.938×, k=4 (1) 0.910×;  16 × 64k  0.876×, 0.847×
+#   32/8/112         1 × 64k  k=2 (32 splits) 1.004×, k=4 (64) 1.038×
+#                   16 × 16k  k=2 (2) 0.920×, k=4 (4) 1.023×
+#   32/32/96 (whole bursts)   k=2, 4: 1.12–1.14× (slower): aligned head_dims keep the rule above.
+# The same cache stored head-major (HND, each head's rows contiguous) took 0.914× and 0.926× at
+# phi-2's 1 × 64k and 16 × 16k. So such head_dims take the grouped plan (BURST_KV_GROUPS whose
+# k heads' piece is whole bursts) with the fewest splits, ties to more heads, where that plan
+# has at most BURST_GROUP_MAX_SPLITS splits (burst_kv_per_block).
+BURST_BYTES = 64
+BURST_KV_GROUPS = (4, 2)
+BURST_GROUP_MAX_SPLITS = 16
+
+
+def burst_kv_groups(dtype: str, head_dim: int, group: int, num_kv_heads: int) -> tuple[int, ...]:
+    """KV heads per block (BURST_KV_GROUPS) a plan may take because one KV head's piece of a
+    token's row is not whole bursts: those whose piece is, that divide ``num_kv_heads``, on the
+    heads-as-N path at a width with a block shape of several KV heads; () where none."""
+    piece = head_dim * ITEMSIZE[dtype]
+    if (piece % BURST_BYTES == 0 or not heads_as_n(dtype, group)
+            or kernel_head_dim(head_dim) not in LONG_SHAPES):
+        return ()
+    return tuple(k for k in BURST_KV_GROUPS
+                 if (k * piece) % BURST_BYTES == 0 and num_kv_heads % k == 0)
 
 
 def block_rows(group: int, m_tiles: int = 1, kv_per_block: int = 1) -> int:
@@ -608,6 +643,11 @@ def plan_shape(dtype: str, head_dim: int, group: int, batch: int, num_kv_heads: 
                 programmatic=programmatic)
         if mt > 1 and chunk >= MTILE_MIN_CHUNK:
             return mt, splits, chunk, 1
+        if mt == 1 and kv_groups and not forced:
+            burst = burst_kv_per_block(dtype, head_dim, group, batch, num_kv_heads, max_seqlen,
+                                       num_sms, blocks_per_sm, merge, programmatic)
+            if burst is not None:
+                return (1, *burst)
         if mt == 1:
             kpb = (kv_per_block(dtype, head_dim, group, num_kv_heads, splits, chunk, forced)
                    if kv_groups else 1)
@@ -624,6 +664,27 @@ def plan_shape(dtype: str, head_dim: int, group: int, batch: int, num_kv_heads: 
                 splits, chunk = grouped
             return 1, splits, chunk, kpb
     raise AssertionError("unreachable: m_tiles 1 always returns")
+
+
+def burst_kv_per_block(dtype: str, head_dim: int, group: int, batch: int, num_kv_heads: int,
+                       max_seqlen: int, num_sms: int, blocks_per_sm, merge: str = "auto",
+                       programmatic: bool = False) -> tuple[int, int, int] | None:
+    """``(num_splits, chunk_tokens, kv_per_block)`` of the grouped plan a head_dim whose row
+    piece is not whole bursts takes (BURST_KV_GROUPS above): of the groups burst_kv_groups
+    allows, the one whose split count (choose_num_splits for its fewer blocks) is fewest, ties
+    to more KV heads a block, if at most BURST_GROUP_MAX_SPLITS; else None."""
+    plans = []
+    for k in burst_kv_groups(dtype, head_dim, group, num_kv_heads):
+        bps = blocks_per_sm(split_kernel_config(dtype, head_dim, group=group, kv_per_block=k))
+        splits, chunk = choose_num_splits(
+            batch * (num_kv_heads // k), max_seqlen, num_sms, bps,
+            rows_per_block=block_rows(group, 1, k), head_dim=head_dim, merge=merge, dtype=dtype,
+            group=group, programmatic=programmatic, kv_per_block=k)
+        plans.append((splits, -k, chunk))
+    if not plans:
+        return None
+    splits, neg_k, chunk = min(plans)
+    return (splits, chunk, -neg_k) if splits <= BURST_GROUP_MAX_SPLITS else None
 
 
 def merge_vec(head_dim: int) -> int:

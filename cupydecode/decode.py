@@ -218,7 +218,7 @@ class DecodePlan:
             _sm_count(self.device_id), lambda cfg: _blocks_per_sm(cfg, self.device_id),
             num_splits, split_size, merge, programmatic, kv_groups=self.q_len == 1)
         self.head_tiles = _policy.head_tiles(rows_g, self.m_tiles)
-        kpb = self.kv_per_block  # KV heads per block (1, or _policy.KV_GROUP)
+        kpb = self.kv_per_block  # KV heads per block (1, KV_GROUP, or a BURST_KV_GROUPS size)
         # a block of several KV heads takes all of their query heads (one head tile), and the
         # grid below has one block per kpb KV heads: anything else would leave heads unwritten
         assert kpb == 1 or (self.num_kv_heads % kpb == 0 and self.head_tiles == 1), (

@@ -123,3 +123,47 @@ def test_head_dims_outside_the_range_are_refused(cupy):
         cupydecode.flash_decode(q, k, k, cupy.asarray([16], cupy.int32))
     with pytest.raises(ValueError, match="head_dim.*multiple of 8 from 32 to 256.*264"):
         cupydecode.DecodePlan(1, 4, 4, 264, 16, "float16")
+
+
+# head_dims whose KV head's row piece is not whole 64-byte bursts, and the policy's blocks of
+# adjacent KV heads for them (_policy.burst_kv_per_block): 72, 88, 120 take 4, 80 and 112 2 or 4
+BURST_CASES = [(d, hk, n) for d in (72, 80, 112, 120) for hk, n in (((32, 8), 1500), ((16, 16), 300))]
+
+
+@pytest.mark.parametrize("head_dim,layout,max_seqlen", BURST_CASES, ids=lambda x: str(x))
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_burst_groups_match_reference(cupy, rng, seed, dtype, head_dim, layout, max_seqlen):
+    """The automatic plan takes blocks of several KV heads at these head_dims; against float64
+    with each merge mode, ragged lengths (0, 1, max_seqlen), inputs read only through head_dim
+    (NaN beyond), out written only there, each plan run twice; then the same plan over a paged
+    cache (pages of 16, random order) appending the new token."""
+    heads, kv_heads = layout
+    lens = [max_seqlen, 0, 1, max_seqlen // 3 + 5]
+    q, k, v = decode_inputs(rng, 4, heads, kv_heads, head_dim, max_seqlen, dtype)
+    k, v = nan_tail(k, lens), nan_tail(v, lens)
+    ref = R.decode_attention(q, k, v, lens)
+    dq, dk, dv = _wide_view(q), _wide_view(k), _wide_view(v)
+    seqlens = cupy.asarray(np.asarray(lens, np.int32))
+    ctx = context(seed, dtype=dtype, head_dim=head_dim, layout=layout, lens=lens)
+    for merge in ("auto", "kernel", "fused"):
+        plan = cupydecode.DecodePlan(4, heads, kv_heads, head_dim, max_seqlen, dtype, merge=merge)
+        assert plan.kv_per_block > 1 and plan.config.kv_per_block == plan.kv_per_block, plan
+        for _ in range(2):
+            o = _Out(cupy, q.shape, dk.dtype)
+            _check(cupy, plan.run(dq, dk, dv, seqlens, out=o.out, lse=o.lse), ref, dtype, lens,
+                   f"merge={plan.merge} {plan.num_splits} splits kv_per_block={plan.kv_per_block} {ctx}")
+            assert o.tail_untouched(cupy), f"written past out {ctx}"
+    # paged, appending the new token (the cache holds one row less than the plan's capacity)
+    short = [min(n, max_seqlen - 1) for n in lens]
+    k_new = randn(rng, (4, 1, kv_heads, head_dim), dtype)
+    v_new = randn(rng, (4, 1, kv_heads, head_dim), dtype)
+    ref = R.decode_attention(q, k, v, short, k_new=k_new, v_new=v_new)
+    kp, vp, table = to_paged(rng, k, v, 16)
+    plan = cupydecode.DecodePlan(4, heads, kv_heads, head_dim, max_seqlen, dtype, page_size=16)
+    assert plan.kv_per_block > 1, plan
+    o = _Out(cupy, q.shape, dk.dtype)
+    got = plan.run(to_device(q), to_device(kp), to_device(vp),
+                   cupy.asarray(np.asarray(short, np.int32)), out=o.out, lse=o.lse,
+                   block_table=cupy.asarray(table), k_new=to_device(k_new), v_new=to_device(v_new))
+    _check(cupy, got, ref, dtype, [n + 1 for n in short], f"paged append {ctx}")
+    assert o.tail_untouched(cupy), ctx

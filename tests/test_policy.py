@@ -474,3 +474,38 @@ def test_l2_evict_first_only_on_short_16_bit_calls():
     plain = dataclasses.replace(P.split_kernel_config("float16", 128), l2_evict_first=False)
     assert plain.defines()["L2_EVICT_FIRST"] == 0 and plain.smem_bytes == P.split_kernel_config(
         "float16", 128).smem_bytes
+
+
+def test_burst_kv_groups():
+    """Blocks of several KV heads are offered where one KV head's row piece is not whole 64-byte
+    bursts: the group sizes whose piece is, dividing the KV heads, on the heads-as-N path of the
+    128 width; none for whole-burst pieces, float32, G > 8 or the other widths."""
+    assert P.burst_kv_groups("float16", 80, 1, 32) == (4, 2)      # 160 B: 2 heads are 320
+    assert P.burst_kv_groups("bfloat16", 112, 4, 8) == (4, 2)     # 224 B
+    assert P.burst_kv_groups("float16", 72, 4, 8) == (4,)         # 144 B: 4 heads are 576
+    assert P.burst_kv_groups("float16", 80, 4, 6) == (2,)         # 4 does not divide 6
+    assert P.burst_kv_groups("float16", 72, 4, 6) == ()
+    for args in [("float16", 96, 1, 32), ("float16", 128, 4, 8),  # whole bursts
+                 ("float32", 80, 1, 32),                          # 320 B, and CUDA cores
+                 ("float16", 80, 16, 8),                          # G > 8: not heads-as-N
+                 ("float16", 40, 4, 8), ("float16", 136, 4, 8)]:  # widths 64 and 256
+        assert P.burst_kv_groups(*args) == (), args
+
+
+@pytest.mark.h200_pin
+def test_plan_shape_groups_kv_heads_whose_rows_are_not_whole_bursts():
+    """The grouped plan with the fewest splits, ties to more KV heads, at most
+    BURST_GROUP_MAX_SPLITS splits; the measured shapes of the table in _policy."""
+    one = lambda cfg: 1  # noqa: E731
+    shape = lambda d, g, b, h, n, **kw: P.plan_shape("float16", d, g, b, h, n, 132, one, **kw)  # noqa: E731
+    assert shape(80, 1, 1, 32, 16384) == (1, 8, 2048, 2)     # k=4 would take 16 splits
+    assert shape(80, 1, 16, 32, 65536) == (1, 1, 65536, 4)   # one split either way: k=4
+    assert shape(112, 4, 16, 8, 16384) == (1, 2, 8192, 2)    # k=4 would take 4
+    # 1 × 64k at 112: k=2 takes 32 splits (measured 1.004×), so one KV head a block
+    assert shape(112, 4, 1, 8, 65536)[3] == 1
+    assert shape(96, 1, 1, 32, 65536)[3] == 1                # whole bursts
+    assert shape(80, 1, 16, 32, 65536, num_splits=2)[3] == 1  # forced: never grouped
+    assert P.plan_shape("float16", 80, 4, 16, 8, 16384, 132, one, kv_groups=False)[3] == 1
+    for d, g, b, h, n in [(80, 1, 1, 32, 16384), (80, 1, 16, 32, 65536), (112, 4, 16, 8, 16384)]:
+        splits, chunk, k = P.burst_kv_per_block("float16", d, g, b, h, n, 132, one)
+        assert splits <= P.BURST_GROUP_MAX_SPLITS and shape(d, g, b, h, n) == (1, splits, chunk, k)

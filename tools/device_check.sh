@@ -14,7 +14,10 @@
 # "head_dims": head_dims between the kernel widths, tested, memchecked and timed; "models":
 # `check --model` for every preset's every layer type; "multi": several query tokens per
 # sequence, tested, memchecked and timed against one; "fp8": the fp8 quantiser, tested and
-# memchecked).
+# memchecked). DTYPE (default float16) is the dtype of the paged, append and multi sweeps;
+# Q_LENS (default "1 2 4 8") the multi sweep's q_lens; FEATURE_TESTS=0 skips the feature steps'
+# tests and memcheck (their sweeps only); LAYOUT_DTYPES (default "float16 bfloat16") the
+# layouts sweep's dtypes.
 # A machine that returns only a few files: run it into a scratch folder and pack that, e.g.
 #   bash tools/device_check.sh /tmp/dc; tar czf "$OUT/device_check.tgz" -C /tmp/dc .
 set -u
@@ -23,6 +26,7 @@ mkdir -p "$OUT_DIR"
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$(pwd) PYTHONUNBUFFERED=1
 STEPS=${STEPS-"tests sanitizer check bench layouts"}  # STEPS="" runs none (setup only)
 PY=${PY:-python3}
+DTYPE=${DTYPE:-float16}
 summary=()
 # Each step's one-line result is also appended to 0_summary.txt as soon as the step ends, so it
 # survives a run cut short (or a copy-back that keeps only the first few files, by name).
@@ -33,6 +37,7 @@ has() { [[ " $STEPS " == *" $1 "* ]]; }
 # there), then memcheck on its tests that FILTER (pytest -k) selects; both into the summary
 feature_tests() {
   local name=$1 file=$2 filter=$3
+  [ "${FEATURE_TESTS:-1}" = 0 ] && return
   $PY -m pytest -q -p no:cacheprovider $($PY -c "import xdist" 2>/dev/null && echo "-n 4") \
     "$file" 2>&1 | tail -n 30 > "$OUT_DIR/${name}_tests.log"
   add_summary "$name tests: $(tail -n 1 "$OUT_DIR/${name}_tests.log")"
@@ -165,7 +170,7 @@ if has paged; then
   for pt in "16384,65536 1" "8192 4" "32768 16"; do
     set -- $pt
     $PY -m cupydecode.cli bench $fi_opt --protocol "${PROTOCOLS%%,*}" --page-size none,1,16 \
-      --seqlens "$1" --batch "$2" --csv "$OUT_DIR/paged_$2.csv" 2>>"$OUT_DIR/bench.err" \
+      --dtype "$DTYPE" --seqlens "$1" --batch "$2" --csv "$OUT_DIR/paged_$2.csv" 2>>"$OUT_DIR/bench.err" \
       | tee -a "$OUT_DIR/paged.txt"
   done
   merge_parts "$OUT_DIR/paged.csv" "$OUT_DIR"/paged_*.csv
@@ -190,7 +195,7 @@ if has append; then
   # what appending the new token costs: the same call with and without the append (bench
   # --append times both in the same process), contiguous and paged (16 tokens a page)
   $PY -m cupydecode.cli bench --protocol "${PROTOCOLS%%,*}" --append --page-size none,16 \
-    --seqlens 16384,65536 --batch 1,16 --csv "$OUT_DIR/append.csv" 2>>"$OUT_DIR/bench.err" \
+    --dtype "$DTYPE" --seqlens 16384,65536 --batch 1,16 --csv "$OUT_DIR/append.csv" 2>>"$OUT_DIR/bench.err" \
     | tee -a "$OUT_DIR/append.txt"
   add_summary "append: $($PY - "$OUT_DIR/append.csv" <<'PYEOF'
 import csv, sys
@@ -298,8 +303,9 @@ if has multi; then
     "(float16 and not bfloat16 and (32-8-128 or 48-1-128)) or paged or graph or bad or window"
   torch_opt=$(echo "$BASELINES" | grep -o -- "--baseline torch")
   for model in llama-3-8b llama-3-70b; do
-    for n in 1 2 4 8; do
+    for n in ${Q_LENS:-1 2 4 8}; do
       $PY -m cupydecode.cli bench $torch_opt --protocol "${PROTOCOLS%%,*}" --model $model --q-len $n \
+        --dtype "$DTYPE" \
         --seqlens 16384,65536 --batch 1,16 --csv "$OUT_DIR/multi_${model}_$n.csv" 2>>"$OUT_DIR/bench.err" \
         | tee -a "$OUT_DIR/multi.txt"
     done
@@ -334,7 +340,7 @@ if has layouts; then
   # every model preset in both 16-bit types, in the first protocol (the decode-step one), peers
   # too: 20 bench processes, several minutes; best a device call of its own (STEPS=layouts)
   for model in $($PY -c "from cupydecode.workloads import MODELS; print(' '.join(MODELS))"); do
-    for dtype in float16 bfloat16; do
+    for dtype in ${LAYOUT_DTYPES:-float16 bfloat16}; do
       $PY -m cupydecode.cli bench $BASELINES --protocol "${PROTOCOLS%%,*}" --model "$model" \
         --dtype "$dtype" --seqlens 16384,65536 --batch 1,16 --csv "$OUT_DIR/layouts_${model}_$dtype.csv" \
         2>>"$OUT_DIR/bench.err" | tee -a "$OUT_DIR/layouts.txt"
