@@ -11,7 +11,7 @@ CuPy is imported lazily, so ``import cupydecode`` (and the NumPy reference) work
 from . import reference
 from ._policy import Tuning
 from .decode import DecodePlan, flash_decode, merge_states
-from .quantize import quantize_kv
+from .quantize import dequantize_kv, quantize_kv
 
 __version__ = "0.2.0"
-__all__ = ["flash_decode", "merge_states", "DecodePlan", "Tuning", "quantize_kv", "reference", "__version__"]
+__all__ = ["flash_decode", "merge_states", "DecodePlan", "Tuning", "quantize_kv", "dequantize_kv", "reference", "__version__"]

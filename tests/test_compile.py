@@ -85,6 +85,13 @@ def test_quantize_kernel_compiles(nvrtc, fp8, in_dtype, mode, arch):
     _check_build(_kernels.compile_for_arch("quantize_kv.cu", defines, arch, ptxas_info=True))
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("fp8,out_dtype,mode", list(itertools.product(range(2), range(3), range(1, 4))))
+def test_dequantize_kernel_compiles(nvrtc, fp8, out_dtype, mode, arch):
+    defines = {"FP8": fp8, "OUT_DTYPE": out_dtype, "SCALE_MODE": mode}
+    _check_build(_kernels.compile_for_arch("dequantize_kv.cu", defines, arch, ptxas_info=True))
+
+
 def test_a_parameter_list_out_of_falling_alignment_does_not_compile(nvrtc, tmp_path):
     """The host packs the parameter structs field after field: a 4-byte field ahead of an 8-byte
     one (padding inside the struct) stops the build; an odd number of 4-byte fields at the end

@@ -147,3 +147,135 @@ def test_quantize_bad_inputs_are_refused(cupy):
             cupydecode.quantize_kv(**kwargs)
     cupydecode.quantize_kv(x)  # the context is healthy afterwards
     cupy.cuda.Device().synchronize()
+
+
+# dequantize_kv: the attention kernels' decoding of codes (fp8.cuh), checked against the values
+# of every code; the result is value · s in float32 rounded once to the output type
+
+
+def _dequantized(codes: np.ndarray, kv_dtype: str, scale, dtype: str) -> np.ndarray:
+    """What dequantize_kv returns: value(code) (exact in float32) · s in float32, one rounding."""
+    values = R.fp8_values(kv_dtype).astype(np.float32)[codes]
+    s = np.asarray(scale, np.float32)
+    with np.errstate(over="ignore", invalid="ignore"):
+        return (values * (s[..., None] if s.ndim else s)).astype(np_dtype(dtype))
+
+
+def _same(got, want) -> bool:
+    """Equal bit for bit where finite and infinite, NaN where NaN (any NaN payload)."""
+    g, w = np.asarray(got).astype(np.float64), np.asarray(want).astype(np.float64)
+    return bool(np.array_equal(np.isnan(g), np.isnan(w)) and np.array_equal(g[~np.isnan(w)], w[~np.isnan(w)])
+                and np.array_equal(np.signbit(g[~np.isnan(w)]), np.signbit(w[~np.isnan(w)])))
+
+
+def _host(x, dtype: str) -> np.ndarray:
+    """A device array on the host (bfloat16 through its 16-bit pattern)."""
+    import cupy
+
+    return x.view(cupy.uint16).get().view(np_dtype(dtype)) if dtype == "bfloat16" else x.get()
+
+
+def _poisoned(cupy, shape, dtype: str):
+    """A NaN-filled device array of ``dtype``."""
+    if dtype == "bfloat16":
+        return cupy.full(shape, 0x7FC0, cupy.uint16).view(np_dtype("bfloat16"))
+    return cupy.full(shape, np.nan, np_dtype(dtype))
+
+
+@pytest.mark.parametrize("kv_dtype", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("path", ["gpu", "by_bits"])
+def test_dequantize_gives_every_code_its_value(cupy, monkeypatch, kv_dtype, dtype, path):
+    """All 256 codes, in every position of a group of four (rows of 256 codes shifted by 0–3),
+    with a unit scale: the exact value, ±0, ±inf and NaN as they are; with the GPU's conversion
+    instruction (sm_89+) and with the decoding by bits of older GPUs (FP8_BY_BITS)."""
+    from cupydecode import _kernels
+
+    if path == "by_bits":
+        build = _kernels.get_function
+        monkeypatch.setattr(_kernels, "get_function",
+                            lambda f, n, d: build(f, n, {**d, "FP8_BY_BITS": 1}))
+    codes = np.stack([np.roll(np.arange(256, dtype=np.uint8), k) for k in range(4)])
+    codes = codes.reshape(4, 1, 256)
+    out = _poisoned(cupy, codes.shape, dtype)
+    got = cupydecode.dequantize_kv(cupy.asarray(codes), kv_dtype, 1.0, dtype=dtype, out=out)
+    assert got is out
+    assert _same(_host(got, dtype), R.fp8_values(kv_dtype)[codes]), (kv_dtype, dtype, path)
+
+
+@pytest.mark.parametrize("kv_dtype", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("granularity", ["tensor", "head", "token"])
+@pytest.mark.parametrize("shape", [(3, 37, 4, 128), (50, 2, 40), (2, 5, 8, 256), (4, 3, 2, 13)])
+def test_dequantize_matches_its_rule_and_inverts_quantize(cupy, rng, seed, kv_dtype, dtype,
+                                                          granularity, shape):
+    """Random codes with scales per tensor, KV head or (token, KV head): value · s in float32,
+    rounded once (bit for bit), into a NaN-poisoned out; and dequantize(quantize(x)) against
+    the float64 reference's dequantised values."""
+    lead, heads = shape[:-1], shape[-2]
+    scale = {"tensor": 0.0371, "head": rng.uniform(0.001, 1.0, heads).astype(np.float32),
+             "token": rng.uniform(0.001, 1.0, lead).astype(np.float32)}[granularity]
+    dev_scale = scale if np.isscalar(scale) else cupy.asarray(scale)
+    codes = rng.integers(0, 256, shape).astype(np.uint8)
+    out = _poisoned(cupy, shape, dtype)
+    ctx = context(seed, kv_dtype=kv_dtype, dtype=dtype, granularity=granularity, shape=shape)
+    got = cupydecode.dequantize_kv(cupy.asarray(codes), kv_dtype, dev_scale, dtype=dtype, out=out)
+    assert got is out, ctx
+    assert _same(_host(got, dtype), _dequantized(codes, kv_dtype, scale, dtype)), ctx
+    # the round trip: x → codes → values, against the reference's float64 code · scale
+    x = _inputs(rng, shape, "float16")
+    qcodes, qscale = cupydecode.quantize_kv(to_device(x), kv_dtype)
+    back = cupydecode.dequantize_kv(qcodes, kv_dtype, qscale, dtype="float32").get()
+    want = R.dequantize_kv(qcodes.get(), kv_dtype, qscale.get())
+    finite = np.isfinite(want)
+    assert np.array_equal(np.isnan(back), np.isnan(want)), ctx
+    assert np.allclose(back[finite], want[finite], rtol=2**-23, atol=0), ctx
+
+
+def test_dequantize_of_a_strided_cache_slice(cupy, rng, seed):
+    """codes and out as views with free leading strides (every second token of a paged cache,
+    every second KV head): only out's slice is written."""
+    cache = cupy.asarray(rng.integers(0, 256, (5, 16, 8, 64)).astype(np.uint8))
+    view = cache[:, ::2, 1::2]
+    big = cupy.full((5, 8, 8, 64), np.nan, cupy.float16)
+    out = big[:, :, ::2]
+    got = cupydecode.dequantize_kv(view, "e5m2", 2.0, out=out)
+    ctx = context(seed)
+    assert got is out, ctx
+    assert _same(got.get(), _dequantized(view.get(), "e5m2", 2.0, "float16")), ctx
+    assert bool(cupy.all(cupy.isnan(big[:, :, 1::2]))), ctx
+
+
+def test_dequantize_of_float8_arrays(cupy, rng, seed):
+    """Codes held as an ml_dtypes float8 array (where CuPy holds one) are read as their bytes."""
+    import ml_dtypes
+
+    codes = cupy.asarray(rng.integers(0, 256, (3, 4, 32)).astype(np.uint8))
+    try:
+        f8 = codes.view(ml_dtypes.float8_e4m3fn)
+    except Exception as exc:  # noqa: BLE001 (CuPy's refusal of the dtype, whatever its type)
+        pytest.skip(f"this CuPy holds no float8 arrays ({type(exc).__name__}: {exc})")
+    got = cupydecode.dequantize_kv(f8, "e4m3", 0.5)
+    assert _same(got.get(), _dequantized(codes.get(), "e4m3", 0.5, "float16")), context(seed)
+
+
+def test_dequantize_bad_inputs_are_refused(cupy):
+    c = cupy.zeros((2, 3, 4, 64), cupy.uint8)
+    cases = [
+        (dict(codes=c, kv_dtype="fp8"), ValueError, r"kv_dtype: expected 'e4m3' or 'e5m2'"),
+        (dict(codes=c, scale=None), ValueError, r"scale: expected a float > 0"),
+        (dict(codes=c, scale=0.0), ValueError, r"scale: expected a finite float > 0"),
+        (dict(codes=c, scale=cupy.ones(5, cupy.float32)), ValueError, r"scale: .*shape \(5,\)"),
+        (dict(codes=c, scale=cupy.ones(4, cupy.float64)), TypeError, r"scale: .*dtype float64"),
+        (dict(codes=c, dtype="int8"), ValueError, r"dtype: expected 'float16' or 'bfloat16' or 'float32'"),
+        (dict(codes=cupy.zeros((2, 3, 4, 64), cupy.float16)), TypeError, r"codes: expected dtype uint8"),
+        (dict(codes=c[..., ::2]), ValueError, r"codes: expected head_dim contiguous"),
+        (dict(codes=c[0, 0]), ValueError, r"codes: expected 3 dimensions"),
+        (dict(codes=c, out=cupy.zeros((2, 3, 4, 64), cupy.float32)), TypeError, r"out: expected dtype float16"),
+        (dict(codes=c, out=cupy.zeros((2, 3, 4, 32), cupy.float16)), ValueError, r"out: expected shape"),
+        (dict(codes=np.zeros((2, 4, 64), np.uint8)), TypeError, r"codes: "),
+    ]
+    for kwargs, exc, match in cases:
+        with pytest.raises(exc, match=match):
+            cupydecode.dequantize_kv(**kwargs)
+    assert cupydecode.dequantize_kv(cupy.zeros((0, 4, 64), cupy.uint8)).shape == (0, 4, 64)
