@@ -79,14 +79,15 @@ __host__ __device__ constexpr bool cd_falling_alignment(const int (&align)[N]) {
 // Merge of two softmax states written in the log2 domain (see docs/DESIGN.md; m in log2 units).
 // A state is (m, l, acc) with l = Σ 2^(s2_j − m) and acc = Σ 2^(s2_j − m) v_j. The empty state
 // is (−inf, 0, 0). Returns the scale each side must be multiplied by after moving to the new
-// maximum; never forms −inf − (−inf).
+// maximum; never forms −inf − (−inf). With unit = log2 e the maxima are natural log instead (the
+// merge's states, below): the difference is taken first, then moved to the log2 domain.
 struct cd_rescale { float m; float a; float b; };
-__device__ __forceinline__ cd_rescale cd_merge_scales(float m_a, float m_b) {
+__device__ __forceinline__ cd_rescale cd_merge_scales(float m_a, float m_b, float unit = 1.f) {
     cd_rescale r;
     r.m = fmaxf(m_a, m_b);
     const float ref = (r.m == CD_NEG_INF) ? 0.f : r.m;  // both empty: keep 0 · (anything finite)
-    r.a = cd_exp2(m_a - ref);
-    r.b = cd_exp2(m_b - ref);
+    r.a = cd_exp2((m_a - ref) * unit);
+    r.b = cd_exp2((m_b - ref) * unit);
     return r;
 }
 
@@ -139,10 +140,13 @@ __device__ __forceinline__ void cd_wait_prerequisites() {
 // NV elements of each Õ_i, so a group is ONE trip to L2, folded into a running (max, sum, acc) in
 // the log2 domain. A warp's trips are serial; more groups than one are spread over several warps
 // (merge_states.cu), whose running states are then combined with cd_merge_combine.
+// The running maximum m stays in natural-log units and each exponent is formed as (x − m) · log2 e:
+// the difference first, so an LSE of any size loses nothing (x · log2 e first would round 1e4 to
+// ±5e-4, a weight off by 3e-4). That is the same one add and one multiply per state.
 // Used by merge_states.cu and by the fused merge at the end of decode_split.cu.
 #define CD_MERGE_GROUP 16
 template <int NV>
-struct cd_merge_state {  // running state of one lane: m in log2 units, sum = Σ 2^(x_i − m)
+struct cd_merge_state {  // running state of one lane: m natural log, sum = Σ e^(x_i − m)
     float m, sum, acc[NV];
     __device__ __forceinline__ void clear() {
         m = CD_NEG_INF; sum = 0.f;
@@ -208,18 +212,18 @@ __device__ __forceinline__ void cd_merge_fold(const typename EI::storage* __rest
         // absent states and +inf (empty, as some libraries mark an empty row) weigh 0; a NaN
         // stays NaN: fmaxf skips it in the maximum, and its weight makes the row NaN
         for (int j = 0; j < CD_MERGE_GROUP; ++j)
-            x[j] = j < left && x[j] != CD_POS_INF ? x[j] * CD_LOG2E : CD_NEG_INF;
+            x[j] = j < left && x[j] != CD_POS_INF ? x[j] : CD_NEG_INF;
         float mg = st.m;
 #pragma unroll
         for (int j = 0; j < CD_MERGE_GROUP; ++j) mg = fmaxf(mg, x[j]);
         const float ref = (mg == CD_NEG_INF) ? 0.f : mg;  // all empty so far: weights stay 0
-        const float a = cd_exp2(st.m - ref);               // m = −inf (nothing yet): 0
+        const float a = cd_exp2((st.m - ref) * CD_LOG2E);  // m = −inf (nothing yet): 0
         st.sum *= a;
 #pragma unroll
         for (int e = 0; e < NV; ++e) st.acc[e] *= a;
 #pragma unroll
         for (int j = 0; j < CD_MERGE_GROUP; ++j) {
-            const float w = cd_exp2(x[j] - ref);  // exp2(−inf) = 0 for empty and absent states
+            const float w = cd_exp2((x[j] - ref) * CD_LOG2E);  // 0 for empty and absent states
             st.sum += w;
 #pragma unroll
             for (int e = 0; e < NV; ++e) st.acc[e] = w != 0.f ? fmaf(w, v[j][e], st.acc[e]) : st.acc[e];  // never 0 · NaN
@@ -232,21 +236,21 @@ __device__ __forceinline__ void cd_merge_fold(const typename EI::storage* __rest
 template <int NV>
 __device__ __forceinline__ void cd_merge_combine(cd_merge_state<NV>& st, float m, float sum,
                                                  const float* acc) {
-    const cd_rescale r = cd_merge_scales(st.m, m);  // both sides' acc are finite sums
+    const cd_rescale r = cd_merge_scales(st.m, m, CD_LOG2E);  // both sides' acc are finite sums
     st.m = r.m;
     st.sum = st.sum * r.a + sum * r.b;
 #pragma unroll
     for (int e = 0; e < NV; ++e) st.acc[e] = st.acc[e] * r.a + acc[e] * r.b;
 }
 
-// A sink (gpt-oss: one logit σ per query head, sink2 = σ · log2(e)) joins a finished state once,
-// as a key with no value: the denominator gains 2^(sink2 − m) and the output shrinks to match;
-// sink2 = −inf (no sink) leaves the state as it is. An empty state becomes (sink2, 1, 0): out 0,
+// A sink (gpt-oss: one logit σ per query head, natural log) joins a finished state once, as a
+// key with no value: the denominator gains e^(sink − m) and the output shrinks to match;
+// sink = −inf (no sink) leaves the state as it is. An empty state becomes (sink, 1, 0): out 0,
 // LSE σ.
 template <int NV>
-__device__ __forceinline__ void cd_merge_sink(cd_merge_state<NV>& st, float sink2) {
-    if (sink2 == CD_NEG_INF) return;
-    const cd_rescale r = cd_merge_scales(st.m, sink2);
+__device__ __forceinline__ void cd_merge_sink(cd_merge_state<NV>& st, float sink) {
+    if (sink == CD_NEG_INF) return;
+    const cd_rescale r = cd_merge_scales(st.m, sink, CD_LOG2E);
     st.m = r.m;
     st.sum = st.sum * r.a + r.b;
 #pragma unroll
@@ -265,12 +269,12 @@ __device__ __forceinline__ void cd_merge_store(const cd_merge_state<NV>& st,
         for (int e = 0; e < NV; ++e) dst[d0 + e] = EO::from_float(st.acc[e] * inv);
     }
     if (lse_dst && lane == 0)
-        *lse_dst = st.sum != 0.f ? (st.m + log2f(st.sum)) * CD_LN2 : CD_NEG_INF;
+        *lse_dst = st.sum != 0.f ? fmaf(log2f(st.sum), CD_LN2, st.m) : CD_NEG_INF;
 }
 
 // One pass of one row by one warp over all its states (every lane runs it: uniform control
 // flow; lanes past the end of the row read the row's first elements and skip their stores), then
-// the row's sink (sink2 in log2 units, −inf: none). The row's LSE is written by pass 0.
+// the row's sink (natural log, −inf: none). The row's LSE is written by pass 0.
 template <typename EI, typename EO, int NV>
 __device__ __forceinline__ void cd_merge_row_pass(const typename EI::storage* __restrict__ o,
                                                   long long o_stride,
@@ -278,12 +282,12 @@ __device__ __forceinline__ void cd_merge_row_pass(const typename EI::storage* __
                                                   int num_states, int head_dim, int pass,
                                                   typename EO::storage* __restrict__ dst,
                                                   float* __restrict__ lse_dst, int lane,
-                                                  float sink2) {
+                                                  float sink) {
     const int d0 = pass * 32 * NV + lane * NV;
     const bool mine = d0 < head_dim;
     cd_merge_state<NV> st;
     st.clear();
     cd_merge_fold<EI, NV>(o, o_stride, lse, lse_stride, num_states, 0, 1, d0, mine, st);
-    cd_merge_sink<NV>(st, sink2);
+    cd_merge_sink<NV>(st, sink);
     cd_merge_store<EO, NV>(st, dst, d0, mine, pass == 0 ? lse_dst : nullptr, lane);
 }

@@ -1302,6 +1302,6 @@ cd_decode_split(const cd_decode_params p) {
         cd_merge_row_pass<cd_elem<2>, E, MERGE_NV>(o_part + row * REAL_DIM, state_rows * REAL_DIM,
                                            lse_part + row, state_rows, live_splits, REAL_DIM,
                                            pass, out_row(r), lse_out ? lse_out + row : nullptr,
-                                           lane, p.sinks ? p.sinks[head] * CD_LOG2E : CD_NEG_INF);
+                                           lane, p.sinks ? p.sinks[head] : CD_NEG_INF);
     }
 }

@@ -6,7 +6,8 @@
 //   O   = Σ_i w_i Õ_i
 // A state with LSE_i = −inf is empty: its weight is exactly 0 and its Õ_i is selected out, never
 // multiplied in, so even a NaN there cannot leak. All states empty: O = 0, LSE = −inf — no −inf − (−inf) is ever formed.
-// Computed in the log2 domain (one ex2 per weight); LSE in and out is natural log.
+// One ex2 per weight, of (LSE_i − max) · log2 e: the difference first, so a large LSE loses
+// nothing (common.cuh); LSE in and out is natural log.
 //
 // Layout: o_parts (S, rows, head_dim) in IN_DTYPE, lse_parts (S, rows) float32, both contiguous;
 // out (rows, head_dim) in OUT_DTYPE, lse_out (rows) float32 or null.
@@ -65,7 +66,7 @@ cd_merge_states(const cd_elem<IN_DTYPE>::storage* __restrict__ o_parts,
         }
     }
     if (valid && sub == 0 && sinks)  // row r's sink: sinks[r % num_sinks] (broadcast over rows)
-        cd_merge_sink<VEC>(st, sinks[row % num_sinks] * CD_LOG2E);
+        cd_merge_sink<VEC>(st, sinks[row % num_sinks]);
     if (valid && sub == 0)
         cd_merge_store<cd_elem<OUT_DTYPE>, VEC>(st, out + row * head_dim, d0, mine,
                                                 pass == 0 && lse_out ? lse_out + row : nullptr, lane);

@@ -92,6 +92,21 @@ def test_large_lse_spread(cupy, rng, seed, dtype):
     assert_lse_close(got_lse, ref_lse, 1e-3, ctx, rtol=1e-6)
 
 
+@pytest.mark.parametrize("centre", [1e4, -3e3, 0.0])
+@pytest.mark.parametrize("num_states", [5, 40])  # one group of states; several warps' groups
+def test_large_lse_keeps_float32_accuracy(cupy, rng, seed, centre, num_states):
+    """LSEs near ±1e4 within a few units of each other: every weight as exact as at 0 (each
+    exponent is formed from the difference of two LSEs, never from a scaled LSE alone)."""
+    ctx = context(seed, centre=centre, num_states=num_states)
+    o = randn(rng, (num_states, 6, 128), "float32")
+    lse = (centre + rng.uniform(-4, 4, (num_states, 6))).astype(np.float32)
+    ref_o, ref_lse = R.merge_states(o.astype(np.float64), lse.astype(np.float64))
+    got_o, got_lse = cupydecode.merge_states(to_device(o), to_device(lse))
+    # element-wise: a weight off by 3e-4 (the error of a scaled 1e4) fails this bound
+    assert np.allclose(got_o.get(), ref_o, rtol=1e-5, atol=1e-5), ctx
+    assert_lse_close(got_lse, ref_lse, 1e-5, ctx, rtol=1e-6)
+
+
 def test_non_contiguous_inputs(cupy, rng, seed):
     ctx = context(seed)
     o, lse = _states(rng, (4, 6, 64), "float32")
