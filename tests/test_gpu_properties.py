@@ -112,7 +112,11 @@ def test_merging_merged_states_equals_merging_all(cupy, state, data):
                                                cupy.stack([p[1] for p in parts]))
     whole, whole_lse = cupydecode.merge_states(cupy.asarray(o), cupy.asarray(lse))
     ctx = f"[seed={seed} groups={groups}]"
-    assert np.allclose(again.get(), whole.get(), rtol=1e-5, atol=1e-6), ctx
+    # each group's merged LSE is a float32: rounded by up to |LSE| · 2^-24, which scales that
+    # group's weight by as much (inherent in the representation, whatever merges it)
+    live = np.abs(lse[np.isfinite(lse)])
+    tol = 1e-5 + 4 * 2.0**-24 * (float(live.max()) if live.size else 0.0)
+    assert np.allclose(again.get(), whole.get(), rtol=tol, atol=tol), ctx
     assert_lse_close(again_lse, whole_lse.get(), 1e-5, ctx, rtol=1e-6)
 
 
