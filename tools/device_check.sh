@@ -39,7 +39,7 @@ feature_tests() {
   local name=$1 file=$2 filter=$3
   [ "${FEATURE_TESTS:-1}" = 0 ] && return
   $PY -m pytest -q -p no:cacheprovider $($PY -c "import xdist" 2>/dev/null && echo "-n 4") \
-    "$file" 2>&1 | tail -n 30 > "$OUT_DIR/${name}_tests.log"
+    --tb=line "$file" 2>&1 | tail -n 60 > "$OUT_DIR/${name}_tests.log"  # (one line per failure)
   add_summary "$name tests: $(tail -n 1 "$OUT_DIR/${name}_tests.log")"
   timeout 240 compute-sanitizer --tool memcheck --error-exitcode 3 \
     $PY -m pytest -q -p no:cacheprovider "$file" -k "$filter" 2>&1 \
