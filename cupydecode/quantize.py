@@ -11,6 +11,7 @@ import numpy as np
 
 from . import _kernels, _policy
 from . import _validate as V
+from .decode import _sm_count
 
 if TYPE_CHECKING:
     import cupy
@@ -150,8 +151,6 @@ def _launch_rows(cupy, kernel: tuple[str, str], defines: dict, x, out, scales: t
     if x.ndim == 3:  # (tokens, H, D) as (tokens, 1, H, D)
         xs, os_ = [xs[0], 0, xs[1]], [os_[0], 0, os_[1]]
     fn = _kernels.get_function(*kernel, defines)
-    from .decode import _sm_count
-
     blocks, threads = _policy.quantize_launch(rows, _sm_count(cupy.cuda.Device().id))
     _kernels.launch(fn, (blocks, 1, 1), (threads, 1, 1), (
         x, out, *(np.uint64(0) if a is None else a for a in scales),
