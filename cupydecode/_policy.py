@@ -95,6 +95,8 @@ class SplitKernelConfig:
     alibi: bool = False  # score_mod adds ALiBi's linear bias (alibi_slopes)
     paged: bool = False  # the KV view reads a paged cache through a block table
     multi_q: bool = False  # q_len > 1 query tokens per sequence (MULTI_Q)
+    kv_dtype: str | None = None  # an fp8 cache ("e4m3", "e5m2": KV_FP8), decoded in registers
+    kv_scale_token: bool = False  # its scales per (token, KV head) (KV_SCALE_TOKEN)
 
     @property
     def width(self) -> int:
@@ -117,22 +119,28 @@ class SplitKernelConfig:
 
     @property
     def block_rows(self) -> int:
-        return ROWS * self.m_tiles
+        return FP8_BLOCK_ROWS if self.kv_dtype else ROWS * self.m_tiles
 
     @property
     def smem_bytes(self) -> int:
         """Dynamic shared memory; mirrors SMEM_BYTES in decode_split.cu (checked there)."""
         es = ITEMSIZE[self.dtype]
+        kv_es = 1 if self.kv_dtype else es
         q_rows = 8 * self.kv_per_block if self.kv_per_block > 1 else self.block_rows
         w = self.width
         q = q_rows * w * es
-        pipe = self.rings * self.stages * 2 * TILE_N * w * es
+        pipe = self.rings * self.stages * 2 * TILE_N * w * kv_es
         acc = self.num_warps * ROWS * (w + 8) * 4  # rows padded (ACC_STRIDE)
         ml = 2 * self.num_warps * ROWS * 4
         live = -(-self.rings * self.stages * 4 // 16) * 16 if self.paged else 0  # LIVE_BYTES
-        # NEW_BYTES: the appended tokens' rows (MULTI_Q: up to MAX_APPEND_Q_LEN of them)
-        new = self.kv_per_block * 2 * w * es * (MAX_APPEND_Q_LEN if self.multi_q else 1)
-        return q + max(pipe, acc) + ml + live + new
+        tscale = self.rings * self.stages * 2 * TILE_N * 4 if self.kv_scale_token else 0
+        # NEW_BYTES: the appended tokens' rows (MULTI_Q: up to MAX_APPEND_Q_LEN of them), fp8:
+        # their codes and one scale per row
+        new_rows = MAX_APPEND_Q_LEN if self.multi_q else 1
+        new = self.kv_per_block * 2 * w * kv_es * new_rows
+        if self.kv_dtype:
+            new += -(-2 * new_rows * 4 // 16) * 16
+        return q + max(pipe, acc) + ml + live + tscale + new
 
     def defines(self) -> dict[str, int]:
         # REAL_DIM only where it differs: a kernel width's own build is the one it always was
@@ -153,7 +161,22 @@ class SplitKernelConfig:
             "ALIBI": int(self.alibi),
             "PAGED": int(self.paged),
             **({"MULTI_Q": 1} if self.multi_q else {}),
+            **({"KV_FP8": 1 + KV_DTYPES.index(self.kv_dtype)} if self.kv_dtype else {}),
+            **({"KV_SCALE_TOKEN": 1} if self.kv_scale_token else {}),
         }
+
+
+# fp8 KV caches (kernels/decode_split.cu, KV_FP8): the formats, in the kernel's order (1, 2).
+# Their blocks take the heads-as-N path whatever the group: 8 query rows a block (the mma's N),
+# so G > 8 (or q_len · G > 8) takes several head tiles, each reading its KV head's chunk (the
+# siblings' reads of it meet in L2), one KV head a block; head_dim a multiple of 16 (whole
+# 16-byte chunks of codes per row). (warps, stages) per width: the ring bytes of the 16-bit
+# default shapes (128 KB), in tiles of half the bytes, over 8 warps (the decoding is
+# instructions the 16-bit path does not have: more warps to issue them).
+KV_DTYPES = ("e4m3", "e5m2")
+FP8_BLOCK_ROWS = 8
+FP8_HEAD_DIM_STEP = 16
+FP8_SHAPES = {64: (8, 8), 128: (8, 4), 256: (8, 2)}
 
 
 # Blocks that stream at least this many tokens take the long-chunk shape (below); heads-as-N
@@ -203,7 +226,7 @@ def heads_as_n(dtype: str, group: int | None) -> bool:
 
 def split_kernel_config(dtype: str, head_dim: int, chunk_tokens: int = 0,
                         m_tiles: int = 1, group: int | None = None,
-                        kv_per_block: int = 1) -> SplitKernelConfig:
+                        kv_per_block: int = 1, kv_dtype: str | None = None) -> SplitKernelConfig:
     """Block shape for one specialisation: about 128 KB of K/V ring per block, one block per SM
     (with ``m_tiles`` > 1, 16-bit types only: the M-tile shape of MTILE_SHAPES, 64–72 KB of ring;
     the driver's occupancy calculator says how many such blocks an SM holds).
@@ -234,6 +257,14 @@ def split_kernel_config(dtype: str, head_dim: int, chunk_tokens: int = 0,
     if dtype not in DTYPE_IDS:
         raise ValueError(f"unsupported dtype {dtype!r}")
     width = kernel_head_dim(head_dim)  # the shapes are the width's (they size shared memory)
+    if kv_dtype is not None:  # an fp8 cache: its own shape (FP8_SHAPES), whatever the chunk
+        if (kv_dtype not in KV_DTYPES or dtype == "float32" or m_tiles > 1 or kv_per_block > 1
+                or head_dim % FP8_HEAD_DIM_STEP):
+            raise ValueError(f"no fp8 ({kv_dtype!r}) block shape for {dtype} head_dim {head_dim}, "
+                             f"{m_tiles} M-tiles, {kv_per_block} KV heads a block")
+        warps, stages = FP8_SHAPES[width]
+        return SplitKernelConfig(dtype, head_dim, num_warps=warps, stages=stages,
+                                 heads_as_n=True, kv_dtype=kv_dtype)
     if m_tiles > 1 and kv_per_block > 1:
         raise ValueError(f"no block shape of {m_tiles} M-tiles and {kv_per_block} KV heads")
     if m_tiles > 1:
@@ -336,6 +367,14 @@ def split_kernel_configs(dtype: str, head_dim: int) -> list[SplitKernelConfig]:
     return list(dict.fromkeys(configs))
 
 
+def fp8_kernel_configs(dtype: str, head_dim: int, kv_dtype: str) -> list[SplitKernelConfig]:
+    """The block shapes of plans over an fp8 cache of this q dtype and head_dim: scales per
+    tensor or head, or per token; with and without the L2 hint."""
+    c = split_kernel_config(dtype, head_dim, kv_dtype=kv_dtype)
+    configs = [c, replace(c, kv_scale_token=True)]
+    return configs + [replace(x, l2_evict_first=False) for x in configs]
+
+
 def compile_check_configs() -> list[SplitKernelConfig]:
     """What the compile checks build (tests/test_compile.py, tools/sass_compare.py): every
     block shape of every dtype and head_dim (:func:`split_kernel_configs`), and each shape with
@@ -353,6 +392,13 @@ def compile_check_configs() -> list[SplitKernelConfig]:
                     split_kernel_config("float16", d, LONG_CHUNK, m_tiles=2)]
         configs += [split_kernel_config("float16", d, group=1, kv_per_block=k)
                     for k in burst_kv_groups("float16", d, 1, 4)]  # blocks of KV heads (80)
+    # fp8 caches: float16 q over e4m3 at every width (each shape a plan can take), and the
+    # scale modes of head_dims 80 and 96 between the widths, of e5m2 and of bfloat16 q (their
+    # decoding differs by a few instructions; the hint by the copy instruction alone)
+    configs += [c for d in KERNEL_HEAD_DIMS for c in fp8_kernel_configs("float16", d, "e4m3")]
+    configs += [c for dt, d, f in (("float16", 80, "e4m3"), ("float16", 96, "e4m3"),
+                                   ("float16", 128, "e5m2"), ("bfloat16", 128, "e4m3"))
+                for c in fp8_kernel_configs(dt, d, f) if c.l2_evict_first]
     return configs + [replace(c, soft_cap=True, alibi=True, paged=True,
                               multi_q=c.kv_per_block == 1)
                       for c in configs if c.l2_evict_first]
@@ -460,15 +506,36 @@ def burst_kv_groups(dtype: str, head_dim: int, group: int, num_kv_heads: int) ->
                  if (k * piece) % BURST_BYTES == 0 and num_kv_heads % k == 0)
 
 
-def block_rows(group: int, m_tiles: int = 1, kv_per_block: int = 1) -> int:
-    """Live query rows of one block: its M-tiles' rows of one KV head (at most the group), or
-    all query heads of its KV heads."""
+def block_rows(group: int, m_tiles: int = 1, kv_per_block: int = 1,
+               kv_dtype: str | None = None) -> int:
+    """Live query rows of one block: its M-tiles' rows of one KV head (at most the group; fp8
+    KV: at most FP8_BLOCK_ROWS), or all query heads of its KV heads."""
+    if kv_dtype:
+        return min(group, FP8_BLOCK_ROWS)
     return kv_per_block * group if kv_per_block > 1 else min(group, ROWS * m_tiles)
 
 
-def head_tiles(group: int, m_tiles: int = 1) -> int:
-    """Blocks per KV head: one per ``m_tiles`` · 16 query heads of the group."""
-    return -(-group // (ROWS * m_tiles))
+def head_tiles(group: int, m_tiles: int = 1, kv_dtype: str | None = None) -> int:
+    """Blocks per KV head: one per ``m_tiles`` · 16 query heads of the group (fp8 KV: per 8)."""
+    return -(-group // (FP8_BLOCK_ROWS if kv_dtype else ROWS * m_tiles))
+
+
+def fp8_plan_shape(dtype: str, kv_dtype: str, head_dim: int, group: int, batch: int,
+                   num_kv_heads: int, max_seqlen: int, num_sms: int, blocks_per_sm,
+                   num_splits: int | None = None, split_size: int | None = None,
+                   merge: str = "auto", programmatic: bool = False) -> tuple[int, int]:
+    """``(num_splits, chunk_tokens)`` of a plan over an fp8 cache (one M-tile, one KV head a
+    block, head tiles of FP8_BLOCK_ROWS rows): forced, fixed by ``split_size``, or chosen by
+    :func:`choose_num_splits` for the fp8 block shape."""
+    if num_splits is not None:
+        return num_splits, chunk_for_splits(max_seqlen, num_splits)
+    if split_size is not None:
+        return fixed_split_size(max_seqlen, split_size)
+    config = split_kernel_config(dtype, head_dim, group=group, kv_dtype=kv_dtype)
+    return choose_num_splits(batch * num_kv_heads * head_tiles(group, 1, kv_dtype), max_seqlen,
+                             num_sms, blocks_per_sm(config), rows_per_block=min(group, FP8_BLOCK_ROWS),
+                             head_dim=head_dim, merge=merge, dtype=dtype, group=group,
+                             programmatic=programmatic, kv_dtype=kv_dtype)
 
 
 def chunk_for_splits(max_seqlen: int, num_splits: int) -> int:
@@ -540,7 +607,8 @@ def choose_num_splits(work_blocks: int, max_seqlen: int, num_sms: int, blocks_pe
                       rows_per_block: int = ROWS, head_dim: int = 128,
                       min_chunk: int = MIN_CHUNK, merge: str = "auto", dtype: str = "float16",
                       m_tiles: int = 1, group: int | None = None,
-                      programmatic: bool = False, kv_per_block: int = 1) -> tuple[int, int]:
+                      programmatic: bool = False, kv_per_block: int = 1,
+                      kv_dtype: str | None = None) -> tuple[int, int]:
     """Split count and chunk length for a grid of ``work_blocks`` (batch × units × head tiles,
     a unit being one KV head, or ``kv_per_block`` of them).
 
@@ -576,7 +644,7 @@ def choose_num_splits(work_blocks: int, max_seqlen: int, num_sms: int, blocks_pe
     if max_seqlen <= 0 or work_blocks <= 0:
         return 1, max(1, max_seqlen)
     slots = max(1, num_sms * blocks_per_sm)
-    kv_bytes = work_blocks * max_seqlen * head_dim * ITEMSIZE[dtype] * 2
+    kv_bytes = work_blocks * max_seqlen * head_dim * (1 if kv_dtype else ITEMSIZE[dtype]) * 2
     granules = -(-max_seqlen // SPLIT_GRANULE)
     min_granules = max(1, min_chunk // SPLIT_GRANULE)
     best: list[tuple[float, int, int]] = []
@@ -595,7 +663,8 @@ def choose_num_splits(work_blocks: int, max_seqlen: int, num_sms: int, blocks_pe
         eff = blocks / (waves * slots)
         stream = kv_bytes if waves > 1 else kv_bytes * (s * min(chunk, max_seqlen)) / max_seqlen
         partial = 0 if s == 1 else work_blocks * s * rows_per_block * (head_dim + 1) * 8
-        warps = split_kernel_config(dtype, head_dim, chunk, m_tiles, group, kv_per_block).num_warps
+        warps = split_kernel_config(dtype, head_dim, chunk, m_tiles, group, kv_per_block,
+                                    kv_dtype).num_warps
         cost = (stream + partial) / eff + merge_cost_bytes(s, rows_per_block, head_dim, warps,
                                                            merge, programmatic)
         best.append((cost, s, chunk))

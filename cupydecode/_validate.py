@@ -11,7 +11,8 @@ import numbers
 
 import numpy as np
 
-from ._policy import (DTYPE_IDS, HEAD_DIMS_TEXT, ITEMSIZE, LOG2E, MAX_APPEND_Q_LEN, MAX_BATCH,
+from ._policy import (DTYPE_IDS, FP8_HEAD_DIM_STEP, HEAD_DIMS_TEXT, ITEMSIZE, KV_DTYPES, LOG2E,
+                      MAX_APPEND_Q_LEN, MAX_BATCH,
                       MAX_Q_LEN, MAX_SPLITS, MAX_TOKENS, SPLIT_STATIC_SMEM_BYTES,
                       SUPPORTED_HEAD_DIMS, Tuning, tuned)
 
@@ -327,7 +328,7 @@ def layout_key(q, k_cache, v_cache):
     return None
 
 
-def check_decode_inputs(q, k_cache, v_cache, key, paged: bool = False):
+def check_decode_inputs(q, k_cache, v_cache, key, paged: bool = False, kv_dtype=None):
     """Validate q, k_cache, v_cache; return (q, k, v, dtype, shape dict) as device arrays.
 
     Every property the checks depend on (shapes, strides, dtypes, pointer alignment, devices) is
@@ -335,20 +336,42 @@ def check_decode_inputs(q, k_cache, v_cache, key, paged: bool = False):
     dictionary lookup instead of the full checks. ``key``: the inputs' :func:`layout_key` (None:
     not cached). ``paged``: the caches are pools of pages, (num_pages, page_size,
     num_kv_heads, head_dim); the shape dict then has ``page_size`` and ``num_pages`` instead of
-    ``max_seqlen`` (which the block table sets: :func:`check_block_table`).
+    ``max_seqlen`` (which the block table sets: :func:`check_block_table`). ``kv_dtype``
+    ("e4m3", "e5m2"; checked by the caller): the caches hold fp8 codes (uint8, or the matching
+    ml_dtypes float8 type), q float16 or bfloat16, head_dim a multiple of 16; the caches are
+    returned as uint8 views.
     """
     if key is not None:
-        hit = _VALIDATED.get((key, paged))
+        hit = _VALIDATED.get((key, paged, kv_dtype))
         if hit is not None:
+            if kv_dtype is not None:
+                return q, _codes_view(k_cache), _codes_view(v_cache), hit[0], hit[1]
             return q, k_cache, v_cache, hit[0], hit[1]
-        result = _check_decode_inputs(q, k_cache, v_cache, paged)
+        result = _check_decode_inputs(q, k_cache, v_cache, paged, kv_dtype)
         if len(_VALIDATED) < 256:
-            _VALIDATED[(key, paged)] = result[3:]
+            _VALIDATED[(key, paged, kv_dtype)] = result[3:]
         return result
-    return _check_decode_inputs(q, k_cache, v_cache, paged)
+    return _check_decode_inputs(q, k_cache, v_cache, paged, kv_dtype)
 
 
-def _check_decode_inputs(q, k_cache, v_cache, paged: bool = False):
+# ml_dtypes' names of the fp8 formats (an fp8 cache may be such an array instead of uint8 codes)
+_FP8_DTYPE_NAMES = {"e4m3": "float8_e4m3fn", "e5m2": "float8_e5m2"}
+
+
+def _codes_view(a):
+    """An fp8 cache as uint8 codes (a view; already uint8: itself)."""
+    return a if a.dtype == np.uint8 else a.view(np.uint8)
+
+
+def check_fp8_cache(a, name: str, kv_dtype: str) -> None:
+    """``a`` holds codes of ``kv_dtype``: uint8, or that format's ml_dtypes float8 type."""
+    got = dtype_name(a.dtype)
+    want = _FP8_DTYPE_NAMES[kv_dtype]
+    if got not in ("uint8", want):
+        fail(TypeError, name, f"uint8 codes or {want} with kv_dtype={kv_dtype!r}", got)
+
+
+def _check_decode_inputs(q, k_cache, v_cache, paged: bool = False, kv_dtype=None):
     q = as_device_array(q, "q")
     k = as_device_array(k_cache, "k_cache")
     v = as_device_array(v_cache, "v_cache")
@@ -360,10 +383,20 @@ def _check_decode_inputs(q, k_cache, v_cache, paged: bool = False):
     check_ndim(k, "k_cache", 4, cache)
     check_ndim(v, "v_cache", 4, cache)
     dt = check_dtype(q, "q")
-    for name, a in (("k_cache", k), ("v_cache", v)):
-        if dtype_name(a.dtype) != dt:
-            fail(TypeError, name, f"the dtype of q ({dt})", dtype_name(a.dtype))
+    if kv_dtype is not None:  # fp8 codes; q (and out) 16-bit
+        if dt == "float32":
+            fail(TypeError, "q", f"float16 or bfloat16 with kv_dtype={kv_dtype!r}", dt)
+        for name, a in (("k_cache", k), ("v_cache", v)):
+            check_fp8_cache(a, name, kv_dtype)
+        k, v = _codes_view(k), _codes_view(v)
+    else:
+        for name, a in (("k_cache", k), ("v_cache", v)):
+            if dtype_name(a.dtype) != dt:
+                fail(TypeError, name, f"the dtype of q ({dt})", dtype_name(a.dtype))
     batch, q_len, num_heads, head_dim = q.shape if q.ndim == 4 else (q.shape[0], 1, *q.shape[1:])
+    if kv_dtype is not None and head_dim % FP8_HEAD_DIM_STEP:
+        fail(ValueError, "q", f"head_dim a multiple of {FP8_HEAD_DIM_STEP} from 32 to 256 with "
+             f"kv_dtype={kv_dtype!r} (whole 16-byte pieces of codes per row)", head_dim)
     if not 1 <= q_len <= MAX_Q_LEN:
         fail(ValueError, "q", f"q_len (its second axis of four) in [1, {MAX_Q_LEN}]", q_len)
     if head_dim not in SUPPORTED_HEAD_DIMS:
@@ -679,7 +712,7 @@ def check_merge_inputs(o_parts, lse_parts):
 
 # ---------------------------------------------------------------- fp8 KV (kv_dtype, scales)
 
-KV_DTYPES = ("e4m3", "e5m2")
+# (KV_DTYPES: the fp8 formats, _policy's)
 
 
 def check_kv_dtype(kv_dtype) -> str:
@@ -687,6 +720,33 @@ def check_kv_dtype(kv_dtype) -> str:
     if not isinstance(kv_dtype, str) or kv_dtype not in KV_DTYPES:
         fail(ValueError, "kv_dtype", " or ".join(map(repr, KV_DTYPES)), repr(kv_dtype))
     return kv_dtype
+
+
+def check_attention_scales(kv_dtype, k_scale, v_scale, k_cache, num_kv_heads: int):
+    """``k_scale``, ``v_scale`` of a call over ``k_cache``: :func:`check_kv_scales`'s result
+    for an fp8 cache (``kv_dtype`` set; the scales' leading shape is the cache's first two
+    axes), None without one (where scales must not be given)."""
+    if kv_dtype is None:
+        for name, sc in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if sc is not None:
+                fail(ValueError, name, "None without kv_dtype (scales belong to an fp8 cache: "
+                     "kv_dtype='e4m3' or 'e5m2')", type(sc).__name__)
+        return None
+    return check_kv_scales(k_scale, v_scale, tuple(k_cache.shape[:2]), num_kv_heads)
+
+
+def check_kv_scales(k_scale, v_scale, lead: tuple, num_kv_heads: int):
+    """The scales of an fp8 cache for attention: ``(per_token, (k array or None, k float),
+    (v array or None, v float))``; both per (token, KV head), or neither (the kernel takes the
+    per-token scales of K and V from one place)."""
+    k_mode, k_arr, k_all = check_kv_scale(k_scale, "k_scale", lead, num_kv_heads)
+    v_mode, v_arr, v_all = check_kv_scale(v_scale, "v_scale", lead, num_kv_heads)
+    if (k_mode == 3) != (v_mode == 3):
+        name, other = ("v_scale", "k_scale") if k_mode == 3 else ("k_scale", "v_scale")
+        fail(ValueError, name, f"a {(*lead, num_kv_heads)} float32 device array (per token and "
+             f"KV head) like {other}: the two are per token together or not at all",
+             "a float" if (v_mode if name == "v_scale" else k_mode) == 1 else "a per-head array")
+    return k_mode == 3, (k_arr, k_all), (v_arr, v_all)
 
 
 def check_kv_scale(scale, name: str, lead: tuple, num_kv_heads: int, allow_none: bool = False):

@@ -136,6 +136,12 @@ class DecodePlan:
     a KV head's N × G (token, head) rows as they tile G heads, reading each K/V tile once for
     all of them; the kernel is built with ``MULTI_Q``.
 
+    ``kv_dtype`` ("e4m3" or "e5m2") makes a plan for caches of fp8 codes: ``run`` then takes
+    uint8 (or the format's ml_dtypes float8) caches and ``k_scale=``, ``v_scale=`` (per tensor,
+    per KV head or per token: :func:`flash_decode`), q and out float16 or bfloat16, head_dim a
+    multiple of 16. Its blocks decode the codes in registers (one KV head and at most 8 query
+    rows a block: ``_policy.FP8_SHAPES``); appended tokens are quantised into the cache.
+
     ``tuning``: a :class:`cupydecode.Tuning` overrides the policy's block shape (warps, ring
     stages, the L2 hint, warps in step) for A/B measurements of kernel shapes; the default
     (None) is the policy's shape, the one the measurements in docs/PERFORMANCE.md chose.
@@ -151,7 +157,7 @@ class DecodePlan:
                  split_size: int | None = None, merge: str = "auto", enable_pdl: bool = False,
                  *, logits_soft_cap: float | None = None, page_size: int | None = None,
                  window_left: int | None = None, alibi: bool = False, q_len: int = 1,
-                 tuning: _policy.Tuning | None = None):
+                 kv_dtype: str | None = None, tuning: _policy.Tuning | None = None):
         cupy = _kernels.import_cupy()
 
         self.batch = V.check_int(batch, "batch", 0, _policy.MAX_BATCH)
@@ -167,6 +173,14 @@ class DecodePlan:
             V.fail(TypeError, "dtype", "one of (" + ", ".join(_policy.DTYPE_IDS) + ")", self.dtype)
         if self.head_dim not in _policy.SUPPORTED_HEAD_DIMS:
             V.fail(ValueError, "head_dim", _policy.HEAD_DIMS_TEXT, self.head_dim)
+        self.kv_dtype = None if kv_dtype is None else V.check_kv_dtype(kv_dtype)
+        if self.kv_dtype is not None:
+            if self.dtype == "float32":
+                V.fail(TypeError, "dtype", f"float16 or bfloat16 with kv_dtype={kv_dtype!r} (q "
+                       "and out stay 16-bit over an fp8 cache)", self.dtype)
+            if self.head_dim % _policy.FP8_HEAD_DIM_STEP:
+                V.fail(ValueError, "head_dim", f"a multiple of {_policy.FP8_HEAD_DIM_STEP} from 32 "
+                       f"to 256 with kv_dtype={kv_dtype!r}", self.head_dim)
         if self.num_heads % self.num_kv_heads:
             V.fail(ValueError, "num_kv_heads", f"a divisor of num_heads={self.num_heads}",
                    self.num_kv_heads)
@@ -197,7 +211,9 @@ class DecodePlan:
             raise RuntimeError(f"DecodePlan: {_kernels.gpu_problem() or exc}") from exc
         _kernels.bind_context()  # the driver calls below (occupancy, attributes) need it
         smem_optin = _smem_per_block(self.device_id)
-        smem_need = max(c.smem_bytes for c in _policy.split_kernel_configs(self.dtype, self.head_dim))
+        smem_need = max(c.smem_bytes for c in (
+            _policy.split_kernel_configs(self.dtype, self.head_dim) if self.kv_dtype is None else
+            _policy.fp8_kernel_configs(self.dtype, self.head_dim, self.kv_dtype)))
         if 0 < smem_optin < smem_need:
             raise RuntimeError(
                 f"cupydecode needs {smem_need} bytes of shared memory per block for "
@@ -213,22 +229,30 @@ class DecodePlan:
         # where the GPU allows, the merge kernel is launched as a programmatic dependent of the
         # split kernel: its blocks are then resident and waiting when the split kernel ends
         programmatic = _kernels.programmatic_launch_supported(self.device_id)
-        self.m_tiles, self.num_splits, self.chunk_tokens, self.kv_per_block = _policy.plan_shape(
-            self.dtype, self.head_dim, rows_g, self.batch, self.num_kv_heads, self.span,
-            _sm_count(self.device_id), lambda cfg: _blocks_per_sm(cfg, self.device_id),
-            num_splits, split_size, merge, programmatic, kv_groups=self.q_len == 1)
-        self.head_tiles = _policy.head_tiles(rows_g, self.m_tiles)
+        if self.kv_dtype is None:
+            self.m_tiles, self.num_splits, self.chunk_tokens, self.kv_per_block = _policy.plan_shape(
+                self.dtype, self.head_dim, rows_g, self.batch, self.num_kv_heads, self.span,
+                _sm_count(self.device_id), lambda cfg: _blocks_per_sm(cfg, self.device_id),
+                num_splits, split_size, merge, programmatic, kv_groups=self.q_len == 1)
+        else:  # an fp8 cache: one M-tile and one KV head a block (_policy.FP8_SHAPES)
+            self.m_tiles, self.kv_per_block = 1, 1
+            self.num_splits, self.chunk_tokens = _policy.fp8_plan_shape(
+                self.dtype, self.kv_dtype, self.head_dim, rows_g, self.batch, self.num_kv_heads,
+                self.span, _sm_count(self.device_id),
+                lambda cfg: _blocks_per_sm(cfg, self.device_id), num_splits, split_size, merge,
+                programmatic)
+        self.head_tiles = _policy.head_tiles(rows_g, self.m_tiles, self.kv_dtype)
         kpb = self.kv_per_block  # KV heads per block (1, KV_GROUP, or a BURST_KV_GROUPS size)
         # a block of several KV heads takes all of their query heads (one head tile), and the
         # grid below has one block per kpb KV heads: anything else would leave heads unwritten
         assert kpb == 1 or (self.num_kv_heads % kpb == 0 and self.head_tiles == 1), (
             kpb, self.num_kv_heads, self.head_tiles)
-        rows_per_block = _policy.block_rows(rows_g, self.m_tiles, kpb)
+        rows_per_block = _policy.block_rows(rows_g, self.m_tiles, kpb, self.kv_dtype)
         # The block shape depends on how long each block streams.
         self.config = _policy.split_kernel_config(self.dtype, self.head_dim, self.chunk_tokens,
-                                                  self.m_tiles, rows_g, kpb)
+                                                  self.m_tiles, rows_g, kpb, self.kv_dtype)
         kv_bytes = (2 * self.batch * self.span * self.num_kv_heads * self.head_dim
-                    * _policy.ITEMSIZE[self.dtype])  # what a run reads at most
+                    * (1 if self.kv_dtype else _policy.ITEMSIZE[self.dtype]))  # read at most
         if not _policy.l2_evict_first(self.dtype, kv_bytes):
             self.config = dataclasses.replace(self.config, l2_evict_first=False)
         if self.logits_soft_cap is not None:
@@ -289,16 +313,23 @@ class DecodePlan:
         self._layouts: dict = {}  # layout_key of inputs that passed run's checks -> strides
         self._scale = V.check_scale(None, self.head_dim)
         self._score_default = self._score_values(self._scale)
-        self._split_launch = (None if self.batch == 0 else _kernels.StructLaunch(
-            _split_function(self.config), self._grid, (self.config.threads, 1, 1),
-            self.config.smem_bytes, _PARAMS_HEAD,
-            programmatic=programmatic and self.enable_pdl, tail=_PARAMS_TAIL))
+        self._programmatic = programmatic
+        self._split_launch = None if self.batch == 0 else self._struct_launch(self.config)
+        # fp8 caches with per-token scales: their kernel (KV_SCALE_TOKEN), built at first use
+        self._token_launch = None
         self._shape = dict(batch=self.batch, q_len=self.q_len, num_heads=self.num_heads,
                            num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
                            max_seqlen=self.max_seqlen)
 
+    def _struct_launch(self, config: _policy.SplitKernelConfig) -> _kernels.StructLaunch:
+        """The prepared launch of the split kernel of ``config`` on this plan's grid."""
+        return _kernels.StructLaunch(
+            _split_function(config), self._grid, (config.threads, 1, 1), config.smem_bytes,
+            _PARAMS_HEAD, programmatic=self._programmatic and self.enable_pdl, tail=_PARAMS_TAIL)
+
     def __repr__(self) -> str:
         cap = "" if self.logits_soft_cap is None else f", logits_soft_cap={self.logits_soft_cap:g}"
+        cap += "" if self.kv_dtype is None else f", kv_dtype={self.kv_dtype!r}"
         cap += "" if self.page_size is None else f", page_size={self.page_size}"
         cap += "" if self.window_left is None else f", window_left={self.window_left}"
         cap += ", alibi=True" if self.alibi else ""
@@ -329,7 +360,8 @@ class DecodePlan:
             lse: ArrayLike | None = None, *, softmax_scale: float | None = None,
             block_table: ArrayLike | None = None, k_new: ArrayLike | None = None,
             v_new: ArrayLike | None = None, alibi_slopes: ArrayLike | None = None,
-            sinks: ArrayLike | None = None) -> tuple[cupy.ndarray, cupy.ndarray]:
+            sinks: ArrayLike | None = None, k_scale: float | ArrayLike | None = None,
+            v_scale: float | ArrayLike | None = None) -> tuple[cupy.ndarray, cupy.ndarray]:
         """Decode attention for this plan's shape; returns ``(out, lse)`` (the plan's own
         buffers unless ``out``/``lse`` are given). ``cache_seqlens``: None, an int or an int32
         device array (a plan never copies from the host). A plan built with ``page_size`` takes
@@ -341,7 +373,10 @@ class DecodePlan:
         (nothing is written past max_seqlen; the class docstring); their values, too, may change
         between replays. A plan built with ``alibi=True`` takes ``alibi_slopes``, a (num_heads,)
         float32 device array (values may change between replays). ``sinks``: a (num_heads,)
-        float32 device array of sink logits (gpt-oss), any plan.
+        float32 device array of sink logits (gpt-oss), any plan. A plan built with ``kv_dtype``
+        takes caches of fp8 codes and their ``k_scale``, ``v_scale`` (each a float, a
+        (num_kv_heads,) float32 device array, or one of the cache's leading shape +
+        (num_kv_heads,): per token, the two together; :func:`flash_decode`).
 
         Raises:
             TypeError, ValueError: inputs that do not match the plan (shape, dtype, device) or
@@ -372,8 +407,9 @@ class DecodePlan:
             alibi_slopes, self.alibi, self.num_heads, allow_host_array=False))
         if sinks is not None:
             sinks = V.check_head_values(sinks, "sinks", self.num_heads, allow_host_array=False)
+        scales = V.check_attention_scales(self.kv_dtype, k_scale, v_scale, k_cache, self.num_kv_heads)
         self._launch(q, k_cache, v_cache, seqlens, seqlen_all, scale, out, lse, None, strides,
-                     block_table, new, slopes, sinks)
+                     block_table, new, slopes, sinks, scales)
         return out, lse
 
     def _check_layout(self, q, k_cache, v_cache, block_table, layout):
@@ -388,7 +424,7 @@ class DecodePlan:
             V.fail(ValueError, "block_table", expected,
                    "None" if block_table is None else type(block_table).__name__)
         q, k, v, dt, shape = V.check_decode_inputs(q, k_cache, v_cache, layout and layout[0],
-                                                   paged)
+                                                   paged, self.kv_dtype)
         if self.q_len == 1 and q.ndim == 4:  # (its out and lse are the 3-dimensional ones)
             V.fail(ValueError, "q", "(batch, num_heads, head_dim) for a plan of one query token "
                    "(DecodePlan(..., q_len=N) takes (batch, N, num_heads, head_dim))",
@@ -424,18 +460,19 @@ class DecodePlan:
         es = q.itemsize
         q_sb, q_st, q_sh = ((q.strides[0], 0, q.strides[1]) if q.ndim == 3 else q.strides[:3])
         row = self.num_heads * self.head_dim
-        return (*(x // es for x in (q_sb, q_sh, *k.strides[:3], *v.strides[:3])),
+        return (q_sb // es, q_sh // es, *(x // k.itemsize for x in k.strides[:3]),
+                *(x // v.itemsize for x in v.strides[:3]),
                 self.q_len * row, self.head_dim, bt_sb, q_st // es,
                 row if self.q_len > 1 else 0, num_pages)
 
     def _launch(self, q, k, v, seqlens, seqlen_all, scale, out, lse, stream, strides,
-                table=None, new=None, slopes=None, sinks=None) -> None:
+                table=None, new=None, slopes=None, sinks=None, scales=None) -> None:
         """Everything after validation: the split kernel (which appends ``new``'s tokens), then
         (if split) the merge kernel, on ``stream`` (None: the current stream); ``strides``:
         ``_element_strides(...)``; ``table``: the block table of a paged plan; ``new``:
         ``_validate.check_new_tokens(...)``'s (k_new, v_new, their strides in elements);
         ``slopes``: an ALiBi plan's (num_heads,) float32 device slopes; ``sinks``: (num_heads,)
-        float32 device sink logits."""
+        float32 device sink logits; ``scales``: an fp8 plan's ``_validate.check_attention_scales(...)``."""
         import cupy
 
         if self.batch == 0:
@@ -454,20 +491,34 @@ class DecodePlan:
             new[0].data.ptr, new[1].data.ptr, new[2], self.q_len)
         seqlens_64 = 0 if seqlens is None else seqlens.itemsize >> 3
         table_64 = 0 if table is None else table.itemsize >> 3
+        launch = self._split_launch
+        k_arr = v_arr = 0
+        k_all = v_all = 1.0
+        if scales is not None:
+            per_token, (k_sc, k_all), (v_sc, v_all) = scales
+            k_arr = 0 if k_sc is None else k_sc.data.ptr
+            v_arr = 0 if v_sc is None else v_sc.data.ptr
+            if per_token:
+                if self._token_launch is None:
+                    self._token_launch = self._struct_launch(
+                        dataclasses.replace(self.config, kv_scale_token=True))
+                launch = self._token_launch
 
         def tail() -> tuple:  # the parameters after the pointers, in the list's order
             return (*strides[:11], *new_strides, *strides[11:], seqlen_all, *self._static,
                     *self._score_args(scale), n_new, self._window_arg, seqlens_64, table_64,
-                    self.q_len)
+                    self.q_len, k_all, v_all)
 
-        self._split_launch.launch_with_tail(
+        launch.launch_with_tail(
             stream.ptr,
             (q.data.ptr, k.data.ptr, v.data.ptr, 0 if seqlens is None else seqlens.data.ptr,
              *self._part_ptrs, out.data.ptr, 0 if lse is None else lse.data.ptr,
              self._counter_ptr, 0 if table is None else table.data.ptr, k_new, v_new,
-             0 if slopes is None else slopes.data.ptr, 0 if sinks is None else sinks.data.ptr),
+             0 if slopes is None else slopes.data.ptr, 0 if sinks is None else sinks.data.ptr,
+             k_arr, v_arr),
             # everything tail() reads that can change between calls of this plan
-            (strides, new_strides, n_new, seqlen_all, scale, seqlens_64, table_64), tail)
+            (strides, new_strides, n_new, seqlen_all, scale, seqlens_64, table_64, k_all, v_all),
+            tail)
         if self._merge_call is not None:
             self._merge_call(stream.ptr, *self._part_ptrs, out.data.ptr,
                              0 if lse is None else lse.data.ptr, *self._merge_static,
@@ -490,12 +541,12 @@ _NUM_PTRS = next((i for i, (kind, _) in enumerate(_PARAM_LIST) if kind != "PTR")
 _PARAMS_HEAD = struct.Struct("<" + "Q" * _NUM_PTRS)
 _PARAMS_TAIL = struct.Struct("<" + _PARAMS.format.lstrip("<")[_NUM_PTRS:])
 _LAUNCH_ORDER = ("q", "k", "v", "seqlens", "o_part", "lse_part", "out", "lse_out", "counters",
-                 "block_table", "k_new", "v_new", "alibi_slopes", "sinks", "q_sb", "q_sh", "k_sb", "k_ss", "k_sh", "v_sb",
+                 "block_table", "k_new", "v_new", "alibi_slopes", "sinks", "k_scale", "v_scale", "q_sb", "q_sh", "k_sb", "k_ss", "k_sh", "v_sb",
                  "v_ss", "v_sh", "out_sb", "out_sh", "bt_sb", "kn_sb", "kn_ss", "kn_sh", "vn_sb",
                  "vn_ss", "vn_sh", "q_st", "out_st", "num_pages", "seqlen_all", "max_seqlen",
                  "num_heads", "group", "head_tiles", "chunk_tokens", "page_size", "scale_log2",
                  "warps_in_step", "soft_cap_in", "soft_cap_out", "n_new",
-                 "window_left", "seqlens_64", "table_64", "q_len")
+                 "window_left", "seqlens_64", "table_64", "q_len", "k_scale_all", "v_scale_all")
 if _PARAM_LIST and tuple(name for _, name in _PARAM_LIST) != _LAUNCH_ORDER:
     raise ImportError("kernels/decode_params.cuh and DecodePlan._launch disagree on the split "
                       f"kernel's parameters: {[n for _, n in _PARAM_LIST]} vs {list(_LAUNCH_ORDER)}")
@@ -528,14 +579,14 @@ def _thread_token() -> object:
 
 
 def _cached_plan(shape: dict, dtype: str, num_splits, split_size, soft_cap, window,
-                 alibi: bool, device: int, stream: int) -> DecodePlan:
+                 alibi: bool, device: int, stream: int, kv_dtype=None) -> DecodePlan:
     """Plans (and their workspaces) reused across eager calls of the same shape on one stream
     (``device``: the current device, ``stream``: the current stream's handle)."""
     # The per-thread default stream has the same handle in every thread but is a different
     # stream in each: those plans (workspaces) must not be shared across threads.
     owner = _thread_token() if stream == _PER_THREAD_STREAM else None
     key = (tuple(shape.values()), dtype, num_splits, split_size, soft_cap, window, alibi, device,
-           stream, owner)
+           stream, owner, kv_dtype)
     with _PLAN_LOCK:  # threads may share the cache (not a plan: see the key)
         plan = _PLAN_CACHE.get(key)
         if plan is None:
@@ -543,7 +594,8 @@ def _cached_plan(shape: dict, dtype: str, num_splits, split_size, soft_cap, wind
                               shape["head_dim"], shape["max_seqlen"], dtype,
                               num_splits=num_splits, split_size=split_size,
                               logits_soft_cap=soft_cap, page_size=shape.get("page_size"),
-                              window_left=window, alibi=alibi, q_len=shape["q_len"])
+                              window_left=window, alibi=alibi, q_len=shape["q_len"],
+                              kv_dtype=kv_dtype)
             _PLAN_CACHE[key] = plan
             if len(_PLAN_CACHE) > _PLAN_CACHE_SIZE:
                 _PLAN_CACHE.popitem(last=False)
@@ -568,7 +620,9 @@ def flash_decode(q: ArrayLike, k_cache: ArrayLike, v_cache: ArrayLike,
                  out: ArrayLike | None = None, split_size: int | None = None,
                  block_table: ArrayLike | None = None, k_new: ArrayLike | None = None,
                  v_new: ArrayLike | None = None, window_left: int | None = None,
-                 alibi_slopes: ArrayLike | None = None, sinks: ArrayLike | None = None
+                 alibi_slopes: ArrayLike | None = None, sinks: ArrayLike | None = None,
+                 kv_dtype: str | None = None, k_scale: float | ArrayLike | None = None,
+                 v_scale: float | ArrayLike | None = None
                  ) -> cupy.ndarray | tuple[cupy.ndarray, cupy.ndarray]:
     """Decode attention of one query token per sequence (or several: draft tokens to verify)
     against its KV cache.
@@ -619,6 +673,17 @@ def flash_decode(q: ArrayLike, k_cache: ArrayLike, v_cache: ArrayLike,
             copied per call): the softmax denominator gains e^σ_h with no value, out =
             Σ e^s v / (e^σ + Σ e^s) and lse = ln(e^σ + Σ e^s); an empty sequence gives out = 0,
             lse = σ_h.
+        kv_dtype: "e4m3" or "e5m2": the caches hold fp8 codes (uint8, or that format's
+            ml_dtypes float8 type), key j = code · k_scale, value = code · v_scale; q and out
+            float16 or bfloat16, head_dim a multiple of 16. Every option above works with it;
+            k_new/v_new (q's dtype) are quantised into the cache with the scales (per-token
+            scales: computed for the new tokens, amax / the format's largest value, and written
+            into k_scale/v_scale at their positions).
+        k_scale, v_scale: with kv_dtype, each a float > 0 (per tensor), a (num_kv_heads,)
+            float32 device array (per KV head), or a float32 device array of the cache's first
+            two axes + (num_kv_heads,) — (batch, max_seqlen, num_kv_heads), paged (num_pages,
+            page_size, num_kv_heads) — per token and KV head (both per token, or neither).
+            :func:`cupydecode.quantize_kv` makes a cache and its scales.
 
     Returns:
         out, or (out, lse) with ``return_lse=True``. A sequence of length 0 gives out = 0 and
@@ -634,6 +699,7 @@ def flash_decode(q: ArrayLike, k_cache: ArrayLike, v_cache: ArrayLike,
     cupy = _kernels.import_cupy()
 
     layout = V.layout_key(q, k_cache, v_cache)  # (no CUDA call before a host array is refused)
+    kv = None if kv_dtype is None else V.check_kv_dtype(kv_dtype)
     soft_cap = V.check_soft_cap(logits_soft_cap)
     window = V.check_window(window_left)
     alibi = alibi_slopes is not None
@@ -644,7 +710,7 @@ def flash_decode(q: ArrayLike, k_cache: ArrayLike, v_cache: ArrayLike,
         stream = cupy.cuda.get_current_stream()
         ptr = stream.ptr
         key = (layout, tkey, ptr, num_splits, split_size, soft_cap, window, alibi,
-               _thread_token() if ptr == _PER_THREAD_STREAM else None)
+               _thread_token() if ptr == _PER_THREAD_STREAM else None, kv)
         try:
             hit = _EAGER.get(key)
         except TypeError:  # an unhashable num_splits or split_size: check_splits names it
@@ -654,7 +720,7 @@ def flash_decode(q: ArrayLike, k_cache: ArrayLike, v_cache: ArrayLike,
         k, v = k_cache, v_cache
     else:
         q, k, v, dt, shape = V.check_decode_inputs(q, k_cache, v_cache, layout,
-                                                   block_table is not None)
+                                                   block_table is not None, kv)
         plan = strides = None
         bt_sb = num_pages = 0
         if block_table is not None:
@@ -671,6 +737,7 @@ def flash_decode(q: ArrayLike, k_cache: ArrayLike, v_cache: ArrayLike,
     slopes = None if not alibi else V.check_alibi_slopes(alibi_slopes, alibi, shape["num_heads"])
     if sinks is not None:
         sinks = V.check_head_values(sinks, "sinks", shape["num_heads"])
+    scales = V.check_attention_scales(kv, k_scale, v_scale, k, shape["num_kv_heads"])
     # out and lse follow q: (batch, [q_len,] num_heads, head_dim), (batch, [q_len,] num_heads)
     out_shape = tuple(q.shape)
     # dtype objects, not names: CuPy parses a name on every call
@@ -686,14 +753,14 @@ def flash_decode(q: ArrayLike, k_cache: ArrayLike, v_cache: ArrayLike,
     if plan is None:
         # validation put q on the current device: its id, without asking the runtime again
         plan = _cached_plan(shape, dt, num_splits, split_size, soft_cap, window, alibi,
-                            q.data.device_id, ptr)
+                            q.data.device_id, ptr, kv)
         strides = plan._element_strides(q, k, v, bt_sb, num_pages)
         if key is not None:
             if len(_EAGER) >= _EAGER_SIZE:
                 _EAGER.clear()
             _EAGER[key] = (dt, shape, plan, strides)
     plan._launch(q, k, v, seqlens, seqlen_all, scale, out, lse, stream, strides, table, new,
-                 slopes, sinks)
+                 slopes, sinks, scales)
     return (ret_out, ret_lse) if return_lse else ret_out
 
 

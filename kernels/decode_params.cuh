@@ -22,10 +22,12 @@
     X(PTR, float*, lse_out)          /* may be null */                                        \
     X(PTR, int*, counters)           /* non-null: fused merge */                              \
     X(PTR, const int*, block_table)  /* PAGED: (batch, pages per sequence) page indices */    \
-    X(PTR, const kv_t*, k_new)       /* n_new > 0: (batch, n_new, kv heads, dim) new tokens */ \
-    X(PTR, const kv_t*, v_new)                                                                \
+    X(PTR, const q_t*, k_new)        /* n_new > 0: (batch, n_new, kv heads, dim) new tokens */ \
+    X(PTR, const q_t*, v_new)        /* (q's type: the cache's, or 16-bit for fp8 KV) */     \
     X(PTR, const float*, alibi_slopes) /* ALIBI: (num_heads,) float32 slopes */               \
     X(PTR, const float*, sinks)      /* (num_heads,) float32 sink logits (natural log), or null */ \
+    X(PTR, float*, k_scale)          /* fp8 KV: (kv heads,) or per token (KV_SCALE_TOKEN), or null */ \
+    X(PTR, float*, v_scale)                                                                   \
     X(I64, long long, q_sb)          /* strides, in elements */                               \
     X(I64, long long, q_sh)                                                                   \
     X(I64, long long, k_sb)                                                                   \
@@ -61,7 +63,9 @@
     X(I32, int, window_left)         /* W ≥ 0: only keys ≥ position − W; −1: no window */    \
     X(I32, int, seqlens_64)          /* 1: seqlens holds int64 lengths (torch's default) */  \
     X(I32, int, table_64)            /* PAGED, 1: block_table holds int64 page indices */     \
-    X(I32, int, q_len)               /* MULTI_Q: query tokens per sequence (else 1) */
+    X(I32, int, q_len)               /* MULTI_Q: query tokens per sequence (else 1) */     \
+    X(F32, float, k_scale_all)       /* fp8 KV: the per-tensor scales (null k_scale/v_scale) */ \
+    X(F32, float, v_scale_all)
 
 #define CD_PARAM_FIELD(kind, type, name) type name;
 #define CD_PARAM_SIZE(kind, type, name) +sizeof(type)

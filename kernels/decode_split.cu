@@ -77,13 +77,32 @@
 // warps of one KV head.
 #include "common.cuh"
 
-// Element types of q, of the K/V cache and of out: all DTYPE_ID's today. A KV type of its own
-// (fp8) changes kv_t, the KV view's copies and the fragment loads that read K/V tiles.
+// Element types of q, of the K/V cache and of out: q and out are DTYPE_ID's; K/V too, or with
+// KV_FP8 (1 e4m3, 2 e5m2; fp8.cuh) one-byte codes, decoded in registers by the heads-as-N path
+// (below: "fp8 KV") into DTYPE_ID's 16-bit type. A key is code · k_scale, a value code · v_scale:
+// per tensor (k_scale_all), per KV head (k_scale[kv_head]) or, with KV_SCALE_TOKEN, per token and
+// KV head (k_scale[(row of the cache's leading axes) · num_kv_heads + kv_head]).
+#ifndef KV_FP8
+#define KV_FP8 0
+#endif
+#ifndef KV_SCALE_TOKEN
+#define KV_SCALE_TOKEN 0
+#endif
 typedef cd_elem<DTYPE_ID> E;  // conversions of q and out
 typedef E::storage q_t;
-typedef E::storage kv_t;
 typedef E::storage out_t;
+#if KV_FP8
+#include "fp8.cuh"
+typedef u8 kv_t;
+#if KV_FP8 == 1
+typedef cd_e4m3 kv_fmt;
+#else
+typedef cd_e5m2 kv_fmt;
+#endif
+#else
+typedef E::storage kv_t;
 static_assert(sizeof(q_t) == sizeof(kv_t), "the tile math multiplies q and K/V of one width");
+#endif
 
 #define NUM_THREADS (NUM_WARPS * 32)
 #ifndef KV_PER_BLOCK
@@ -91,11 +110,15 @@ static_assert(sizeof(q_t) == sizeof(kv_t), "the tile math multiplies q and K/V o
 #endif
 #define RINGS (NUM_WARPS / MTILES)          // K/V rings: one per token slot and KV head
 #define SLOTS (RINGS / KV_PER_BLOCK)        // token slots
-#define BLOCK_ROWS (ROWS * MTILES)          // query rows of one M-tile block
+// query rows of one block: its M-tiles' (fp8 KV: the 8 of the heads-as-N path's N)
+#define BLOCK_ROWS (KV_FP8 ? 8 : ROWS * MTILES)
 // Query rows held in shared memory: BLOCK_ROWS, or 8 (the mma's N) per KV head of the block
 #define Q_ROWS (KV_PER_BLOCK > 1 ? KV_PER_BLOCK * 8 : BLOCK_ROWS)
 #define ES ((int)sizeof(kv_t))
-#define CPR (HEAD_DIM * ES / 16)            // 16-byte chunks per K/V/Q row
+#define CPR (HEAD_DIM * ES / 16)            // 16-byte chunks per K/V row
+#define QES ((int)sizeof(q_t))
+#define QCPR (HEAD_DIM * QES / 16)          // 16-byte chunks per Q row (and k_new/v_new's, fp8)
+#define QEPC (16 / QES)
 // REAL_DIM: the head_dim of q, the cache and out, a multiple of 8 up to HEAD_DIM, the width the
 // kernel computes in (the host rounds REAL_DIM up to 64, 128 or 256). Every copy into shared
 // memory zero-fills a row's chunks past REAL_DIM, which leaves the scores and the first REAL_DIM
@@ -106,9 +129,10 @@ static_assert(sizeof(q_t) == sizeof(kv_t), "the tile math multiplies q and K/V o
 #define RCPR (REAL_DIM * ES / 16)           // 16-byte chunks per row in memory
 // chunk c of a row is in memory (a compile-time true where REAL_DIM == HEAD_DIM)
 #define CHUNK_IN_MEMORY(c) (REAL_DIM == HEAD_DIM || (c) < RCPR)
+#define Q_CHUNK_IN_MEMORY(c) (REAL_DIM == HEAD_DIM || (c) < REAL_DIM * QES / 16)
 #define EPC (16 / ES)                       // elements per 16-byte chunk
 #define TILE_BYTES (TILE_N * HEAD_DIM * ES) // one K (or V) tile of one slot
-#define Q_BYTES (Q_ROWS * HEAD_DIM * ES)
+#define Q_BYTES (Q_ROWS * HEAD_DIM * QES)
 #define PIPE_BYTES (RINGS * STAGES * 2 * TILE_BYTES)
 // Per-warp accumulators in shared memory, rows padded by 8 floats: the mma-layout float2 stores
 // (lanes g = 0..7 write rows g) would otherwise hit the same banks 8 times.
@@ -124,9 +148,13 @@ static_assert(sizeof(q_t) == sizeof(kv_t), "the tile math multiplies q and K/V o
 #define LIVE_BYTES (PAGED ? (RINGS * STAGES * 4 + 15) / 16 * 16 : 0)
 // The appended token's K and V rows (k_new, v_new) of each of the block's KV heads
 // (MULTI_Q: up to NEW_ROWS appended tokens per sequence, one per query token)
+// (fp8 KV: their codes, then one float scale per row, rounded up to 16 bytes)
 #define NEW_ROWS (MULTI_Q ? 16 : 1)
-#define NEW_BYTES (KV_PER_BLOCK * 2 * NEW_ROWS * HEAD_DIM * ES)
-#define SMEM_BYTES (Q_BYTES + BODY_BYTES + ML_BYTES + LIVE_BYTES + NEW_BYTES)
+#define NEW_CODE_BYTES (KV_PER_BLOCK * 2 * NEW_ROWS * HEAD_DIM * ES)
+#define NEW_BYTES (NEW_CODE_BYTES + (KV_FP8 ? (2 * NEW_ROWS * 4 + 15) / 16 * 16 : 0))
+// KV_SCALE_TOKEN: per ring stage the K and V scales of its tile's TILE_N rows (the KV view's)
+#define TSCALE_BYTES (KV_SCALE_TOKEN ? RINGS * STAGES * 2 * TILE_N * 4 : 0)
+#define SMEM_BYTES (Q_BYTES + BODY_BYTES + ML_BYTES + LIVE_BYTES + TSCALE_BYTES + NEW_BYTES)
 
 #if (HEAD_DIM * 2 / 16) < 8
 #error "HEAD_DIM too small for the 8-row XOR swizzle"
@@ -152,11 +180,32 @@ static_assert(sizeof(q_t) == sizeof(kv_t), "the tile math multiplies q and K/V o
 #if KV_PER_BLOCK < 1 || (KV_PER_BLOCK > 1 && (!HEADS_AS_N || NUM_WARPS % KV_PER_BLOCK != 0))
 #error "KV_PER_BLOCK > 1 is a heads-as-N layout whose warps split evenly over the KV heads"
 #endif
+#if KV_FP8 && (!HEADS_AS_N || KV_PER_BLOCK != 1 || DTYPE_ID == 2 || (REAL_DIM % 16) != 0)
+#error "fp8 KV is a heads-as-N path of one KV head per block, 16-bit q, head_dim a multiple of 16"
+#endif
+#if KV_SCALE_TOKEN && !KV_FP8
+#error "KV_SCALE_TOKEN: scales of an fp8 cache"
+#endif
 
 // Rows of 128+ bytes put every row's chunk c in the same banks; XOR-ing the chunk index with
 // (row mod 8) spreads the 8 rows an ldmatrix (or a quarter-warp) touches over all 32 banks.
 __device__ __forceinline__ int swz(int row, int chunk) {
     return row * CPR + (chunk ^ (row & 7));
+}
+// The Q tile's (16-bit rows of QCPR chunks; the same as swz where K/V are 16-bit too).
+__device__ __forceinline__ int swz_q(int row, int chunk) {
+    return row * QCPR + (chunk ^ (row & 7));
+}
+// A K/V ring row's chunk. fp8 rows (HEAD_DIM bytes) are read as 16-byte chunks (K: rows g and
+// g + 8, chunk t of a 64-byte group) and as 8-byte pieces of rows 2t, 2t + 1 (V): XOR-ing with
+// 4·(row & 1) + 2·((row >> 1) & 3) puts the rows each phase of those loads touches on distinct
+// banks (conflict-free at HEAD_DIM ≥ 128; two-way for some rows at 64).
+__device__ __forceinline__ int ring_chunk(int row, int chunk) {
+#if KV_FP8
+    return row * CPR + (chunk ^ ((((row & 1) << 2) | (((row >> 1) & 3) << 1)) & (CPR - 1)));
+#else
+    return swz(row, chunk);
+#endif
 }
 
 __device__ __forceinline__ u32 smem_u32(const void* p) {
@@ -192,6 +241,11 @@ __device__ __forceinline__ void cp_async16_stream(u32 dst, const void* src, bool
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
                  :: "r"(dst), "l"(src), "r"(valid ? 16 : 0) : "memory");
 #endif
+}
+// 4-byte global→shared copy (per-token scales); src_bytes = 0 zero-fills without reading.
+__device__ __forceinline__ void cp_async4(u32 dst, const void* src, bool valid) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n"
+                 :: "r"(dst), "l"(src), "r"(valid ? 4 : 0) : "memory");
 }
 __device__ __forceinline__ void cp_async_commit() {
     asm volatile("cp.async.commit_group;\n" ::: "memory");
@@ -345,46 +399,59 @@ __device__ __forceinline__ float kv_mask(float s, u32 live, int r) {
 //   m2[h]      the row's running maximum score (−inf while it has seen none)
 //   l2[h]      this thread's share of Σ 2^(s − m2) (the lanes of a row are summed at the end)
 //   acc[n][e]  this thread's mma fragments of Σ 2^(s − m2) · v; element e is row (e >> SHIFT) & 1
+//   mv[h]      (fp8 KV with per-token V scales only) the running maximum of s + log2(v_scale):
+//              acc then holds Σ 2^(s + log2 v_scale − mv) · code, so that the 16-bit weights
+//              that multiply the codes stay ≤ 1 whatever the scales; the row's output is
+//              acc · 2^(mv − m2) / l
 // The lanes that share a row are lane masks FIRST, 2·FIRST, … LAST apart. Its merge with the other
 // warps' states, and across splits, is cd_merge_scales / cd_merge_* (common.cuh).
 template <int N, int SHIFT, int FIRST, int LAST>
 struct cd_tc_state {
-    float m2[2], l2[2], acc[N][4];
+    float m2[2], l2[2], acc[N][4], mv[2];
 
     __device__ __forceinline__ void init() {
-        m2[0] = m2[1] = CD_NEG_INF;
+        m2[0] = m2[1] = mv[0] = mv[1] = CD_NEG_INF;
         l2[0] = l2[1] = 0.f;
 #pragma unroll
         for (int n = 0; n < N; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
     }
 
     // A tile's maxima mx (this thread's), reduced over the lanes of each row, become the running
-    // maxima; alpha is what rescales the old state, ref what the tile's exponentials subtract
-    // (0 while a row has seen only −inf, so no NaN forms).
-    __device__ __forceinline__ void max_step(float (&mx)[2], float (&alpha)[2], float (&ref)[2]) {
+    // maxima m (m2, or mv); alpha is what rescales the old state, ref what the tile's
+    // exponentials subtract (0 while a row has seen only −inf, so no NaN forms).
+    __device__ __forceinline__ void max_step_of(float (&m)[2], float (&mx)[2], float (&alpha)[2],
+                                                float (&ref)[2]) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
 #pragma unroll
             for (int x = FIRST; x <= LAST; x *= 2)
                 mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], x));
-            const cd_rescale sc = cd_merge_scales(m2[h], mx[h]);
+            const cd_rescale sc = cd_merge_scales(m[h], mx[h]);
             alpha[h] = sc.a;
-            m2[h] = sc.m;
+            m[h] = sc.m;
             ref[h] = (sc.m == CD_NEG_INF) ? 0.f : sc.m;
         }
     }
+    __device__ __forceinline__ void max_step(float (&mx)[2], float (&alpha)[2], float (&ref)[2]) {
+        max_step_of(m2, mx, alpha, ref);
+    }
 
     // After the tile's exponentials: the denominators take the tile's sums rs, and where a row's
-    // maximum moved in any lane (alpha ≠ 1) the accumulator fragments are scaled too.
-    __device__ __forceinline__ void rescale(const float (&alpha)[2], const float (&rs)[2]) {
+    // maximum moved in any lane (alpha ≠ 1) the accumulator fragments are scaled too (by
+    // alpha_acc: mv's where it has its own maximum).
+    __device__ __forceinline__ void rescale(const float (&alpha)[2], const float (&rs)[2],
+                                            const float (&alpha_acc)[2]) {
         l2[0] = l2[0] * alpha[0] + rs[0];
         l2[1] = l2[1] * alpha[1] + rs[1];
-        if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
+        if (__any_sync(0xffffffffu, alpha_acc[0] != 1.f || alpha_acc[1] != 1.f)) {
 #pragma unroll
             for (int n = 0; n < N; ++n)
 #pragma unroll
-                for (int e = 0; e < 4; ++e) acc[n][e] *= alpha[(e >> SHIFT) & 1];
+                for (int e = 0; e < 4; ++e) acc[n][e] *= alpha_acc[(e >> SHIFT) & 1];
         }
+    }
+    __device__ __forceinline__ void rescale(const float (&alpha)[2], const float (&rs)[2]) {
+        rescale(alpha, rs, alpha);
     }
 
     // At the end of the stream: each row's denominator, summed over the lanes that share it.
@@ -639,13 +706,30 @@ cd_decode_split(const cd_decode_params p) {
         auto walk_tile = [&](u32 kdst, u32 vdst, const kv_t* kp, const kv_t* vp) {
 #pragma unroll
             for (int j = 0; j < TILE_N / RSTEP; ++j) {
-                const int so = swz(r0 + j * RSTEP, c0) * 16;
+                const int so = ring_chunk(r0 + j * RSTEP, c0) * 16;
                 cp_async16_stream(kdst + so, kp, c0_live, policy);
                 cp_async16_stream(vdst + so, vp, c0_live, policy);
                 kp += k_rows;
                 vp += v_rows;
             }
         };
+        // KV_SCALE_TOKEN: lane l copies the scale of its tile's row l % 16, K's (l < 16) or V's,
+        // at ``at`` (the row's (token, KV head) index) where ``ok``; zeros (no key) otherwise.
+        const int num_kv_heads = num_heads / group;
+#if KV_SCALE_TOKEN
+        float* sm_tsc = reinterpret_cast<float*>(smem + Q_BYTES + BODY_BYTES + ML_BYTES + LIVE_BYTES);
+        // tile i's scales: K's of row r at [r], V's at [TILE_N + r]
+        auto tile_scales = [&](int i) -> const float* {
+            return sm_tsc + (ring_id * STAGES + i % STAGES) * 2 * TILE_N;
+        };
+        auto copy_scales = [&](int stage, bool ok, long long at) {
+            const float* src = lane < TILE_N ? p.k_scale : p.v_scale;
+            cp_async4(smem_u32(sm_tsc + (ring_id * STAGES + stage) * 2 * TILE_N + lane),
+                      ok ? src + at : src, ok);
+        };
+#else
+        auto copy_scales = [](int stage, bool ok, long long at) { (void)stage; (void)ok; (void)at; };
+#endif
 #if PAGED
         // A tile inside one page takes the walking copy from that page; any other tile (pages of
         // < 16 tokens, a tile across a page boundary, the chunk's partial last tile) has the
@@ -690,12 +774,13 @@ cd_decode_split(const cd_decode_params p) {
                     const long long rp = __shfl_sync(0xffffffffu, pg, r);
                     const long long rr = __shfl_sync(0xffffffffu, row, r);
                     const bool rok = ((live >> r) & 1u) && CHUNK_IN_MEMORY(c);
-                    const int so = swz(r, c) * 16, cm = CHUNK_IN_MEMORY(c) ? c : 0;
+                    const int so = ring_chunk(r, c) * 16, cm = CHUNK_IN_MEMORY(c) ? c : 0;
                     cp_async16_stream(kdst + so, kbase + rp * k_sb + rr * k_ss + cm * EPC, rok, policy);
                     cp_async16_stream(vdst + so, vbase + rp * v_sb + rr * v_ss + cm * EPC, rok, policy);
                 }
             }
             if (lane == 0) sm_live[ring_id * STAGES + stage] = live;
+            copy_scales(stage, ok, ((long long)pg * page_size + row) * num_kv_heads + kv_head);
         };
         // the mask of tile i, visible to the slot's warps once next_tile(i) has returned
         auto tile_live = [&](int i) -> u32 { return sm_live[ring_id * STAGES + i % STAGES]; };
@@ -709,6 +794,11 @@ cd_decode_split(const cd_decode_params p) {
             const int t0 = tile_start(i);
             const u32 kdst = ring_u32 + stage * 2 * TILE_BYTES;
             const u32 vdst = kdst + TILE_BYTES;
+            {
+                const int tok = t0 + (lane & (TILE_N - 1));
+                copy_scales(stage, tok < chunk_end,
+                            ((long long)b * max_seqlen + tok) * num_kv_heads + kv_head);
+            }
             if (WALK && t0 + TILE_N <= chunk_end) {
                 const kv_t* kp = k_lane + i * k_tiles;
                 const kv_t* vp = v_lane + i * v_tiles;
@@ -721,7 +811,7 @@ cd_decode_split(const cd_decode_params p) {
                 const int r = cid / CPR, c = cid % CPR;
                 const bool ok = t0 + r < chunk_end && CHUNK_IN_MEMORY(c);
                 const long long tok = ok ? t0 + r : chunk_start;  // valid address even if unused
-                const int so = swz(r, c) * 16, cm = ok ? c : 0;
+                const int so = ring_chunk(r, c) * 16, cm = ok ? c : 0;
                 cp_async16_stream(kdst + so, kbase + tok * k_ss + cm * EPC, ok, policy);
                 cp_async16_stream(vdst + so, vbase + tok * v_ss + cm * EPC, ok, policy);
             }
@@ -733,7 +823,24 @@ cd_decode_split(const cd_decode_params p) {
         // written now) and then overwrites it in the ring from sm_new, the rows k_new and v_new
         // hold (patch_new_row); the blocks of head tile 0 also write them into the cache. No part
         // of this launch reads those cache rows after the copy.
-        uint4* sm_new = reinterpret_cast<uint4*>(smem + Q_BYTES + BODY_BYTES + ML_BYTES + LIVE_BYTES);
+        uint4* sm_new = reinterpret_cast<uint4*>(smem + Q_BYTES + BODY_BYTES + ML_BYTES + LIVE_BYTES
+                                                 + TSCALE_BYTES);
+        // fp8 KV: the scales the appended rows were quantised with, after their codes (row 2j: K
+        // of appended token j, 2j + 1: V)
+        float* sm_new_scale = reinterpret_cast<float*>(reinterpret_cast<unsigned char*>(sm_new)
+                                                       + NEW_CODE_BYTES);
+        (void)sm_new_scale;
+        // KV_SCALE_TOKEN: tile i's row r is appended token j: its scales into the tile's, by the
+        // lanes that copied them (r: K's, TILE_N + r: V's)
+        auto patch_new_scales = [&](int i, int r, int j) {
+#if KV_SCALE_TOKEN
+            if ((lane & (TILE_N - 1)) == r)
+                sm_tsc[(ring_id * STAGES + i % STAGES) * 2 * TILE_N + lane] =
+                    sm_new_scale[2 * j + (lane >= TILE_N)];
+#else
+            (void)i; (void)r; (void)j;
+#endif
+        };
 #if MULTI_Q
         // MULTI_Q: the appended tokens are [new_lo, seqlen), n_new of them (fewer at capacity);
         // this chunk holds [new_in, new_out) of them, token new_lo + j in sm_new's rows 2j, 2j + 1
@@ -748,10 +855,11 @@ cd_decode_split(const cd_decode_params p) {
                 if (!((tile_live(i) >> r) & 1u)) continue;
                 const int j = t0 + r - new_lo;
                 for (int c = (lane - r * CPR) & 31; c < CPR; c += 32) {  // lane (r·CPR + c) % 32
-                    *reinterpret_cast<uint4*>(st + swz(r, c) * 16) = sm_new[(2 * j) * CPR + c];
-                    *reinterpret_cast<uint4*>(st + TILE_BYTES + swz(r, c) * 16) =
+                    *reinterpret_cast<uint4*>(st + ring_chunk(r, c) * 16) = sm_new[(2 * j) * CPR + c];
+                    *reinterpret_cast<uint4*>(st + TILE_BYTES + ring_chunk(r, c) * 16) =
                         sm_new[(2 * j + 1) * CPR + c];
                 }
+                patch_new_scales(i, r, j);
             }
         };
 #else
@@ -763,9 +871,10 @@ cd_decode_split(const cd_decode_params p) {
             if (!has_new || (unsigned)r >= TILE_N || !((tile_live(i) >> r) & 1u)) return;
             unsigned char* st = ring + (i % STAGES) * 2 * TILE_BYTES;
             for (int c = (lane - r * CPR) & 31; c < CPR; c += 32) {  // chunk (r, c): lane (r·CPR + c) % 32
-                *reinterpret_cast<uint4*>(st + swz(r, c) * 16) = sm_new[(2 * kh) * CPR + c];
-                *reinterpret_cast<uint4*>(st + TILE_BYTES + swz(r, c) * 16) = sm_new[(2 * kh + 1) * CPR + c];
+                *reinterpret_cast<uint4*>(st + ring_chunk(r, c) * 16) = sm_new[(2 * kh) * CPR + c];
+                *reinterpret_cast<uint4*>(st + TILE_BYTES + ring_chunk(r, c) * 16) = sm_new[(2 * kh + 1) * CPR + c];
             }
+            patch_new_scales(i, r, 0);
         };
 #endif
 
@@ -782,7 +891,7 @@ cd_decode_split(const cd_decode_params p) {
         // here and stored after the Q load, so that the latencies overlap; a page index outside
         // [0, num_pages) writes nothing (and its row counts for nothing: tile_live).
         static_assert(KV_PER_BLOCK * CPR <= NUM_THREADS, "a thread per chunk of the new rows");
-        const bool app = !MULTI_Q && has_new && tid < KV_PER_BLOCK * CPR;
+        const bool app = !MULTI_Q && !KV_FP8 && has_new && tid < KV_PER_BLOCK * CPR;
         const int app_head = unit * KV_PER_BLOCK + tid / CPR, app_c = tid % CPR;
         uint4 app_k = make_uint4(0u, 0u, 0u, 0u), app_v = app_k;
         long long app_kr = -1, app_vr = -1;  // the row's place in the cache; -1: not written
@@ -803,23 +912,101 @@ cd_decode_split(const cd_decode_params p) {
         }
         // ================================================================ 3. tile compute
         // ---------------------------------------------------------------- Q tile → shared
-        for (int i = tid; i < Q_ROWS * CPR; i += NUM_THREADS) {
-            const int r = i / CPR, c = i % CPR;
+        for (int i = tid; i < Q_ROWS * QCPR; i += NUM_THREADS) {
+            const int r = i / QCPR, c = i % QCPR;
             // shared row r: the block's row r, or query head r % 8 of the block's KV head r / 8
             const bool live = KV_PER_BLOCK > 1 ? (r & 7) < group : r < rows;
             const int qh = KV_PER_BLOCK > 1 ? h0 + (r >> 3) * group + (r & 7) : h0 + r;
             const cd_qrow qr = qrow_of(qh, group, vgroup);
             uint4 val = make_uint4(0u, 0u, 0u, 0u);
-            if (live && CHUNK_IN_MEMORY(c))
+            if (live && Q_CHUNK_IN_MEMORY(c))
                 val = *reinterpret_cast<const uint4*>(q + b * q_sb + qr.t * p.q_st
-                                                      + (long long)qr.head * q_sh + c * EPC);
+                                                      + (long long)qr.head * q_sh + c * QEPC);
 #if DTYPE_ID != 2
-            reinterpret_cast<uint4*>(sq)[swz(r, c)] = val;
+            reinterpret_cast<uint4*>(sq)[swz_q(r, c)] = val;
 #else
-            reinterpret_cast<uint4*>(sq)[r * CPR + c] = val;
+            reinterpret_cast<uint4*>(sq)[r * QCPR + c] = val;
 #endif
         }
+#if KV_FP8
+        // fp8 KV: the chunk's appended tokens (k_new, v_new: q's 16-bit type), quantised as
+        // quantize_kv.cu quantises (code = encode(x / s), an IEEE division; per-token scales
+        // s = amax / the largest finite value, 1 where that is 0 or not finite), one warp per
+        // (token, K or V) row, lane c its 16-bit chunk c: into sm_new (codes and scale) and, by
+        // head tile 0's block, into the cache and (per token) the scale array. A page index
+        // outside [0, num_pages) writes nothing (and its row counts for nothing: tile_live).
+        {
+            static_assert(QCPR <= 32, "a lane per 16-bit chunk of a new row");
 #if MULTI_Q
+            const int new_rows = new_out - new_in, j0 = new_in - new_lo;
+#else
+            const int new_rows = has_new ? 1 : 0, j0 = 0;
+#endif
+            unsigned char* sm_codes = reinterpret_cast<unsigned char*>(sm_new);
+            for (int item = warp; item < 2 * new_rows; item += NUM_WARPS) {
+                const int j = j0 + item / 2, kvi = item & 1, tok = new_lo + j;
+                const q_t* src = kvi ? p.v_new + b * p.vn_sb + j * p.vn_ss + (long long)kv_head * p.vn_sh
+                                     : p.k_new + b * p.kn_sb + j * p.kn_ss + (long long)kv_head * p.kn_sh;
+                const int c = lane;
+                float x[8];
+                float amax = 0.f;
+                {
+                    uint4 raw = make_uint4(0u, 0u, 0u, 0u);
+                    if (c < QCPR && Q_CHUNK_IN_MEMORY(c))
+                        raw = *reinterpret_cast<const uint4*>(src + c * QEPC);
+                    const q_t* e = reinterpret_cast<const q_t*>(&raw);
+#pragma unroll
+                    for (int u = 0; u < 8; ++u) {
+                        x[u] = E::to_float(e[u]);
+                        const float a = fabsf(x[u]);
+                        amax = (a > amax || a != a) ? a : amax;  // a NaN wins
+                    }
+                }
+#if KV_SCALE_TOKEN
+#pragma unroll
+                for (int o = 16; o > 0; o >>= 1) {
+                    const float a = __shfl_xor_sync(0xffffffffu, amax, o);
+                    amax = (a > amax || a != a) ? a : amax;
+                }
+                float sc = amax / cd_fp8_max<kv_fmt>();
+                if (!(sc > 0.0f && sc <= 3.402823466e38f)) sc = 1.0f;  // 0, inf or NaN
+#else
+                const float* arr = kvi ? p.v_scale : p.k_scale;
+                const float sc = arr ? arr[kv_head] : (kvi ? p.v_scale_all : p.k_scale_all);
+#endif
+                u32 w[2] = {0u, 0u};
+#pragma unroll
+                for (int u = 0; u < 8; ++u)
+                    w[u >> 2] |= (u32)cd_fp8_encode<kv_fmt>(__fdiv_rn(x[u], sc)) << (8 * (u & 3));
+                const uint2 codes = make_uint2(w[0], w[1]);
+                if (c < QCPR)
+                    *reinterpret_cast<uint2*>(sm_codes + (2 * j + kvi) * HEAD_DIM + 8 * c) = codes;
+                if (lane == 0) sm_new_scale[2 * j + kvi] = sc;
+                if (head_tile != 0) continue;
+#if PAGED
+                const int pj = tok / page_size;
+                const int page = entry(pj);
+                if ((unsigned)page >= (unsigned)num_pages) continue;
+                const long long at = (long long)page * page_size + (tok - pj * page_size);
+                const long long kr = page * k_sb + (long long)(tok - pj * page_size) * k_ss;
+                const long long vr = page * v_sb + (long long)(tok - pj * page_size) * v_ss;
+#else
+                const long long at = (long long)b * max_seqlen + tok;
+                const long long kr = b * k_sb + (long long)tok * k_ss;
+                const long long vr = b * v_sb + (long long)tok * v_ss;
+#endif
+                kv_t* dst = const_cast<kv_t*>(kvi ? v + vr + (long long)kv_head * v_sh
+                                                  : k + kr + (long long)kv_head * k_sh);
+                if (c < QCPR && Q_CHUNK_IN_MEMORY(c)) *reinterpret_cast<uint2*>(dst + 8 * c) = codes;
+#if KV_SCALE_TOKEN
+                if (lane == 0) (kvi ? p.v_scale : p.k_scale)[at * num_kv_heads + kv_head] = sc;
+#else
+                (void)at;
+#endif
+            }
+        }
+#endif
+#if MULTI_Q && !KV_FP8
         // the chunk's appended rows (one KV head per block): k_new's and v_new's token j into
         // sm_new, and, by head tile 0's block, into the cache (paged: through the table; a page
         // index outside [0, num_pages) writes nothing and its row counts for nothing)
@@ -890,6 +1077,9 @@ cd_decode_split(const cd_decode_params p) {
         // pattern B (K as the col-major B operand). See the fragment layouts of mma.m16n8k16.
         const int rowA = (lane & 7) + ((lane >> 3) & 1) * 8, offA = lane >> 4;
         const int rowB = (lane & 7) + (lane >> 4) * 8, offB = (lane >> 3) & 1;
+#if KV_FP8
+        (void)rowA; (void)offA; (void)rowB; (void)offB;  // (fp8 tiles are read by plain loads)
+#endif
         const u32 sq_u32 = smem_u32(sq);
 
 #if HEADS_AS_N
@@ -903,10 +1093,32 @@ cd_decode_split(const cd_decode_params p) {
         // qb[kk] holds Q[g][16kk + 2t, +1] and Q[g][16kk + 8 + 2t, +1]. One ldmatrix.x4 reads the
         // 16-byte chunks 4kk2 .. 4kk2 + 3 of query rows 0..7 (lanes 8j..8j+7 address chunk j).
         u32 qb[HEAD_DIM / 16][2];
+#if KV_FP8
+        // fp8 KV: the K·Qᵀ step takes each lane's K codes as whole 16-byte chunks (below), which
+        // orders the head dims differently: k step 4·grp + j (grp a 64-dim group) pairs logical
+        // k 2t, 2t + 1 with dims 64·grp + 16t + 4j + {0, 1} and k 2t + 8, 2t + 9 with + {2, 3}
+        // (a permutation of the dims: the dot products are the same). Q follows it.
+#pragma unroll
+        for (int grp = 0; grp < HEAD_DIM / 64; ++grp)
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const uint2 w = *reinterpret_cast<const uint2*>(
+                    reinterpret_cast<const unsigned char*>(sq) + swz_q(g, 8 * grp + 2 * t + (j >> 1)) * 16
+                    + 8 * (j & 1));
+                qb[4 * grp + j][0] = w.x;
+                qb[4 * grp + j][1] = w.y;
+            }
+        // the K and V scales: per KV head (and tensor) here; per token from the tile's (below)
+#if !KV_SCALE_TOKEN
+        const float k_mul = (p.k_scale ? p.k_scale[kv_head] : 1.f) * p.k_scale_all;
+        const float v_mul = (p.v_scale ? p.v_scale[kv_head] : 1.f) * p.v_scale_all;
+#endif
+#else
 #pragma unroll
         for (int kk2 = 0; kk2 < HEAD_DIM / 32; ++kk2)
             ldsm_x4(qb[2 * kk2][0], qb[2 * kk2][1], qb[2 * kk2 + 1][0], qb[2 * kk2 + 1][1],
                     sq_u32 + swz(8 * kh + (lane & 7), 4 * kk2 + (lane >> 3)) * 16);
+#endif
 
         // The state of query heads 2t, 2t + 1; Oᵀ accumulators: st.acc[d][e] is head dim
         // 16d + g + 8·(e >> 1) of query head 2t + (e & 1).
@@ -930,6 +1142,38 @@ cd_decode_split(const cd_decode_params p) {
             // Sᵀ for 16 tokens × 8 heads; two accumulators (even and odd k steps) so that two mma
             // chains are in flight. s[e]: token g + 8·(e >> 1) of the tile, head 2t + (e & 1).
             float s[4] = {0.f, 0.f, 0.f, 0.f}, s_odd[4] = {0.f, 0.f, 0.f, 0.f};
+#if KV_FP8
+            // K codes as the A operand (16 tokens × 16 dims per k step): rows g and g + 8, one
+            // 16-byte chunk each per 64-dim group (its 16 codes are 4 k steps: the order above),
+            // decoded in registers, two codes per conversion.
+#pragma unroll
+            for (int grp = 0; grp < HEAD_DIM / 64; ++grp) {
+                uint4 klo, khi;
+                asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(klo.x), "=r"(klo.y),
+                             "=r"(klo.z), "=r"(klo.w) : "r"(ks + ring_chunk(g, 4 * grp + t) * 16));
+                asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(khi.x), "=r"(khi.y),
+                             "=r"(khi.z), "=r"(khi.w) : "r"(ks + ring_chunk(g + 8, 4 * grp + t) * 16));
+                const u32 lo4[4] = {klo.x, klo.y, klo.z, klo.w}, hi4[4] = {khi.x, khi.y, khi.z, khi.w};
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    u32 a[4];
+                    cd_fp8x4_to_16x2<kv_fmt, DTYPE_ID>(lo4[j], a[0], a[2]);
+                    cd_fp8x4_to_16x2<kv_fmt, DTYPE_ID>(hi4[j], a[1], a[3]);
+                    if (j % 2) mma16816(s_odd, a, qb[4 * grp + j][0], qb[4 * grp + j][1]);
+                    else       mma16816(s, a, qb[4 * grp + j][0], qb[4 * grp + j][1]);
+                }
+            }
+            // the scores' K scale (k_mul; per token: tile rows g and g + 8's), and per token the
+            // log2 of the V scale of those rows (−inf for a row without a key: zero-filled)
+#if KV_SCALE_TOKEN
+            const float* tsc = tile_scales(i);
+            const float kmul[2] = {tsc[g], tsc[g + 8]};
+            const float lv[2] = {log2f(tsc[TILE_N + g]), log2f(tsc[TILE_N + g + 8])};
+#else
+            const float kmul[2] = {k_mul, k_mul};
+#endif
+#define KV_SCORE_MUL(e) * kmul[(e) >> 1]
+#else
 #pragma unroll
             for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
                 u32 a[4];
@@ -937,36 +1181,91 @@ cd_decode_split(const cd_decode_params p) {
                 if (kk % 2) mma16816(s_odd, a, qb[kk][0], qb[kk][1]);
                 else        mma16816(s, a, qb[kk][0], qb[kk][1]);
             }
+#define KV_SCORE_MUL(e)
+#endif
             // Online softmax per head, one max and one rescale per tile: the head's 16 tokens are
             // in the 8 lanes of its t (lane bits 2..4), two per lane.
             const int t0 = tile_start(i);
             float mx[2] = {CD_NEG_INF, CD_NEG_INF};
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                s[e] = kv_mask(score_mod(s[e] + s_odd[e], t0 + g + 8 * (e >> 1), SCORE_ROW_N(e),
-                                         score_params),
+                s[e] = kv_mask(score_mod((s[e] + s_odd[e]) KV_SCORE_MUL(e), t0 + g + 8 * (e >> 1),
+                                         SCORE_ROW_N(e), score_params),
                                live, g + 8 * (e >> 1));
                 mx[e & 1] = fmaxf(mx[e & 1], s[e]);
             }
+#undef KV_SCORE_MUL
             float alpha[2], ref[2];
             st.max_step(mx, alpha, ref);
             float rs[2] = {0.f, 0.f};
+#if KV_SCALE_TOKEN
+            // per-token V scales: the weights that multiply the codes are 2^(s + lv − mv), with
+            // their own running maximum mv (cd_tc_state), so that none exceeds 1
+            float mxv[2] = {CD_NEG_INF, CD_NEG_INF}, alpha_v[2], ref_v[2], pv[4];
+#pragma unroll
+            for (int e = 0; e < 4; ++e) mxv[e & 1] = fmaxf(mxv[e & 1], s[e] + lv[e >> 1]);
+            st.max_step_of(st.mv, mxv, alpha_v, ref_v);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) pv[e] = cd_exp2(s[e] + lv[e >> 1] - ref_v[e & 1]);
+#endif
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 s[e] = cd_exp2(s[e] - ref[e & 1]);
                 rs[e & 1] += s[e];
             }
+#if KV_SCALE_TOKEN
+            st.rescale(alpha, rs, alpha_v);
+            const u32 pb0 = movmatrix_t(pack2(pv[0], pv[1]));
+            const u32 pb1 = movmatrix_t(pack2(pv[2], pv[3]));
+#else
             st.rescale(alpha, rs);
             // Pᵀ as the B operand (k = tokens, n = heads) is the transpose of the Sᵀ accumulator
             // (tokens × heads) in fragment layout: one movmatrix per 8 tokens.
             const u32 pb0 = movmatrix_t(pack2(s[0], s[1]));
             const u32 pb1 = movmatrix_t(pack2(s[2], s[3]));
+#endif
+#if KV_FP8
+            // Vᵀ codes as the A operand (16 dims × 16 tokens): lane (g, t) reads the 8 codes of
+            // dims 64·grp + 8g … + 7 of tokens 2t, 2t + 1, 2t + 8, 2t + 9 (the k order of Pᵀ);
+            // byte-permutes pair the two tokens of one dim, and d-block 4·grp + k holds dims
+            // 64·grp + 8g + 2k (row g) and + 1 (row g + 8): the epilogue knows that order.
+#pragma unroll
+            for (int grp = 0; grp < HEAD_DIM / 64; ++grp) {
+                uint2 w[4];
+#pragma unroll
+                for (int q4 = 0; q4 < 4; ++q4) {
+                    const int row = 2 * t + (q4 & 1) + 8 * (q4 >> 1);
+                    asm volatile("ld.shared.v2.u32 {%0,%1}, [%2];" : "=r"(w[q4].x), "=r"(w[q4].y)
+                                 : "r"(vs + ring_chunk(row, 4 * grp + (g >> 1)) * 16 + 8 * (g & 1)));
+                }
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const u32 w0 = h ? w[0].y : w[0].x, w1 = h ? w[1].y : w[1].x;
+                    const u32 w2 = h ? w[2].y : w[2].x, w3 = h ? w[3].y : w[3].x;
+#pragma unroll
+                    for (int bsel = 0; bsel < 2; ++bsel) {
+                        u32 x01, x23, a[4];
+                        if (bsel) {
+                            asm("prmt.b32 %0, %1, %2, 0x7362;" : "=r"(x01) : "r"(w0), "r"(w1));
+                            asm("prmt.b32 %0, %1, %2, 0x7362;" : "=r"(x23) : "r"(w2), "r"(w3));
+                        } else {
+                            asm("prmt.b32 %0, %1, %2, 0x5140;" : "=r"(x01) : "r"(w0), "r"(w1));
+                            asm("prmt.b32 %0, %1, %2, 0x5140;" : "=r"(x23) : "r"(w2), "r"(w3));
+                        }
+                        cd_fp8x4_to_16x2<kv_fmt, DTYPE_ID>(x01, a[0], a[1]);
+                        cd_fp8x4_to_16x2<kv_fmt, DTYPE_ID>(x23, a[2], a[3]);
+                        mma16816(st.acc[4 * grp + 2 * h + bsel], a, pb0, pb1);
+                    }
+                }
+            }
+#else
 #pragma unroll
             for (int d = 0; d < HEAD_DIM / 16; ++d) {
                 u32 a[4];
                 ldsm_x4_t(a[0], a[1], a[2], a[3], vs + swz(rowB, 2 * d + offB) * 16);
                 mma16816(st.acc[d], a, pb0, pb1);
             }
+#endif
             __syncwarp();
         }
         cp_async_wait<0>();
@@ -979,11 +1278,31 @@ cd_decode_split(const cd_decode_params p) {
             sm_m[warp * ROWS + 2 * t + 1] = st.m2[1]; sm_l[warp * ROWS + 2 * t + 1] = st.l2[1];
         }
         float* wacc = sm_acc + warp * ROWS * ACC_STRIDE;
+#if KV_FP8
+        // fp8 KV: the V scale (per head and tensor; per token: acc's own maximum mv, 2^(mv − m2)
+        // brings it to m2's, 0 for a row that saw no key) on the way out, and d-block 4·grp + k's
+        // rows are dims 64·grp + 8g + 2k (+ 1: row g + 8)
+        float vfac[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#if KV_SCALE_TOKEN
+            vfac[h] = st.m2[h] == CD_NEG_INF ? 0.f : cd_exp2(st.mv[h] - st.m2[h]);
+#else
+            vfac[h] = v_mul;
+#endif
+#pragma unroll
+        for (int d = 0; d < HEAD_DIM / 16; ++d)
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                wacc[(2 * t + (e & 1)) * ACC_STRIDE + 64 * (d >> 2) + 8 * g + 2 * (d & 3) + (e >> 1)] =
+                    st.acc[d][e] * vfac[e & 1];
+#else
 #pragma unroll
         for (int d = 0; d < HEAD_DIM / 16; ++d)
 #pragma unroll
             for (int e = 0; e < 4; ++e)
                 wacc[(2 * t + (e & 1)) * ACC_STRIDE + 16 * d + g + 8 * (e >> 1)] = st.acc[d][e];
+#endif
         (void)loop_tiles;  // one M-tile per block here: no slot ever idles
 #else
         cd_tc_state<HEAD_DIM / 8, 1, 1, 2> st;  // rows g, g + 8; st.acc[n][e]: row g + 8 · (e >> 1)

@@ -59,7 +59,9 @@ def _check_build(result, allowed_spill: int = 0):
                          ids=lambda c: f"{c.dtype}-D{c.head_dim}-{c.num_warps}w{c.stages}s-m{c.m_tiles}"
                                          f"-kv{c.kv_per_block}{'' if c.l2_evict_first else '-plain'}"
                                          f"{'-softcap' if c.soft_cap else ''}{'-alibi' if c.alibi else ''}"
-                                         f"{'-paged' if c.paged else ''}{'-multiq' if c.multi_q else ''}")
+                                         f"{'-paged' if c.paged else ''}{'-multiq' if c.multi_q else ''}"
+                                         f"{'-' + c.kv_dtype if c.kv_dtype else ''}"
+                                         f"{'-tokscale' if c.kv_scale_token else ''}")
 def test_split_kernel_compiles(nvrtc, cfg, arch):
     _check_build(_kernels.compile_for_arch("decode_split.cu", cfg.defines(), arch, ptxas_info=True),
                  KNOWN_SPILLS.get((cfg.dtype, cfg.width), 0))
