@@ -825,11 +825,12 @@ cd_decode_split(const cd_decode_params p) {
         // of this launch reads those cache rows after the copy.
         uint4* sm_new = reinterpret_cast<uint4*>(smem + Q_BYTES + BODY_BYTES + ML_BYTES + LIVE_BYTES
                                                  + TSCALE_BYTES);
+#if KV_FP8
         // fp8 KV: the scales the appended rows were quantised with, after their codes (row 2j: K
         // of appended token j, 2j + 1: V)
         float* sm_new_scale = reinterpret_cast<float*>(reinterpret_cast<unsigned char*>(sm_new)
                                                        + NEW_CODE_BYTES);
-        (void)sm_new_scale;
+#endif
         // KV_SCALE_TOKEN: tile i's row r is appended token j: its scales into the tile's, by the
         // lanes that copied them (r: K's, TILE_N + r: V's)
         auto patch_new_scales = [&](int i, int r, int j) {
