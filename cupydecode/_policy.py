@@ -533,7 +533,8 @@ def fp8_plan_shape(dtype: str, kv_dtype: str, head_dim: int, group: int, batch: 
         return fixed_split_size(max_seqlen, split_size)
     config = split_kernel_config(dtype, head_dim, group=group, kv_dtype=kv_dtype)
     return choose_num_splits(batch * num_kv_heads * head_tiles(group, 1, kv_dtype), max_seqlen,
-                             num_sms, blocks_per_sm(config), rows_per_block=min(group, FP8_BLOCK_ROWS),
+                             num_sms, blocks_per_sm(config),
+                             rows_per_block=block_rows(group, kv_dtype=kv_dtype),
                              head_dim=head_dim, merge=merge, dtype=dtype, group=group,
                              programmatic=programmatic, kv_dtype=kv_dtype)
 

@@ -363,6 +363,18 @@ def _codes_view(a):
     return a if a.dtype == np.uint8 else a.view(np.uint8)
 
 
+def check_fp8_query(dtype: str, head_dim: int, kv_dtype: str, dtype_arg: str,
+                    head_dim_arg: str) -> None:
+    """q's dtype and head_dim over an fp8 cache: 16-bit, a multiple of FP8_HEAD_DIM_STEP
+    (``dtype_arg``, ``head_dim_arg``: the arguments that carry them)."""
+    if dtype == "float32":
+        fail(TypeError, dtype_arg, f"float16 or bfloat16 with kv_dtype={kv_dtype!r} (q and out "
+             "stay 16-bit over an fp8 cache)", dtype)
+    if head_dim % FP8_HEAD_DIM_STEP:
+        fail(ValueError, head_dim_arg, f"head_dim a multiple of {FP8_HEAD_DIM_STEP} from 32 to "
+             f"256 with kv_dtype={kv_dtype!r} (whole 16-byte pieces of codes per row)", head_dim)
+
+
 def check_fp8_cache(a, name: str, kv_dtype: str) -> None:
     """``a`` holds codes of ``kv_dtype``: uint8, or that format's ml_dtypes float8 type."""
     got = dtype_name(a.dtype)
@@ -383,9 +395,9 @@ def _check_decode_inputs(q, k_cache, v_cache, paged: bool = False, kv_dtype=None
     check_ndim(k, "k_cache", 4, cache)
     check_ndim(v, "v_cache", 4, cache)
     dt = check_dtype(q, "q")
+    batch, q_len, num_heads, head_dim = q.shape if q.ndim == 4 else (q.shape[0], 1, *q.shape[1:])
     if kv_dtype is not None:  # fp8 codes; q (and out) 16-bit
-        if dt == "float32":
-            fail(TypeError, "q", f"float16 or bfloat16 with kv_dtype={kv_dtype!r}", dt)
+        check_fp8_query(dt, head_dim, kv_dtype, "q", "q")
         for name, a in (("k_cache", k), ("v_cache", v)):
             check_fp8_cache(a, name, kv_dtype)
         k, v = _codes_view(k), _codes_view(v)
@@ -393,10 +405,6 @@ def _check_decode_inputs(q, k_cache, v_cache, paged: bool = False, kv_dtype=None
         for name, a in (("k_cache", k), ("v_cache", v)):
             if dtype_name(a.dtype) != dt:
                 fail(TypeError, name, f"the dtype of q ({dt})", dtype_name(a.dtype))
-    batch, q_len, num_heads, head_dim = q.shape if q.ndim == 4 else (q.shape[0], 1, *q.shape[1:])
-    if kv_dtype is not None and head_dim % FP8_HEAD_DIM_STEP:
-        fail(ValueError, "q", f"head_dim a multiple of {FP8_HEAD_DIM_STEP} from 32 to 256 with "
-             f"kv_dtype={kv_dtype!r} (whole 16-byte pieces of codes per row)", head_dim)
     if not 1 <= q_len <= MAX_Q_LEN:
         fail(ValueError, "q", f"q_len (its second axis of four) in [1, {MAX_Q_LEN}]", q_len)
     if head_dim not in SUPPORTED_HEAD_DIMS:

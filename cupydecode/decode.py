@@ -175,12 +175,7 @@ class DecodePlan:
             V.fail(ValueError, "head_dim", _policy.HEAD_DIMS_TEXT, self.head_dim)
         self.kv_dtype = None if kv_dtype is None else V.check_kv_dtype(kv_dtype)
         if self.kv_dtype is not None:
-            if self.dtype == "float32":
-                V.fail(TypeError, "dtype", f"float16 or bfloat16 with kv_dtype={kv_dtype!r} (q "
-                       "and out stay 16-bit over an fp8 cache)", self.dtype)
-            if self.head_dim % _policy.FP8_HEAD_DIM_STEP:
-                V.fail(ValueError, "head_dim", f"a multiple of {_policy.FP8_HEAD_DIM_STEP} from 32 "
-                       f"to 256 with kv_dtype={kv_dtype!r}", self.head_dim)
+            V.check_fp8_query(self.dtype, self.head_dim, self.kv_dtype, "dtype", "head_dim")
         if self.num_heads % self.num_kv_heads:
             V.fail(ValueError, "num_kv_heads", f"a divisor of num_heads={self.num_heads}",
                    self.num_kv_heads)
