@@ -43,6 +43,7 @@ import numpy as np
 from .check import REL_TOL, reference_gpu, select_rows
 from . import reference as R
 from .workloads import (Workload, alibi_slopes, fresh_seed, make_inputs, new_tokens, page_inputs,
+                        page_like, quantize_inputs,
                         sink_logits)
 
 GRAPH_TRIALS = 20          # graph replays per measurement
@@ -471,9 +472,10 @@ def torch_sdpa_times(sets, w: Workload, scale: float, n_calls: int, check, befor
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    if (w.logits_soft_cap is not None or w.page_size or w.alibi or w.sinks
+    if (w.logits_soft_cap is not None or w.page_size or w.alibi or w.sinks or w.kv_dtype
             or (w.window_left is not None and (w.lengths is not None or w.q_len > 1))):
-        what = ("soft-cap" if w.logits_soft_cap is not None else "paged cache" if w.page_size
+        what = ("fp8 cache" if w.kv_dtype else
+                "soft-cap" if w.logits_soft_cap is not None else "paged cache" if w.page_size
                 else "ALiBi here" if w.alibi else "sinks" if w.sinks
                 else "sliding window over ragged lengths or several query tokens")
         return {col: (None, f"{col}: torch SDPA has no {what}") for col in PEERS["torch"][2]}
@@ -564,25 +566,34 @@ def flashinfer_times(sets, w: Workload, scale: float, n_calls: int, check, befor
     if w.alibi or w.sinks or w.q_len > 1:  # its own ALiBi slopes; no sinks; one query token
         what = "ALiBi" if w.alibi else "sinks" if w.sinks else "several query tokens"
         return {col: (None, f"{col}: {what} not compared") for col in PEERS["flashinfer"][2]}
+    if w.kv_dtype and w.kv_scale != "tensor":
+        return {col: (None, f"{col}: fp8 scales per {w.kv_scale} not compared (FlashInfer "
+                            f"takes one k_scale and v_scale per tensor)")
+                for col in PEERS["flashinfer"][2]}
     if w.head_dim not in FLASHINFER_HEAD_DIMS:
         return {col: (None, f"{col}: head_dim {w.head_dim} is not one FlashInfer's decode takes "
                             f"({', '.join(map(str, FLASHINFER_HEAD_DIMS))})")
                 for col in PEERS["flashinfer"][2]}
     cupy.cuda.Device().synchronize()
     dt = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}[w.dtype]
+    # an fp8 cache: our uint8 codes viewed as torch's float8 type, the scales given to run()
+    kv_dt = {None: dt, "e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}[w.kv_dtype]
+
+    def kv_view(x):
+        t = torch.from_dlpack(x)
+        return t.view(kv_dt) if w.kv_dtype else t
     dev = torch.device("cuda", cupy.cuda.Device().id)
     B, L = w.batch, w.seqlen
     if w.page_size:
         page = w.page_size
         pages_per_seq = -(-L // page)
-        tsets = [(torch.from_dlpack(q), torch.from_dlpack(k), torch.from_dlpack(v))
-                 for q, k, v, *_ in sets]
+        tsets = [(torch.from_dlpack(q), kv_view(k), kv_view(v)) for q, k, v, *_ in sets]
         table = torch.from_dlpack(sets[0][4])  # every set has the same page order
 
     else:
         page = 16 if L % 16 == 0 else 1
         pages_per_seq = L // page
-        tsets = [(torch.from_dlpack(q), *(torch.from_dlpack(x).reshape(
+        tsets = [(torch.from_dlpack(q), *(kv_view(x).reshape(
             B * pages_per_seq, page, w.num_kv_heads, w.head_dim) for x in (k, v)))
             for q, k, v, *_ in sets]
         table = torch.arange(B * pages_per_seq, dtype=torch.int32, device=dev).reshape(B, -1)
@@ -601,14 +612,17 @@ def flashinfer_times(sets, w: Workload, scale: float, n_calls: int, check, befor
             cap["window_left"] = w.window_left
         try:
             wrapper.plan(indptr, indices, last, w.num_heads, w.num_kv_heads, w.head_dim, page,
-                         data_type=dt, q_data_type=dt, sm_scale=scale, **cap)
+                         data_type=kv_dt, q_data_type=dt, sm_scale=scale, **cap)
         except TypeError:  # older signature
             wrapper.plan(indptr, indices, last, w.num_heads, w.num_kv_heads, w.head_dim, page,
-                         data_type=dt, sm_scale=scale, **cap)
+                         data_type=kv_dt, sm_scale=scale, **cap)
 
         def call(i, _w=wrapper):
             tq, tk, tv = tsets[i % len(tsets)]
-            return _w.run(tq, (tk, tv))
+            if not w.kv_dtype:
+                return _w.run(tq, (tk, tv))
+            sc = sets[i % len(sets)][6]
+            return _w.run(tq, (tk, tv), k_scale=sc["k_scale"], v_scale=sc["v_scale"])
         return _timed_peer(torch, call, n_calls, check, w.dtype, col, before=before, span=span)
 
     results = {col: _peer_column(torch, col, lambda col=col, tc=tc: timed(col, tc))
@@ -722,13 +736,15 @@ def napkin(w: Workload, symbolic: bool = False) -> str:
 
     bl = "batch × seqlen" if symbolic else f"{w.batch} seq × {w.seqlen} tok"
     text = (f"K+V = 2 × {bl} × {w.num_kv_heads} kv heads × {w.head_dim} dims × "
-            f"{ITEMSIZE[w.dtype]} B")
+            f"{w.kv_itemsize} B" + (" (+ 4 B of scale per token and KV head)"
+                                    if w.kv_per_token_scales else ""))
     return text if symbolic else f"{text} = {w.kv_bytes() / 1e6:.1f} MB"
 
 
 def empty_row(w: Workload, model: str) -> dict:
     return {
-        "model": model, "layer": w.layer, "dtype": w.dtype, "batch": w.batch, "seqlen": w.seqlen,
+        "model": model, "layer": w.layer, "dtype": w.dtype, "kv_dtype": w.kv_dtype,
+        "kv_scale": w.kv_scale if w.kv_dtype else None, "batch": w.batch, "seqlen": w.seqlen,
         "num_heads": w.num_heads, "num_kv_heads": w.num_kv_heads, "head_dim": w.head_dim,
         "logits_soft_cap": w.logits_soft_cap, "page_size": w.page_size, "append": w.append,
         "window_left": w.window_left, "alibi": w.alibi, "sinks": w.sinks, "q_len": w.q_len,
@@ -766,22 +782,32 @@ def _score_options(w: Workload) -> dict:
             "sinks": cupy.asarray(sink_logits(w.num_heads, w.seed)) if w.sinks else None}
 
 
-def _subset_checker(w: Workload, q, k, v, new=None):
+def _subset_checker(w: Workload, q, k, v, new=None, scales=None):
     """A function out → relative error on two sequences × two KV heads (float64 on the GPU);
-    ``new``: the (k_new, v_new) an append workload's call appends first."""
+    ``new``: the (k_new, v_new) an append workload's call appends first; ``scales``: an fp8
+    workload's {k_scale, v_scale} (k and v its codes)."""
     b_ids = sorted({0, w.batch - 1})
     h_ids = sorted({0, w.num_kv_heads - 1})
     opts = _score_options(w)
+    if w.kv_dtype:
+        opts.update(kv_dtype=w.kv_dtype, **scales)
     if new is None:
         ref_out, _ = reference_gpu(q, k, v, None, None, b_ids, h_ids, **opts)
     else:  # those sequences' caches (copies) with their new tokens appended
         import cupy
 
         lens = None if w.lengths is None else np.asarray(w.lengths)[b_ids]
-        ks, vs, lens = R.append_kv(k[b_ids], v[b_ids], lens, new[0][b_ids], new[1][b_ids],
-                                   xp=cupy)
+        fp8 = {}
+        if w.kv_dtype:  # the selected sequences' per-token scales
+            fp8 = {"kv_dtype": w.kv_dtype, **{
+                n: x[b_ids] if getattr(x, "ndim", 0) == 3 else x for n, x in scales.items()}}
+        grown = R.append_kv(k[b_ids], v[b_ids], lens, new[0][b_ids], new[1][b_ids], xp=cupy,
+                            **fp8)
+        ks, vs, lens = grown[:3]
+        if fp8:
+            opts.update(k_scale=grown[3], v_scale=grown[4])
         ref_out, _ = reference_gpu(q[b_ids], ks, vs, lens, None, None, h_ids, **opts)
-        del ks, vs
+        del ks, vs, grown
 
     def check(out) -> float:
         return R.relative_error(select_rows(out, w.num_kv_heads, b_ids, h_ids, w.q_len > 1),
@@ -812,25 +838,36 @@ def bench_point(w: Workload, ceiling_gbps: float, l2_bytes: int, model: str = ""
     protocols = [parse_protocol(p) for p in specs]
     rows = [dict(base, protocol=spec) for spec in specs]
     free = cupy.cuda.runtime.memGetInfo()[0]
-    need = (nsets + (1 if w.page_size else 0)) * w.cache_bytes() + MARGIN_BYTES  # paging copies
+    # the sets, a paging copy, and an fp8 cache's draw in dtype before it is quantised
+    need = ((nsets + (1 if w.page_size else 0)) * w.cache_bytes() + MARGIN_BYTES
+            + (w.draw_bytes() if w.kv_dtype else 0))
     if need > free:
         why = (f"needs {need / 1e9:.1f} GB ({nsets} buffer set(s) of "
                f"{w.cache_bytes() / 1e9:.2f} GB + margin), {free / 1e9:.1f} GB free")
         return [dict(r, skipped=why) for r in rows]
     notes = []
-    # (q, k, v, lengths, block table or None, (k_new, v_new) or None) per buffer set; paged: k, v
-    # are pools of pages
+    # (q, k, v, lengths, block table or None, (k_new, v_new) or None, fp8 scales {k_scale,
+    # v_scale} or {}) per buffer set; paged: k, v (and per-token scales) are pools of pages
     sets = []
     for i in range(nsets):
         wi = dataclasses.replace(w, seed=(w.seed + i) % 2**32)
         inputs = make_inputs(wi)
+        scales = {}
+        if w.kv_dtype:  # the cache as fp8 codes, its scales beside
+            q, k, v, lens = inputs
+            *codes, ks, vs = quantize_inputs(wi, k, v)
+            inputs = (q, *codes, lens)
+            scales = {"k_scale": ks, "v_scale": vs}
+            del k, v, codes
         new = new_tokens(wi) if w.append else None
         if i == 0:  # the float64 check's reference, from the contiguous cache
-            check = _subset_checker(w, *inputs[:3], new)
+            check = _subset_checker(w, *inputs[:3], new, scales)
         # paged: one page order (and block table) for every set, as a peer's plan fixes it
+        if w.page_size and w.kv_per_token_scales:
+            scales = {n: page_like(x, w.page_size, w.seed) for n, x in scales.items()}
         sets.append((*(page_inputs(inputs, w.page_size, w.seed) if w.page_size
-                       else (*inputs, None)), new))
-        del inputs, new
+                       else (*inputs, None)), new, scales))
+        del inputs, new, scales
     step = StepTraffic(w, l2_bytes) if any(n == "step" for n, _ in protocols) else None
     settle()
     try:
@@ -838,7 +875,8 @@ def bench_point(w: Workload, ceiling_gbps: float, l2_bytes: int, model: str = ""
         opts = _score_options(w)  # flash_decode's
         run_opts = {k: opts[k] for k in ("alibi_slopes", "sinks") if opts[k] is not None}
         plan_opts = {"logits_soft_cap": w.logits_soft_cap, "window_left": w.window_left,
-                     "alibi": w.alibi, "page_size": w.page_size, "q_len": w.q_len}
+                     "alibi": w.alibi, "page_size": w.page_size, "q_len": w.q_len,
+                     "kv_dtype": w.kv_dtype}
         plan = DecodePlan(w.batch, w.num_heads, w.num_kv_heads, w.head_dim, w.seqlen, w.dtype,
                           num_splits=w.num_splits, **plan_opts)
         base.update(num_splits=plan.num_splits, chunk_tokens=plan.chunk_tokens,
@@ -848,12 +886,13 @@ def bench_point(w: Workload, ceiling_gbps: float, l2_bytes: int, model: str = ""
             """The timed call of plan ``p`` on buffer set i: with the append or without."""
             if append:
                 def run(i):
-                    q, k, v, lens, table, (k_new, v_new) = sets[i % nsets]
-                    p.run(q, k, v, lens, block_table=table, k_new=k_new, v_new=v_new, **run_opts)
+                    q, k, v, lens, table, (k_new, v_new), sc = sets[i % nsets]
+                    p.run(q, k, v, lens, block_table=table, k_new=k_new, v_new=v_new, **sc,
+                          **run_opts)
             else:
                 def run(i):
-                    q, k, v, _, table, _ = sets[i % nsets]
-                    p.run(q, k, v, block_table=table, **run_opts)
+                    q, k, v, _, table, _, sc = sets[i % nsets]
+                    p.run(q, k, v, block_table=table, **sc, **run_opts)
             return run
         run_plan = runner(plan, w.append)
         timing = [(calls or max(MIN_GRAPH_CALLS, nsets), step if name == "step" else None)
@@ -870,18 +909,19 @@ def bench_point(w: Workload, ceiling_gbps: float, l2_bytes: int, model: str = ""
         med = rows[0]["gpu_us"]
         first_calls, first_before = timing[0]
 
+        fp8 = {"kv_dtype": w.kv_dtype} if w.kv_dtype else {}
         if w.append:
             def eager(i):
-                q, k, v, lens, table, (k_new, v_new) = sets[i % nsets]
+                q, k, v, lens, table, (k_new, v_new), sc = sets[i % nsets]
                 flash_decode(q, k, v, lens, num_splits=w.num_splits, block_table=table,
-                             k_new=k_new, v_new=v_new, **opts)
+                             k_new=k_new, v_new=v_new, **opts, **fp8, **sc)
         else:
             def eager(i):
-                q, k, v, _, table, _ = sets[i % nsets]
+                q, k, v, _, table, _, sc = sets[i % nsets]
                 # paged: the capacity may exceed seqlen (whole pages); attend seqlen, as the
                 # plan does
                 flash_decode(q, k, v, None if table is None else w.seqlen,
-                             num_splits=w.num_splits, block_table=table, **opts)
+                             num_splits=w.num_splits, block_table=table, **opts, **fp8, **sc)
         base["eager_us"] = eager_time_cupy(eager, int(min(200, max(20, 2.5e5 / (med + 20)))))
         base["host_us"] = host_time_cupy(eager)
         base["plan_host_us"] = host_time_cupy(run_plan)
@@ -946,10 +986,10 @@ _PER_PROTOCOL = frozenset({"protocol", "graph_calls", "gpu_us", "gpu_us_p20", "g
 def _naive(row: dict, w: Workload, sets, n_calls: int, scale: float, check, notes: list) -> None:
     import cupy
 
-    if (w.page_size or w.alibi or w.sinks or w.q_len > 1
+    if (w.page_size or w.alibi or w.sinks or w.q_len > 1 or w.kv_dtype
             or (w.window_left is not None and w.lengths is not None)):
-        notes.append("naive: contiguous caches of full sequences, one query token, without "
-                      "ALiBi or sinks, only")
+        notes.append("naive: contiguous caches in dtype of full sequences, one query token, "
+                      "without ALiBi or sinks, only")
         return
     free = cupy.cuda.runtime.memGetInfo()[0]
     if naive_bytes(w) + MARGIN_BYTES > free:
@@ -983,14 +1023,16 @@ def sweep(model: str, dtype: str, seqlens, batches, num_splits=None,
           soft_cap: float | None = None, page_sizes=(None,),
           append: bool = False, window: int | None = None,
           alibi: bool = False, sinks: bool = False,
-          head_dim: int | None = None, q_len: int = 1) -> list[Workload]:
+          head_dim: int | None = None, q_len: int = 1, kv_dtype: str | None = None,
+          kv_scale: str = "tensor") -> list[Workload]:
     """The points of a bench run: per layer type of the model (ModelPreset.layers: Gemma-2's
     sliding and full layers, each with the model's options), batch-major, then by seqlen, then
     by page size (None: the contiguous cache), each with a fresh seed. ``soft_cap`` None: the
     model's logits_soft_cap, 0: none, else that cap; ``append``: every sequence holds
     seqlen − 1 tokens and each call appends the last one; ``window``: window_left of every point
     instead of the model's (one layer type then); ``alibi``, ``sinks``: on (else the model's);
-    ``head_dim``: instead of the model's; ``q_len``: query tokens per sequence."""
+    ``head_dim``: instead of the model's; ``q_len``: query tokens per sequence; ``kv_dtype``,
+    ``kv_scale``: an fp8 cache with scales of that mode (:func:`workloads.quantize_inputs`)."""
     from .workloads import MODELS, workload_for_model
 
     opts = {} if soft_cap is None else {"logits_soft_cap": soft_cap or None}
@@ -1003,7 +1045,8 @@ def sweep(model: str, dtype: str, seqlens, batches, num_splits=None,
         return {"lengths": (L - 1,) * b, "append": True} if append else {}
     return [workload_for_model(model, b, L, dtype, head_dim=head_dim, layer=layer,
                                num_splits=num_splits, seed=fresh_seed(), page_size=page,
-                               q_len=q_len, **opts, **appended(L, b))
+                               q_len=q_len, kv_dtype=kv_dtype, kv_scale=kv_scale, **opts,
+                               **appended(L, b))
             for layer in layers for b in batches for L in seqlens for page in page_sizes]
 
 

@@ -11,6 +11,11 @@ reference appends it first (``reference.decode_attention(..., k_new=, v_new=)``,
 ``reference.append_kv`` on the GPU for large caches), and the cache after the call must equal
 the cache with exactly the addressed rows replaced, bit for bit.
 
+With ``Workload.kv_dtype`` the cache is fp8 (``workloads.quantize_inputs``: rows of differing
+magnitude, scales per tensor, per KV head or per token that differ from 1 and from each other)
+and the reference attends the exact values code · scale; an append must write the codes (and
+per-token scales) that ``reference.append_kv`` computes, bit for bit.
+
 Tolerances: relative L2 error of the output ≤ 2e-3 (fp16), 1e-2 (bf16), 1e-4 (fp32); max abs
 LSE error ≤ 1e-3, widened for huge logits by the rounding an fp32 LSE cannot avoid (see
 :func:`lse_tolerance`). Rows of empty sequences must give LSE = −inf exactly and out = 0.
@@ -23,8 +28,8 @@ import math
 import numpy as np
 
 from . import reference as R
-from .workloads import (Workload, alibi_slopes, make_inputs, new_tokens, page_inputs,
-                        sink_logits)
+from .workloads import (Workload, alibi_slopes, make_inputs, new_tokens, page_inputs, page_like,
+                        quantize_inputs, sink_logits)
 
 REL_TOL = {"float16": 2e-3, "bfloat16": 1e-2, "float32": 1e-4}
 LSE_ATOL = 1e-3
@@ -72,23 +77,29 @@ def select_rows(x, num_kv_heads: int, batch_ids=None, kv_heads=None, tokens: boo
     return y
 
 
-def reference_for(w: Workload, q, k, v, new=None):
+def reference_for(w: Workload, q, k, v, new=None, scales=(None, None)):
     """Float64 ``(out, lse, kind)`` for the whole workload; out (B, H, D), lse (B, H); ``new``:
-    the appended tokens (k_new, v_new) of an append workload, None otherwise."""
+    the appended tokens (k_new, v_new) of an append workload, None otherwise; ``scales``: an
+    fp8 workload's (k_scale, v_scale) (k and v its codes)."""
     options = {"logits_soft_cap": w.logits_soft_cap, "window_left": w.window_left,
                "alibi_slopes": alibi_slopes(w.num_heads) if w.alibi else None,
                "sinks": sink_logits(w.num_heads, w.seed) if w.sinks else None}
+    fp8 = ({} if w.kv_dtype is None else
+           {"kv_dtype": w.kv_dtype, "k_scale": scales[0], "v_scale": scales[1]})
     lens = None if w.lengths is None else np.asarray(w.lengths)
     if k[0].size * w.batch <= NUMPY_REFERENCE_MAX_ELEMENTS:
         if new is not None:
             options.update(k_new=new[0], v_new=new[1])
-        out, lse = R.decode_attention(q, k, v, lens, **options)
+        out, lse = R.decode_attention(q, k, v, lens, **options, **fp8)
         return out, lse, "numpy f64"
     if new is not None:
         import cupy
 
-        k, v, lens = R.append_kv(k, v, lens, *new, xp=cupy)
-    out, lse = reference_gpu(q, k, v, lens, **options)
+        grown = R.append_kv(k, v, lens, *new, xp=cupy, **fp8)
+        k, v, lens = grown[:3]
+        if fp8:
+            fp8.update(k_scale=grown[3], v_scale=grown[4])
+    out, lse = reference_gpu(q, k, v, lens, **options, **fp8)
     return out.reshape(w.q_shape).get(), lse.reshape(w.q_shape[:-1]).get(), "gpu f64"
 
 
@@ -107,6 +118,7 @@ def _row_skeleton(w: Workload) -> dict:
         "lengths": None if w.lengths is None else list(w.lengths), "q_scale": w.q_scale,
         "logits_soft_cap": w.logits_soft_cap, "page_size": w.page_size, "append": w.append,
         "window_left": w.window_left, "alibi": w.alibi, "sinks": w.sinks, "q_len": w.q_len,
+        "kv_dtype": w.kv_dtype, "kv_scale": w.kv_scale if w.kv_dtype else None,
         "cache_rows_wrong": None, "splits_requested": w.splits_label, "splits": None,
         "chunk_tokens": None,
         "seed": w.seed, "reference": None, "max_abs_err": None, "rel_err": None,
@@ -125,10 +137,13 @@ def run_check(w: Workload) -> dict:
     try:
         q, k, v, seqlens = make_inputs(w)
         row["seed"] = w.seed
+        scales = (None, None)
+        if w.kv_dtype:  # the fp8 cache: k and v become its codes
+            k, v, *scales = quantize_inputs(w, k, v)
         plan = DecodePlan(w.batch, w.num_heads, w.num_kv_heads, w.head_dim, w.seqlen, w.dtype,
                           num_splits=w.num_splits, logits_soft_cap=w.logits_soft_cap,
                           page_size=w.page_size, window_left=w.window_left, alibi=w.alibi,
-                          q_len=w.q_len)
+                          q_len=w.q_len, kv_dtype=w.kv_dtype)
         row["splits"], row["chunk_tokens"] = plan.num_splits, plan.chunk_tokens
         # Poisoned outputs: a row the kernels forget to write stays NaN and fails the check.
         out = cupy.full(w.q_shape, math.nan, w.dtype)
@@ -139,6 +154,12 @@ def run_check(w: Workload) -> dict:
             appended["alibi_slopes"] = cupy.asarray(alibi_slopes(w.num_heads))
         if w.sinks:
             appended["sinks"] = cupy.asarray(sink_logits(w.num_heads, w.seed))
+        # per-token scales: the call's own (an append writes into them; paged: in pages)
+        run_scales = [s if isinstance(s, float) or s is None or s.ndim == 1 else
+                      page_like(s, w.page_size, w.seed) if w.page_size else s.copy()
+                      for s in scales]
+        if w.kv_dtype:
+            appended.update(k_scale=run_scales[0], v_scale=run_scales[1])
         if w.page_size:  # the same tokens in pages (random order); the reference reads k, v
             _, kc, vc, _, table = page_inputs((q, k, v, seqlens), w.page_size, w.seed)
             plan.run(q, kc, vc, seqlens, out=out, lse=lse, block_table=table, **appended)
@@ -147,9 +168,10 @@ def run_check(w: Workload) -> dict:
             plan.run(q, kc, vc, seqlens, out=out, lse=lse, **appended)
         cupy.cuda.get_current_stream().synchronize()
         if new is not None:
-            row["cache_rows_wrong"] = wrong_cache_rows(w, q, k, v, seqlens, new, kc, vc)
-        del kc, vc
-        ref_out, ref_lse, kind = reference_for(w, q, k, v, new)
+            row["cache_rows_wrong"] = wrong_cache_rows(w, q, k, v, seqlens, new, kc, vc,
+                                                       scales, run_scales)
+        del kc, vc, run_scales
+        ref_out, ref_lse, kind = reference_for(w, q, k, v, new, scales)
         row["reference"] = kind
         row["max_abs_err"] = max_abs_error(out, ref_out)
         row["rel_err"] = R.relative_error(out, ref_out)
@@ -161,7 +183,8 @@ def run_check(w: Workload) -> dict:
                              and not row["cache_rows_wrong"])
         if row["cache_rows_wrong"]:
             row["error"] = (f"the cache after the append differs from reference.append_kv's in "
-                            f"{row['cache_rows_wrong']} token row(s) of K and V")
+                            f"{row['cache_rows_wrong']} token row(s) of K and V"
+                            + (" (codes or per-token scales)" if w.kv_dtype else ""))
     except Exception as exc:  # a crash is a failed row, not a crashed run
         row["error"] = f"{type(exc).__name__}: {exc}"
         row["passed"] = False
@@ -170,21 +193,35 @@ def run_check(w: Workload) -> dict:
     return row
 
 
-def wrong_cache_rows(w: Workload, q, k, v, seqlens, new, k_after, v_after) -> int:
+def wrong_cache_rows(w: Workload, q, k, v, seqlens, new, k_after, v_after,
+                     scales=(None, None), scales_after=(None, None)) -> int:
     """Token rows (of K and of V) in which the cache after an append call (``k_after``,
     ``v_after``: contiguous, or the pages of :func:`page_inputs` with the workload's seed)
     differs in any bit from the cache before it (``k``, ``v``) with exactly the addressed rows
-    replaced (``reference.append_kv``, on the GPU)."""
+    replaced (``reference.append_kv``, on the GPU). An fp8 workload: ``k``, ``v`` its codes,
+    ``scales`` its (k_scale, v_scale) before the call, ``scales_after`` the call's after it
+    (a row whose per-token scale differs counts as wrong too)."""
     import cupy
 
-    k_exp, v_exp, _ = R.append_kv(k, v, None if w.lengths is None else np.asarray(w.lengths),
-                                  *new, xp=cupy)
+    lens = None if w.lengths is None else np.asarray(w.lengths)
+    fp8 = ({} if w.kv_dtype is None else
+           {"kv_dtype": w.kv_dtype, "k_scale": scales[0], "v_scale": scales[1]})
+    k_exp, v_exp, _, *s_exp = R.append_kv(k, v, lens, *new, xp=cupy, **fp8)
     if w.page_size:
         _, k_exp, v_exp, _, _ = page_inputs((q, k_exp, v_exp, seqlens), w.page_size, w.seed)
+    got_exp = [(k_after, k_exp), (v_after, v_exp)]
+    if w.kv_per_token_scales:  # float32 scales, compared bit for bit (NaN past the lengths)
+        s_exp = [page_like(s, w.page_size, w.seed) if w.page_size else s for s in s_exp]
+        got_exp = [(g, e, sa, se.astype(cupy.float32))
+                   for (g, e), sa, se in zip(got_exp, scales_after, s_exp)]
     wrong = 0
-    for got, exp in ((k_after, k_exp), (v_after, v_exp)):
+    for got, exp, *sc in got_exp:
         diff = got.view(cupy.uint8) != exp.view(cupy.uint8)
-        wrong += int(diff.reshape(diff.shape[0] * diff.shape[1], -1).any(axis=1).sum())
+        diff = diff.reshape(diff.shape[0] * diff.shape[1], -1).any(axis=1)
+        if sc:
+            sd = sc[0].view(cupy.uint32) != sc[1].view(cupy.uint32)
+            diff |= sd.reshape(diff.shape[0], -1).any(axis=1)
+        wrong += int(diff.sum())
     return wrong
 
 
@@ -212,4 +249,6 @@ def repro_command(row: dict) -> str:
         parts.append("--sinks")
     if row.get("q_len", 1) > 1:
         parts.append(f"--q-len {row['q_len']}")
+    if row.get("kv_dtype"):
+        parts.append(f"--kv-dtype {row['kv_dtype']} --kv-scale {row['kv_scale']}")
     return " ".join(parts)

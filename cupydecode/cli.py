@@ -24,7 +24,9 @@ import click
 from . import __version__
 from ._policy import HEAD_DIMS_TEXT, KERNEL_HEAD_DIMS, MAX_Q_LEN, MAX_SPLITS, SUPPORTED_HEAD_DIMS
 from ._validate import MAX_SOFT_CAP
-from .workloads import DTYPES, MODELS, Workload, fresh_seed, random_lengths, workload_for_model
+from ._policy import KV_DTYPES
+from .workloads import (DTYPES, KV_SCALES, MODELS, Workload, fresh_seed, random_lengths,
+                        workload_for_model)
 
 EXIT_FAILED = 1
 EXIT_USAGE = 2
@@ -130,6 +132,8 @@ def _dtype_callback(ctx, param, value):
 
 DTYPE_CHOICE = click.Choice([*DTYPES, *DTYPE_ALIASES], case_sensitive=False)
 MODEL_CHOICE = click.Choice(list(MODELS), case_sensitive=False)
+KV_DTYPE_CHOICE = click.Choice(list(KV_DTYPES), case_sensitive=False)
+KV_SCALE_CHOICE = click.Choice(list(KV_SCALES), case_sensitive=False)
 
 
 class HeadDimType(click.ParamType):
@@ -229,7 +233,8 @@ def main():
 def _single_workload(batch, seqlen, heads, kv_heads, head_dim, dtype, splits, seed, varlen,
                      lengths, q_scale, model, soft_cap=None, page_size=None,
                      append=False, window=None, alibi=False, sinks=False,
-                     layer: str | None = None, q_len: int = 1) -> Workload:
+                     layer: str | None = None, q_len: int = 1, kv_dtype: str | None = None,
+                     kv_scale: str = "tensor") -> Workload:
     """One workload from ``check``'s options (raises click.BadParameter on bad combinations).
     ``soft_cap`` None: the model's (none without --model); 0: none. With --model, the options
     of its ``layer`` type (ModelPreset.layers) where the command line sets none: its window,
@@ -275,7 +280,14 @@ def _single_workload(batch, seqlen, heads, kv_heads, head_dim, dtype, splits, se
                     None if splits in (None, "auto") else splits, lengths, q_scale, seed, name,
                     logits_soft_cap=soft_cap or None, page_size=page_size, append=append,
                     window_left=window, alibi=alibi, sinks=sinks, layer=layer if model else "",
-                    q_len=q_len)
+                    q_len=q_len, kv_dtype=kv_dtype, kv_scale=kv_scale)
+
+
+def _check_kv_dtype(kv_dtype, dtype) -> None:
+    """An fp8 cache takes float16 or bfloat16 q (--dtype)."""
+    if kv_dtype is not None and dtype == "float32":
+        raise click.BadParameter("expected --dtype float16 or bfloat16 with --kv-dtype (q and "
+                                 "out of an fp8 cache), got float32", param_hint="'--dtype'")
 
 
 def _workload_label(w: Workload) -> str:
@@ -328,19 +340,26 @@ def _check_header(width: int) -> str:
 @click.option("--sinks", is_flag=True, help="A sink logit per query head (gpt-oss), from the seed.")
 @click.option("--q-len", type=click.IntRange(1, MAX_Q_LEN), default=1, show_default=True,
               help="Query tokens per sequence (draft tokens verified together, causal).")
+@click.option("--kv-dtype", "kv_dtype", type=KV_DTYPE_CHOICE,
+              help="An fp8 cache (e4m3 or e5m2) of rows of differing magnitude; q and out stay "
+                   "--dtype (float16 or bfloat16).")
+@click.option("--kv-scale", "kv_scale", type=KV_SCALE_CHOICE, default="tensor",
+              show_default=True,
+              help="With --kv-dtype: the scales per tensor, per KV head or per token and KV head.")
 @click.option("--model", type=MODEL_CHOICE,
               help="Take heads/kv-heads/head-dim (and the soft-cap) from a preset.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), callback=_output_path,
               help="Write the result rows to this JSON file.")
 @click.pass_context
 def check(ctx, batch, seqlen, heads, kv_heads, head_dim, dtype, splits, seed, varlen, lengths,
-          q_scale, soft_cap, page_size, append, window, alibi, sinks, q_len, model, json_path):
+          q_scale, soft_cap, page_size, append, window, alibi, sinks, q_len, kv_dtype, kv_scale,
+          model, json_path):
     """Compare flash_decode with a float64 reference; one row per workload.
 
     Without shape options, runs the built-in matrix (fp16/bf16/fp32, head_dim 32 to 256,
     MHA to MQA, lengths 1 to 65536, variable lengths with an empty sequence, forced and
     automatic splits, logits of ±1e4, the soft-cap, paged caches, appended tokens, sliding
-    windows, ALiBi, attention sinks). Outputs are
+    windows, ALiBi, attention sinks, fp8 caches with each kind of scale). Outputs are
     filled with NaN before each call.
     Tolerances: relative L2 error 2e-3 (fp16), 1e-2 (bf16), 1e-4 (fp32); LSE 1e-3.
     Exit status 0 if all pass, 1 if any fails, 2 on bad usage or without a GPU.
@@ -354,23 +373,26 @@ def check(ctx, batch, seqlen, heads, kv_heads, head_dim, dtype, splits, seed, va
       cupydecode check --model llama-3-8b --seqlen 5000 --page-size 16 --varlen
       cupydecode check --append --page-size 16 --varlen
       cupydecode check --seqlen 20000 --window 4095 --varlen       (Mistral's sliding window)
+      cupydecode check --kv-dtype e4m3 --kv-scale token --append --page-size 16 --varlen
       cupydecode check --json check.json
     """
     from .workloads import default_check_matrix
 
     single = any(x is not None for x in (batch, seqlen, heads, kv_heads, head_dim, dtype, splits,
                                          lengths, model, soft_cap, page_size, window)) or varlen or q_scale != 1.0
-    single = single or append or alibi or sinks or q_len > 1
+    single = single or append or alibi or sinks or q_len > 1 or kv_dtype is not None
     if append and q_len > 1:
         raise click.BadParameter("expected --q-len 1 with --append (the command appends one "
                                  "token per sequence)", param_hint="'--q-len'")
+    _check_kv_dtype(kv_dtype, dtype)
     if single:
         # a model's every layer type (Gemma-2's sliding and full layers); --window sets one
         layers = list(MODELS[model.lower()].layers()) if model else [None]
         layers = layers if window is None else layers[:1]
         workloads = [_single_workload(batch, seqlen, heads, kv_heads, head_dim, dtype, splits,
                                       seed, varlen, lengths, q_scale, model, soft_cap, page_size,
-                                      append, window, alibi, sinks, layer, q_len)
+                                      append, window, alibi, sinks, layer, q_len,
+                                      kv_dtype and kv_dtype.lower(), kv_scale.lower())
                      for layer in layers]
     else:
         workloads = default_check_matrix()
@@ -525,7 +547,7 @@ def _bench_in_processes(n: int, argv: list[str]) -> list[dict]:
 def _forwarded_bench_args(model, dtype, seqlens, batches, splits, protocols, baselines,
                           soft_cap=None, page_sizes=(None,), append=False,
                           window=None, alibi=False, sinks=False, head_dim=None,
-                          q_len=1) -> list[str]:
+                          q_len=1, kv_dtype=None, kv_scale="tensor") -> list[str]:
     """The options of this bench run, for the processes of --processes (outputs stay here)."""
     argv = ["--model", model, "--dtype", dtype, "--seqlens", ",".join(map(str, seqlens)),
             "--batch", ",".join(map(str, batches)), "--splits", str(splits),
@@ -546,6 +568,8 @@ def _forwarded_bench_args(model, dtype, seqlens, batches, splits, protocols, bas
         argv.append("--alibi")
     if sinks:
         argv.append("--sinks")
+    if kv_dtype is not None:
+        argv += ["--kv-dtype", kv_dtype, "--kv-scale", kv_scale]
     for name in baselines:
         argv += ["--baseline", name]
     return argv
@@ -595,6 +619,12 @@ def _forwarded_bench_args(model, dtype, seqlens, batches, splits, protocols, bas
 @click.option("--q-len", type=click.IntRange(1, MAX_Q_LEN), default=1, show_default=True,
               help="Query tokens per sequence, causal to their positions (draft tokens "
                    "verified together; peers: torch SDPA with the mask aligned to the end).")
+@click.option("--kv-dtype", "kv_dtype", type=KV_DTYPE_CHOICE,
+              help="An fp8 cache (e4m3 or e5m2; floor µs from its bytes); peers: FlashInfer's "
+                   "fp8 decode with per-tensor scales (torch SDPA has no fp8 cache).")
+@click.option("--kv-scale", "kv_scale", type=KV_SCALE_CHOICE, default="tensor",
+              show_default=True,
+              help="With --kv-dtype: the scales per tensor, per KV head or per token and KV head.")
 @click.option("--baseline", "baselines", type=click.Choice(["torch", "flashinfer"]),
               multiple=True, help="Also time a peer (repeatable); needs torch / flashinfer.")
 @click.option("--csv", "csv_path", type=click.Path(dir_okay=False), callback=_output_path,
@@ -605,8 +635,8 @@ def _forwarded_bench_args(model, dtype, seqlens, batches, splits, protocols, bas
               help="Plot µs and % of floor vs seqlen to this PNG (needs matplotlib).")
 @click.pass_context
 def bench(ctx, model, head_dim, dtype, seqlens, batches, splits, protocols, processes, soft_cap,
-          page_sizes, append, window, alibi, sinks, q_len, baselines, csv_path, json_path,
-          plot_path):
+          page_sizes, append, window, alibi, sinks, q_len, kv_dtype, kv_scale, baselines,
+          csv_path, json_path, plot_path):
     """Time flash_decode against the HBM read floor and against baselines.
 
     Per point: floor = bytes(K+V) / read ceiling measured in this run; GPU µs per call from a
@@ -628,6 +658,7 @@ def bench(ctx, model, head_dim, dtype, seqlens, batches, splits, protocols, proc
       cupydecode bench --page-size none,1,16 --baseline flashinfer
       cupydecode bench --append --page-size 16
       cupydecode bench --seqlens 131072 --batch 1,16 --window 4095 --baseline flashinfer
+      cupydecode bench --kv-dtype e4m3 --baseline flashinfer        (fp8 cache, per-tensor scales)
       cupydecode bench --protocol step,back-to-back:2,back-to-back:10 --processes 3
     """
     from . import bench as B
@@ -635,6 +666,8 @@ def bench(ctx, model, head_dim, dtype, seqlens, batches, splits, protocols, proc
     if append and q_len > 1:
         raise click.BadParameter("expected --q-len 1 with --append (the command appends one "
                                  "token per sequence)", param_hint="'--q-len'")
+    _check_kv_dtype(kv_dtype, dtype)
+    kv_dtype, kv_scale = kv_dtype and kv_dtype.lower(), kv_scale.lower()
     if plot_path:
         _check_plot_available(ctx)
     require_gpu(ctx)
@@ -656,14 +689,15 @@ def bench(ctx, model, head_dim, dtype, seqlens, batches, splits, protocols, proc
                    f"{', '.join(protocols)}")
         rows = _bench_in_processes(processes, _forwarded_bench_args(
             model, dtype, seqlens, batches, splits, protocols, peers, soft_cap, page_sizes,
-            append, window, alibi, sinks, head_dim, q_len))
+            append, window, alibi, sinks, head_dim, q_len, kv_dtype, kv_scale))
         ceiling = {"gbps": [r["ceiling_gbps"] for r in rows if r["ceiling_gbps"]]}
     else:
         ceiling = B.measure_read_ceiling()
         click.echo(f"HBM read ceiling: {ceiling['gbps']:.0f} GB/s (read-only kernel over "
                    f"{ceiling['nbytes'] / 1e9:.2f} GB, {ceiling['us']:.0f} µs)")
         points = B.sweep(model, dtype, seqlens, batches, None if splits == "auto" else splits,
-                         soft_cap, page_sizes, append, window, alibi, sinks, head_dim, q_len)
+                         soft_cap, page_sizes, append, window, alibi, sinks, head_dim, q_len,
+                         kv_dtype, kv_scale)
         first = points[0]
         cap = first.logits_soft_cap
         click.echo(f"{model}: {p.num_heads} query heads, {p.num_kv_heads} KV heads, head_dim "
@@ -674,6 +708,8 @@ def bench(ctx, model, head_dim, dtype, seqlens, batches, splits, protocols, proc
                       + " (random page order)")
                    + (", ALiBi" if first.alibi else "") + (", sinks" if first.sinks else "")
                    + ("" if q_len == 1 else f", {q_len} query tokens per sequence (causal)")
+                   + ("" if kv_dtype is None else f", {kv_dtype} cache with scales per "
+                      f"{kv_scale}")
                    + ("" if not append else ", each call appends a new token per sequence (the "
                       "cache holds seqlen − 1); no-append µs: the same call over the same seqlen "
                       "tokens without it"))

@@ -17,9 +17,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ._policy import DTYPE_IDS, ITEMSIZE
+from ._policy import DTYPE_IDS, ITEMSIZE, KV_DTYPES
 
 DTYPES = tuple(DTYPE_IDS)
+KV_SCALES = ("tensor", "head", "token")  # an fp8 cache's scale modes (Workload.kv_scale)
+# The code an fp8 cache holds past each length and in padding pages: NaN in e4m3 and e5m2.
+FP8_NAN_CODE = 0x7F
 
 
 @dataclass(frozen=True)
@@ -102,7 +105,9 @@ class Workload:
     slopes of ``num_heads`` heads (:func:`alibi_slopes`). ``sinks``: a sink logit per query
     head (:func:`sink_logits`, from the seed). ``layer``: the layer type of a model preset it
     stands for (a label). ``q_len``: query tokens per sequence, the last q_len of each (q is
-    then (batch, q_len, num_heads, head_dim)).
+    then (batch, q_len, num_heads, head_dim)). ``kv_dtype``: "e4m3" or "e5m2" for an fp8 cache
+    (:func:`quantize_inputs`; q and out stay ``dtype``), None for a cache in ``dtype``;
+    ``kv_scale``: its scales per "tensor", per KV "head" or per "token" (and KV head).
     """
 
     batch: int
@@ -124,6 +129,8 @@ class Workload:
     sinks: bool = False
     layer: str = ""  # a model preset's layer type ("sliding", "full"), "" where all are alike
     q_len: int = 1  # query tokens per sequence (draft tokens verified together)
+    kv_dtype: str | None = None  # "e4m3", "e5m2": an fp8 cache; None: the cache in dtype
+    kv_scale: str = "tensor"  # an fp8 cache's scales: per "tensor", KV "head" or "token"
 
     def __post_init__(self) -> None:
         if self.lengths is not None:
@@ -134,6 +141,12 @@ class Workload:
             if any(n < 0 or n > self.seqlen for n in self.lengths):
                 raise ValueError(f"lengths: expected values in [0, seqlen={self.seqlen}], "
                                  f"got {list(self.lengths)}")
+        if self.kv_dtype is not None and self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_dtype: expected one of {', '.join(KV_DTYPES)} or None, got "
+                             f"{self.kv_dtype!r}")
+        if self.kv_scale not in KV_SCALES:
+            raise ValueError(f"kv_scale: expected one of {', '.join(KV_SCALES)}, got "
+                             f"{self.kv_scale!r}")
 
     @property
     def group(self) -> int:
@@ -152,9 +165,20 @@ class Workload:
             lens = tuple(min(n, self.window_left + self.q_len) for n in lens)
         return sum(lens)
 
+    @property
+    def kv_itemsize(self) -> int:
+        """Bytes per cached element: 1 for an fp8 cache, else the dtype's."""
+        return 1 if self.kv_dtype else ITEMSIZE[self.dtype]
+
     def kv_bytes(self) -> int:
-        """Bytes of K and V that one call must read (live tokens only)."""
-        return 2 * self.live_tokens() * self.num_kv_heads * self.head_dim * ITEMSIZE[self.dtype]
+        """Bytes of K and V that one call must read (live tokens only; an fp8 cache's codes,
+        and its per-token scales, 4 bytes per token and KV head each)."""
+        row = self.head_dim * self.kv_itemsize + (4 if self.kv_per_token_scales else 0)
+        return 2 * self.live_tokens() * self.num_kv_heads * row
+
+    @property
+    def kv_per_token_scales(self) -> bool:
+        return self.kv_dtype is not None and self.kv_scale == "token"
 
     @property
     def q_shape(self) -> tuple[int, ...]:
@@ -163,10 +187,18 @@ class Workload:
         return (self.batch, *tokens, self.num_heads, self.head_dim)
 
     def cache_bytes(self) -> int:
-        """Bytes of the allocated q, K and V (max_seqlen for every sequence)."""
-        per = ITEMSIZE[self.dtype]
-        return per * (self.batch * self.q_len * self.num_heads * self.head_dim
-                      + 2 * self.batch * self.seqlen * self.num_kv_heads * self.head_dim)
+        """Bytes of the allocated q, K and V (max_seqlen for every sequence; an fp8 cache's
+        codes and per-token scales)."""
+        row = self.head_dim * self.kv_itemsize + (4 if self.kv_per_token_scales else 0)
+        return (ITEMSIZE[self.dtype] * self.batch * self.q_len * self.num_heads * self.head_dim
+                + 2 * self.batch * self.seqlen * self.num_kv_heads * row)
+
+    def draw_bytes(self) -> int:
+        """Bytes :func:`make_inputs` allocates (an fp8 cache is drawn in dtype first, then
+        quantised by :func:`quantize_inputs`)."""
+        return (ITEMSIZE[self.dtype] * self.batch * (self.q_len * self.num_heads
+                                                     + 2 * self.seqlen * self.num_kv_heads)
+                * self.head_dim)
 
     def shape_label(self) -> str:
         cap = "" if self.logits_soft_cap is None else f" cap={self.logits_soft_cap:g}"
@@ -176,6 +208,7 @@ class Workload:
         cap += " alibi" if self.alibi else ""
         cap += " sinks" if self.sinks else ""
         cap += "" if self.q_len == 1 else f" q_len={self.q_len}"
+        cap += "" if self.kv_dtype is None else f" {self.kv_dtype}/{self.kv_scale}"
         return (f"B={self.batch} L={self.seqlen} H={self.num_heads}/{self.num_kv_heads} "
                 f"D={self.head_dim}{cap}")
 
@@ -297,25 +330,88 @@ def page_inputs(inputs, page_size: int, seed: int):
     """``make_inputs``' (q, k, v, cache_seqlens) with the cache moved into pages:
     (q, k_pages, v_pages, cache_seqlens, block_table). Pages of ``page_size`` tokens, each
     sequence's ceil(max_seqlen / page_size) pages in random order over the pool (``seed``);
-    rows past max_seqlen in a sequence's last page are NaN. The contiguous K and V are not kept."""
+    rows past max_seqlen in a sequence's last page are NaN (NaN codes in an fp8 cache). The
+    contiguous K and V are not kept. :func:`page_like` pages per-token scales the same way."""
+    q, k, v, seqlens = inputs
+    table = page_order(k.shape[0], k.shape[1], page_size, seed)
+    return (q, page_like(k, page_size, seed), page_like(v, page_size, seed), seqlens,
+            table)
+
+
+def page_order(batch: int, max_seqlen: int, page_size: int, seed: int):
+    """The block table of :func:`page_inputs`: (batch, ceil(max_seqlen / page_size)) int32 on
+    the GPU, a random permutation of the pool's pages (``seed``)."""
     import cupy
 
-    q, k, v, seqlens = inputs
-    batch, max_seqlen = k.shape[:2]
     per_seq = -(-max_seqlen // page_size)
     order = cupy.random.RandomState(seed).permutation(batch * per_seq)
-    table = order.reshape(batch, per_seq).astype(cupy.int32)
-    pages = []
+    return order.reshape(batch, per_seq).astype(cupy.int32)
+
+
+def page_like(x, page_size: int, seed: int):
+    """A (batch, max_seqlen, ...) array (K, V, or an fp8 cache's per-token scales) moved into the
+    pages of :func:`page_inputs` with the same ``seed``: (num_pages, page_size, ...); rows past
+    max_seqlen NaN (NaN codes for uint8 codes)."""
+    import cupy
+
+    batch, max_seqlen = x.shape[:2]
+    table = page_order(batch, max_seqlen, page_size, seed)
+    per_seq = table.shape[1]
+    fill = FP8_NAN_CODE if x.dtype == cupy.uint8 else math.nan
+    if per_seq * page_size != max_seqlen:
+        padded = cupy.full((batch, per_seq * page_size) + x.shape[2:], fill, x.dtype)
+        padded[:, :max_seqlen] = x
+        x = padded
+    pages = cupy.empty((batch * per_seq, page_size) + x.shape[2:], x.dtype)
+    pages[table.reshape(-1)] = x.reshape(batch * per_seq, page_size, *x.shape[2:])
+    return pages
+
+
+def quantize_inputs(workload: Workload, k, v):
+    """An fp8 workload's cache from :func:`make_inputs`' K and V: ``(k_codes, v_codes, k_scale,
+    v_scale)``, codes uint8 of K's shape, each scale of the workload's ``kv_scale`` mode.
+
+    Each (token, KV head) row of K and V is first multiplied by its own factor e^u, u ~ U(−2, 2)
+    (from the seed), so rows differ in magnitude and every scale differs from 1 and from its
+    neighbours: per "tensor" max |x| / the format's largest finite value (a float); per KV
+    "head" 1.5 × the head's max |x| / that value ((num_kv_heads,) float32); per "token" the
+    row's own (``quantize_kv``'s rule; (batch, max_seqlen, num_kv_heads) float32), NaN past each
+    length. Rows past each length (NaN in make_inputs) are NaN codes. Quantised on the GPU by
+    ``cupydecode.quantize_kv``, the rule of ``reference.quantize_kv``; the reference then reads
+    the codes and scales, so it holds the exact values the kernel attends."""
+    import cupy
+
+    from .quantize import quantize_kv
+    from .reference import FP8_FORMATS
+
+    w = workload
+    top = FP8_FORMATS[w.kv_dtype][1]
+    rs = cupy.random.RandomState((w.seed ^ 0xF8F8F8) % 2**32)
+    result = []
     for x in (k, v):
-        if per_seq * page_size != max_seqlen:
-            padded = cupy.full((batch, per_seq * page_size) + x.shape[2:], math.nan, x.dtype)
-            padded[:, :max_seqlen] = x
-            x = padded
-        p = cupy.empty((batch * per_seq, page_size) + x.shape[2:], x.dtype)
-        p[order] = x.reshape(batch * per_seq, page_size, *x.shape[2:])
-        pages.append(p)
-        del x
-    return q, pages[0], pages[1], seqlens, table
+        mag = cupy.exp(rs.uniform(-2.0, 2.0, x.shape[:-1] + (1,)).astype(cupy.float32))
+
+        def rows(b, x=x, mag=mag):
+            return x[b].astype(cupy.float32) * mag[b]
+        scale = None
+        if w.kv_scale != "token":
+            amax = cupy.stack([cupy.nan_to_num(cupy.abs(rows(b)), nan=0.0).max(axis=(0, 2))
+                               for b in range(x.shape[0])]).max(axis=0)
+            amax = cupy.where(amax > 0, amax, cupy.float32(top))
+            scale = (float(amax.max()) / top if w.kv_scale == "tensor"
+                     else (amax * cupy.float32(1.5 / top)).astype(cupy.float32))
+        codes = cupy.empty(x.shape, cupy.uint8)
+        token_scales = cupy.empty(x.shape[:-1], cupy.float32) if scale is None else None
+        for b in range(x.shape[0]):
+            _, s = quantize_kv(rows(b), w.kv_dtype, scale, out=codes[b])
+            if token_scales is not None:
+                token_scales[b] = s
+        if token_scales is not None and w.lengths is not None:
+            for b, n in enumerate(w.lengths):
+                token_scales[b, n:] = math.nan
+        result.append((codes, scale if token_scales is None else token_scales))
+    (kc, ks), (vc, vs) = result
+    return kc, vc, ks, vs
 
 
 # q_scale for the overflow workload: with q ~ N(0, s²) and K ~ N(0, 1) the logits
@@ -332,7 +428,8 @@ def default_check_matrix() -> list[Workload]:
     with an empty sequence; forced 1 and 3 splits and automatic splits; logits of ±1e4; the
     soft-cap on every math path; paged caches of 1 to 256 tokens per page; a new token appended
     in the call (contiguous and paged, every math path, a sequence at full capacity and an
-    empty one).
+    empty one); sliding windows, ALiBi, sinks; fp8 caches (e4m3, e5m2) with scales per tensor,
+    per KV head and per token, paged, appended, with several query tokens and score options.
     Sizes are kept small enough that the float64 reference stays cheap (the whole list runs
     in seconds on an H200, most of it compilation on the first run).
     """
@@ -492,5 +589,37 @@ def default_check_matrix() -> list[Workload]:
         W(3, 3000, 32, 8, 128, "float16", None, (3000, 17, 0),
           name="q_len 4, window, alibi, sinks, paged 16", page_size=16, window_left=500,
           alibi=True, sinks=True, q_len=4),
+    ]
+    # fp8 caches (q and out fp16/bf16): e4m3 and e5m2, scales per tensor, per KV head and per
+    # token, each differing from 1 and from its neighbours (quantize_inputs); varlen with an
+    # empty sequence, one split, several and the fused merge; paged, appended (the new tokens
+    # quantised in the call, codes and per-token scales checked bit for bit), several query
+    # tokens, the score options; MQA, G 16, MHA at head_dim 256, head_dims between the widths
+    f8 = {"kv_dtype": "e4m3"}
+    f5 = {"kv_dtype": "e5m2"}
+    tok, head = {"kv_scale": "token"}, {"kv_scale": "head"}
+    m += [
+        W(2, 4097, 32, 8, 128, "float16", None, name="e4m3 per tensor", **f8),
+        W(3, 4097, 32, 8, 128, "bfloat16", 3, (4097, 0, 300), name="e4m3 per head, varlen",
+          **f8, **head),
+        W(3, 4097, 32, 8, 128, "float16", 1, (4097, 1, 0), name="e4m3 per token, varlen",
+          **f8, **tok),
+        W(2, 2000, 8, 1, 64, "float16", None, name="e5m2 per token, MQA 8", **f5, **tok),
+        W(2, 1024, 32, 2, 128, "bfloat16", 3, name="e5m2 per head, G 16", **f5, **head),
+        W(2, 1024, 4, 4, 256, "float16", None, name="e4m3 per tensor, MHA", **f8),
+        W(2, 3000, 24, 8, 96, "float16", None, (3000, 17), name="e4m3 per token, head_dim 96",
+          **f8, **tok),
+        W(1, 65536, 32, 8, 128, "float16", None, name="e4m3 per token, len 65536", **f8, **tok),
+        W(4, 300, 32, 8, 128, "float16", None, (299, 15, 16, 0),
+          name="e4m3 per token, append, paged 16", page_size=16, append=True, **f8, **tok),
+        W(3, 5000, 32, 8, 128, "bfloat16", 3, (4999, 99, 5000),
+          name="e5m2 per tensor, append, paged 100", page_size=100, append=True, **f5),
+        W(3, 4097, 32, 8, 128, "float16", None, (4096, 1000, 0), name="e4m3 per head, append",
+          append=True, **f8, **head),
+        W(3, 3000, 32, 8, 128, "float16", None, (3000, 17, 0),
+          name="e4m3 per token, q_len 4, paged 16", page_size=16, q_len=4, **f8, **tok),
+        W(3, 3000, 32, 8, 128, "bfloat16", None, (3000, 500, 0),
+          name="e4m3 per token, soft-cap, window, alibi, sinks", logits_soft_cap=50.0,
+          window_left=700, alibi=True, sinks=True, q_scale=8.0, **f8, **tok),
     ]
     return m

@@ -578,3 +578,44 @@ def test_bench_sinks_option():
     argv = cli._forwarded_bench_args("llama-3-8b", "float16", [1024], [1], "auto", ["step"], [],
                                      sinks=True)
     assert cli.bench.make_context("bench", argv).params["sinks"] is True
+
+
+def test_kv_dtype_option(runner, no_gpu):
+    """--kv-dtype and --kv-scale reach check's workload (its label, the bytes it reads, the
+    replay command) and bench's points and forwarded options; float32 q with an fp8 cache and
+    an unknown format are refused before any GPU is looked for."""
+    from cupydecode.check import _row_skeleton, repro_command
+
+    args = (2, 300, None, None, None, None, None, 7, False, None, 1.0, None)
+    w = cli._single_workload(*args, kv_dtype="e5m2", kv_scale="token")
+    assert (w.kv_dtype, w.kv_scale) == ("e5m2", "token") and "e5m2/token" in cli._workload_label(w)
+    plain = cli._single_workload(*args)
+    assert plain.kv_dtype is None and "--kv-dtype" not in repro_command(_row_skeleton(plain))
+    # codes of one byte, and a 4-byte scale per token and KV head of K and of V
+    assert w.kv_bytes() == 2 * 600 * 8 * (128 + 4) and plain.kv_bytes() == 2 * 600 * 8 * 256
+    assert dataclasses.replace(w, kv_scale="head").kv_bytes() == 2 * 600 * 8 * 128
+    assert repro_command(_row_skeleton(w)).endswith("--kv-dtype e5m2 --kv-scale token")
+    points = B.sweep("llama-3-8b", "float16", [1024], [1, 4], kv_dtype="e4m3", kv_scale="head")
+    assert {(w.kv_dtype, w.kv_scale) for w in points} == {("e4m3", "head")}
+    assert "1 B" in B.napkin(points[0]) and "scale" in B.napkin(dataclasses.replace(
+        points[0], kv_scale="token"))
+    argv = cli._forwarded_bench_args("llama-3-8b", "float16", [1024], [1], "auto", ["step"], [],
+                                     kv_dtype="e4m3", kv_scale="token")
+    p = cli.bench.make_context("bench", argv).params
+    assert (p["kv_dtype"], p["kv_scale"]) == ("e4m3", "token")
+    assert cli.check.make_context("check", []).params["kv_scale"] == "tensor"
+    for command in (["check"], ["bench"]):
+        result = runner.invoke(cli.main, [*command, "--kv-dtype", "e4m3", "--dtype", "fp32"])
+        assert result.exit_code == 2 and "--dtype" in result.output, result.output
+        result = runner.invoke(cli.main, [*command, "--kv-dtype", "e3m4"])
+        assert result.exit_code == 2 and "--kv-dtype" in result.output, result.output
+    with pytest.raises(ValueError, match="kv_scale"):
+        Workload(1, 10, 8, 2, 64, kv_dtype="e4m3", kv_scale="row")
+    with pytest.raises(ValueError, match="kv_dtype"):
+        Workload(1, 10, 8, 2, 64, kv_dtype="int8")
+    fp8 = [w for w in default_check_matrix() if w.kv_dtype]
+    assert {w.kv_dtype for w in fp8} == {"e4m3", "e5m2"}
+    assert {w.kv_scale for w in fp8} == {"tensor", "head", "token"}
+    assert {w.dtype for w in fp8} == {"float16", "bfloat16"}
+    assert any(w.append and w.page_size and w.kv_scale == "token" for w in fp8)
+    assert any(w.q_len > 1 for w in fp8) and any(w.sinks and w.alibi for w in fp8)

@@ -212,3 +212,69 @@ def test_bench_protocols_side_by_side(runner, tmp_path):
         assert row["eager_us"] == step["eager_us"]  # measured once per point
     (point,) = payload["stability"]
     assert point["runs"] == 2 and point["spread_pct"] >= 0
+
+
+def test_check_kv_dtype(runner, tmp_path):
+    """check --kv-dtype for each scale mode, appended into a paged cache: every row passes and
+    the codes and per-token scales the call wrote match reference.append_kv's."""
+    for fmt, mode in (("e4m3", "tensor"), ("e5m2", "head"), ("e4m3", "token")):
+        out = tmp_path / f"{fmt}-{mode}.json"
+        result = runner.invoke(cli.main, ["check", "--seqlen", "300", "--batch", "4", "--varlen",
+                                          "--append", "--page-size", "16", "--kv-dtype", fmt,
+                                          "--kv-scale", mode, "--json", str(out)])
+        assert result.exit_code == 0, result.output
+        (row,) = json.loads(out.read_text())["rows"]
+        assert row["passed"] and row["cache_rows_wrong"] == 0, row
+        assert (row["kv_dtype"], row["kv_scale"]) == (fmt, mode)
+
+
+@pytest.mark.parametrize("ignored", ["k", "v"])
+def test_check_catches_a_kernel_that_ignores_the_scales(cupy, tmp_path, ignored):
+    """`cupydecode check`'s fp8 rows fail for a kernel that takes every K (or V) scale as 1, in
+    each scale mode: its scales differ from 1, per head and per token."""
+    from cupydecode import _kernels
+    from cupydecode import check as C
+    from cupydecode.workloads import Workload
+
+    def workload(mode):
+        return Workload(3, 700, 32, 8, 128, "float16", None, (700, 300, 0), kv_dtype="e4m3",
+                        kv_scale=mode)
+    text = (_kernels.kernel_dir() / "decode_split.cu").read_text()
+    if ignored == "k":
+        swaps = [("const float k_mul = (p.k_scale ? p.k_scale[kv_head] : 1.f) * p.k_scale_all;",
+                  "const float k_mul = 1.f;"),
+                 ("const float kmul[2] = {tsc[g], tsc[g + 8]};", "const float kmul[2] = {1.f, 1.f};")]
+    else:
+        swaps = [("const float v_mul = (p.v_scale ? p.v_scale[kv_head] : 1.f) * p.v_scale_all;",
+                  "const float v_mul = 1.f;"),
+                 ("vfac[h] = st.m2[h] == CD_NEG_INF ? 0.f : cd_exp2(st.mv[h] - st.m2[h]);",
+                  "vfac[h] = st.m2[h] == CD_NEG_INF ? 0.f : 1.f;")]
+    for old, new in swaps:
+        assert text.count(old) == 1, old
+        text = text.replace(old, new)
+    modes = ("tensor", "head", "token")
+    assert all(C.run_check(workload(mode))["passed"] for mode in modes)
+    (tmp_path / "decode_split.cu").write_text(text)
+    with _kernels.kernel_sources(tmp_path):
+        for mode in modes:
+            row = C.run_check(workload(mode))
+            assert not row["passed"] and row["rel_err"] > 10 * row["rel_tol"], row
+
+
+def test_bench_kv_dtype(runner, tmp_path):
+    """bench --kv-dtype: the fp8 call checked against float64, its floor from the fp8 bytes
+    (half of fp16's; per-token scales add 4 bytes per token and KV head), the naive version and
+    torch SDPA left out with the reason."""
+    rows = {}
+    for mode in ("tensor", "token"):
+        json_path = tmp_path / f"{mode}.json"
+        result = runner.invoke(cli.main, ["bench", "--seqlens", "4096", "--batch", "2",
+                                          "--kv-dtype", "e4m3", "--kv-scale", mode,
+                                          "--json", str(json_path)])
+        assert result.exit_code == 0, result.output
+        (rows[mode],) = json.loads(json_path.read_text())["rows"]
+    for mode, row in rows.items():
+        assert row["check"] == "ok" and row["gpu_us"] > 0 and row["kv_dtype"] == "e4m3", row
+        assert row["naive_us"] is None and "naive" in row["notes"]
+    assert rows["tensor"]["kv_bytes"] == 2 * 2 * 4096 * 8 * 128
+    assert rows["token"]["kv_bytes"] == 2 * 2 * 4096 * 8 * (128 + 4)

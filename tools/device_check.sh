@@ -14,7 +14,8 @@
 # "head_dims": head_dims between the kernel widths, tested, memchecked and timed; "models":
 # `check --model` for every preset's every layer type; "multi": several query tokens per
 # sequence, tested, memchecked and timed against one; "fp8": the fp8 quantiser, tested and
-# memchecked). DTYPE (default float16) is the dtype of the paged, append and multi sweeps;
+# memchecked; "fp8attn": attention over fp8 caches, tested, memchecked and timed against fp16
+# and FlashInfer's fp8 decode). DTYPE (default float16) is the dtype of the paged, append and multi sweeps;
 # Q_LENS (default "1 2 4 8") the multi sweep's q_lens; FEATURE_TESTS=0 skips the feature steps'
 # tests and memcheck (their sweeps only); LAYOUT_DTYPES (default "float16 bfloat16") the
 # layouts sweep's dtypes.
@@ -293,6 +294,50 @@ fi
 if has fp8; then
   # fp8 KV: the standalone quantiser against the reference, code for code, and its memcheck
   feature_tests fp8 tests/test_gpu_fp8.py "(e4m3 and float16 and not bfloat16) or slice or strided or bad or cache or grid"
+fi
+
+if has fp8attn; then
+  # attention over fp8 caches: its GPU tests and check rows, a memcheck of some, then the time of
+  # e4m3 (scales per tensor, per token) and e5m2 against the same points in float16, FlashInfer's
+  # fp8 decode beside (per-tensor scales, the one kind it takes); targets: >= 1.85x fp16 at
+  # >= 256 MB of fp16-equivalent KV, >= 90% of the fp8 floor at >= 128 MB of fp8 bytes,
+  # >= 1.5x FlashInfer's fp8
+  feature_tests fp8attn tests/test_gpu_fp8_attention.py \
+    "(matches_the_reference and e4m3 and (32x8x128 or 24x8x96)) or paged or append or graph or nan or bad"
+  $PY -m pytest -q -p no:cacheprovider tests/test_cli_gpu.py -k "kv_dtype or ignores_the_scales" \
+    2>&1 | tail -n 20 > "$OUT_DIR/fp8attn_cli.log"
+  add_summary "fp8attn cli tests: $(tail -n 1 "$OUT_DIR/fp8attn_cli.log")"
+  fi_opt=$(echo "$BASELINES" | grep -o -- "--baseline flashinfer")
+  for kv in "none" "e4m3 tensor" "e4m3 token" "e5m2 tensor"; do
+    set -- $kv
+    tag=${1}${2:+_$2}
+    opts=""; [ "$1" != none ] && opts="--kv-dtype $1 --kv-scale $2"
+    for pt in "16384,65536 1,16" "8192 4" "32768 16"; do
+      set -- $pt
+      $PY -m cupydecode.cli bench $fi_opt --protocol "${PROTOCOLS%%,*}" $opts --dtype "$DTYPE" \
+        --seqlens "$1" --batch "$2" --csv "$OUT_DIR/fp8attn_${tag}_${2%%,*}.csv" \
+        2>>"$OUT_DIR/bench.err" | tee -a "$OUT_DIR/fp8attn.txt"
+    done
+  done
+  merge_parts "$OUT_DIR/fp8attn.csv" "$OUT_DIR"/fp8attn_*_*.csv
+  add_summary "fp8attn bench: $($PY - "$OUT_DIR/fp8attn.csv" <<'PYEOF'
+import csv, sys
+rows = [r for r in csv.DictReader(open(sys.argv[1])) if r["gpu_us"]]
+fp16 = {(r["batch"], r["seqlen"]): r for r in rows if not r["kv_dtype"]}
+out = []
+for r in rows:
+    if r["kv_dtype"]:
+        base = fp16.get((r["batch"], r["seqlen"]))
+        fi = [float(r[c]) for c in ("flashinfer_us", "flashinfer_tc_us") if r.get(c)]
+        us = float(r["gpu_us"])
+        out.append(f"{r['kv_dtype']}/{r['kv_scale']} b{r['batch']}x{r['seqlen']} "
+                   f"({float(r['kv_bytes']) / 1e6:.0f} MB): {us:.1f} us, "
+                   f"{float(r['pct_of_floor']):.1f}% floor"
+                   + (f", x{float(base['gpu_us']) / us:.3f} fp16" if base else "")
+                   + (f", x{min(fi) / us:.3f} FI" if fi else "") + f" {r['check']}")
+print("; ".join(out))
+PYEOF
+)"
 fi
 
 if has multi; then
