@@ -134,6 +134,10 @@ DTYPE_CHOICE = click.Choice([*DTYPES, *DTYPE_ALIASES], case_sensitive=False)
 MODEL_CHOICE = click.Choice(list(MODELS), case_sensitive=False)
 KV_DTYPE_CHOICE = click.Choice(list(KV_DTYPES), case_sensitive=False)
 KV_SCALE_CHOICE = click.Choice(list(KV_SCALES), case_sensitive=False)
+# check's and bench's --kv-scale (each command's --kv-dtype says what the fp8 cache does there)
+KV_SCALE_OPTION = click.option(
+    "--kv-scale", "kv_scale", type=KV_SCALE_CHOICE, default="tensor", show_default=True,
+    help="With --kv-dtype: the scales per tensor, per KV head or per token and KV head.")
 
 
 class HeadDimType(click.ParamType):
@@ -343,9 +347,7 @@ def _check_header(width: int) -> str:
 @click.option("--kv-dtype", "kv_dtype", type=KV_DTYPE_CHOICE,
               help="An fp8 cache (e4m3 or e5m2) of rows of differing magnitude; q and out stay "
                    "--dtype (float16 or bfloat16).")
-@click.option("--kv-scale", "kv_scale", type=KV_SCALE_CHOICE, default="tensor",
-              show_default=True,
-              help="With --kv-dtype: the scales per tensor, per KV head or per token and KV head.")
+@KV_SCALE_OPTION
 @click.option("--model", type=MODEL_CHOICE,
               help="Take heads/kv-heads/head-dim (and the soft-cap) from a preset.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), callback=_output_path,
@@ -622,9 +624,7 @@ def _forwarded_bench_args(model, dtype, seqlens, batches, splits, protocols, bas
 @click.option("--kv-dtype", "kv_dtype", type=KV_DTYPE_CHOICE,
               help="An fp8 cache (e4m3 or e5m2; floor µs from its bytes); peers: FlashInfer's "
                    "fp8 decode with per-tensor scales (torch SDPA has no fp8 cache).")
-@click.option("--kv-scale", "kv_scale", type=KV_SCALE_CHOICE, default="tensor",
-              show_default=True,
-              help="With --kv-dtype: the scales per tensor, per KV head or per token and KV head.")
+@KV_SCALE_OPTION
 @click.option("--baseline", "baselines", type=click.Choice(["torch", "flashinfer"]),
               multiple=True, help="Also time a peer (repeatable); needs torch / flashinfer.")
 @click.option("--csv", "csv_path", type=click.Path(dir_okay=False), callback=_output_path,

@@ -7,6 +7,7 @@ given, and written back into the workload so that a failure can be replayed exac
 
 KV cache bytes of one workload, the number everything else is measured against:
     2 (K and V) × Σ_b cache_seqlens[b] × num_kv_heads × head_dim × itemsize
+(an fp8 cache: itemsize 1, plus 4 bytes per token and KV head with per-token scales).
 """
 
 from __future__ import annotations
