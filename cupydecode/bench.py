@@ -613,7 +613,9 @@ def flashinfer_times(sets, w: Workload, scale: float, n_calls: int, check, befor
         try:
             wrapper.plan(indptr, indices, last, w.num_heads, w.num_kv_heads, w.head_dim, page,
                          data_type=kv_dt, q_data_type=dt, sm_scale=scale, **cap)
-        except TypeError:  # older signature
+        except TypeError:  # older signature (no q_data_type: q in the cache's type, not for fp8)
+            if w.kv_dtype:
+                raise
             wrapper.plan(indptr, indices, last, w.num_heads, w.num_kv_heads, w.head_dim, page,
                          data_type=kv_dt, sm_scale=scale, **cap)
 
@@ -838,9 +840,11 @@ def bench_point(w: Workload, ceiling_gbps: float, l2_bytes: int, model: str = ""
     protocols = [parse_protocol(p) for p in specs]
     rows = [dict(base, protocol=spec) for spec in specs]
     free = cupy.cuda.runtime.memGetInfo()[0]
-    # the sets, a paging copy, and an fp8 cache's draw in dtype before it is quantised
+    # the sets, a paging copy, and an fp8 cache's draw in dtype before it is quantised (with
+    # quantize_inputs' float32 temporaries of one sequence, ~12 bytes an element)
     need = ((nsets + (1 if w.page_size else 0)) * w.cache_bytes() + MARGIN_BYTES
-            + (w.draw_bytes() if w.kv_dtype else 0))
+            + (w.draw_bytes() + 12 * w.seqlen * w.num_kv_heads * w.head_dim if w.kv_dtype
+               else 0))
     if need > free:
         why = (f"needs {need / 1e9:.1f} GB ({nsets} buffer set(s) of "
                f"{w.cache_bytes() / 1e9:.2f} GB + margin), {free / 1e9:.1f} GB free")

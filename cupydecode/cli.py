@@ -136,8 +136,9 @@ KV_DTYPE_CHOICE = click.Choice(list(KV_DTYPES), case_sensitive=False)
 KV_SCALE_CHOICE = click.Choice(list(KV_SCALES), case_sensitive=False)
 # check's and bench's --kv-scale (each command's --kv-dtype says what the fp8 cache does there)
 KV_SCALE_OPTION = click.option(
-    "--kv-scale", "kv_scale", type=KV_SCALE_CHOICE, default="tensor", show_default=True,
-    help="With --kv-dtype: the scales per tensor, per KV head or per token and KV head.")
+    "--kv-scale", "kv_scale", type=KV_SCALE_CHOICE,
+    help="With --kv-dtype: the scales per tensor (default), per KV head or per token and KV "
+         "head.")
 
 
 class HeadDimType(click.ParamType):
@@ -287,11 +288,16 @@ def _single_workload(batch, seqlen, heads, kv_heads, head_dim, dtype, splits, se
                     q_len=q_len, kv_dtype=kv_dtype, kv_scale=kv_scale)
 
 
-def _check_kv_dtype(kv_dtype, dtype) -> None:
-    """An fp8 cache takes float16 or bfloat16 q (--dtype)."""
+def _check_kv_dtype(kv_dtype, kv_scale, dtype) -> tuple[str | None, str]:
+    """(kv_dtype, kv_scale) lower-cased, kv_scale "tensor" by default; an fp8 cache takes
+    float16 or bfloat16 q (--dtype), and --kv-scale needs --kv-dtype."""
+    if kv_dtype is None and kv_scale is not None:
+        raise click.BadParameter(f"expected --kv-dtype e4m3 or e5m2 with --kv-scale, got "
+                                 f"--kv-scale {kv_scale} alone", param_hint="'--kv-scale'")
     if kv_dtype is not None and dtype == "float32":
         raise click.BadParameter("expected --dtype float16 or bfloat16 with --kv-dtype (q and "
                                  "out of an fp8 cache), got float32", param_hint="'--dtype'")
+    return kv_dtype and kv_dtype.lower(), (kv_scale or "tensor").lower()
 
 
 def _workload_label(w: Workload) -> str:
@@ -386,15 +392,15 @@ def check(ctx, batch, seqlen, heads, kv_heads, head_dim, dtype, splits, seed, va
     if append and q_len > 1:
         raise click.BadParameter("expected --q-len 1 with --append (the command appends one "
                                  "token per sequence)", param_hint="'--q-len'")
-    _check_kv_dtype(kv_dtype, dtype)
+    kv_dtype, kv_scale = _check_kv_dtype(kv_dtype, kv_scale, dtype)
     if single:
         # a model's every layer type (Gemma-2's sliding and full layers); --window sets one
         layers = list(MODELS[model.lower()].layers()) if model else [None]
         layers = layers if window is None else layers[:1]
         workloads = [_single_workload(batch, seqlen, heads, kv_heads, head_dim, dtype, splits,
                                       seed, varlen, lengths, q_scale, model, soft_cap, page_size,
-                                      append, window, alibi, sinks, layer, q_len,
-                                      kv_dtype and kv_dtype.lower(), kv_scale.lower())
+                                      append, window, alibi, sinks, layer, q_len, kv_dtype,
+                                      kv_scale)
                      for layer in layers]
     else:
         workloads = default_check_matrix()
@@ -666,8 +672,7 @@ def bench(ctx, model, head_dim, dtype, seqlens, batches, splits, protocols, proc
     if append and q_len > 1:
         raise click.BadParameter("expected --q-len 1 with --append (the command appends one "
                                  "token per sequence)", param_hint="'--q-len'")
-    _check_kv_dtype(kv_dtype, dtype)
-    kv_dtype, kv_scale = kv_dtype and kv_dtype.lower(), kv_scale.lower()
+    kv_dtype, kv_scale = _check_kv_dtype(kv_dtype, kv_scale, dtype)
     if plot_path:
         _check_plot_available(ctx)
     require_gpu(ctx)

@@ -399,7 +399,7 @@ def quantize_inputs(workload: Workload, k, v):
             amax = cupy.stack([cupy.nan_to_num(cupy.abs(rows(b)), nan=0.0).max(axis=(0, 2))
                                for b in range(x.shape[0])]).max(axis=0)
             amax = cupy.where(amax > 0, amax, cupy.float32(top))
-            scale = (float(amax.max()) / top if w.kv_scale == "tensor"
+            scale = (float(np.float32(float(amax.max()) / top)) if w.kv_scale == "tensor"
                      else (amax * cupy.float32(1.5 / top)).astype(cupy.float32))
         codes = cupy.empty(x.shape, cupy.uint8)
         token_scales = cupy.empty(x.shape[:-1], cupy.float32) if scale is None else None

@@ -603,7 +603,10 @@ def test_kv_dtype_option(runner, no_gpu):
                                      kv_dtype="e4m3", kv_scale="token")
     p = cli.bench.make_context("bench", argv).params
     assert (p["kv_dtype"], p["kv_scale"]) == ("e4m3", "token")
-    assert cli.check.make_context("check", []).params["kv_scale"] == "tensor"
+    assert cli.check.make_context("check", []).params["kv_scale"] is None  # "tensor" then
+    for command in (["check"], ["bench"]):
+        result = runner.invoke(cli.main, [*command, "--kv-scale", "token"])
+        assert result.exit_code == 2 and "--kv-dtype" in result.output, result.output
     for command in (["check"], ["bench"]):
         result = runner.invoke(cli.main, [*command, "--kv-dtype", "e4m3", "--dtype", "fp32"])
         assert result.exit_code == 2 and "--dtype" in result.output, result.output

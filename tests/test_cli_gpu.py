@@ -230,8 +230,9 @@ def test_check_kv_dtype(runner, tmp_path):
 
 @pytest.mark.parametrize("ignored", ["k", "v"])
 def test_check_catches_a_kernel_that_ignores_the_scales(cupy, tmp_path, ignored):
-    """`cupydecode check`'s fp8 rows fail for a kernel that takes every K (or V) scale as 1, in
-    each scale mode: its scales differ from 1, per head and per token."""
+    """`cupydecode check`'s fp8 rows fail for a kernel that takes every K (or V) scale as 1 (per
+    token, V: that drops the weights' factor 2^(mv − m2), which carries log2 v_scale), in each
+    scale mode: its scales differ from 1, per head and per token."""
     from cupydecode import _kernels
     from cupydecode import check as C
     from cupydecode.workloads import Workload
@@ -263,8 +264,8 @@ def test_check_catches_a_kernel_that_ignores_the_scales(cupy, tmp_path, ignored)
 
 def test_bench_kv_dtype(runner, tmp_path):
     """bench --kv-dtype: the fp8 call checked against float64, its floor from the fp8 bytes
-    (half of fp16's; per-token scales add 4 bytes per token and KV head), the naive version and
-    torch SDPA left out with the reason."""
+    (half of fp16's; per-token scales add 4 bytes per token and KV head), the naive version left
+    out with the reason."""
     rows = {}
     for mode in ("tensor", "token"):
         json_path = tmp_path / f"{mode}.json"

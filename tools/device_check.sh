@@ -314,7 +314,7 @@ if has fp8attn; then
     opts=""; [ "$1" != none ] && opts="--kv-dtype $1 --kv-scale $2"
     for pt in "16384,65536 1,16" "8192 4" "32768 16"; do
       set -- $pt
-      $PY -m cupydecode.cli bench $fi_opt --protocol "${PROTOCOLS%%,*}" $opts --dtype "$DTYPE" \
+      $PY -m cupydecode.cli bench $fi_opt --protocol "${PROTOCOLS%%,*}" $opts \
         --seqlens "$1" --batch "$2" --csv "$OUT_DIR/fp8attn_${tag}_${2%%,*}.csv" \
         2>>"$OUT_DIR/bench.err" | tee -a "$OUT_DIR/fp8attn.txt"
     done
