@@ -40,7 +40,7 @@ import warnings
 
 import numpy as np
 
-from .check import REL_TOL, reference_gpu, select_rows
+from .check import REL_TOL, append_on_gpu, fp8_options, reference_gpu, select_rows
 from . import reference as R
 from .workloads import (Workload, alibi_slopes, fresh_seed, make_inputs, new_tokens, page_inputs,
                         page_like, quantize_inputs,
@@ -734,8 +734,6 @@ def buffer_sets_needed(w: Workload, l2_bytes: int) -> int:
 
 def napkin(w: Workload, symbolic: bool = False) -> str:
     """The KV byte count written out (``symbolic``: batch and seqlen left as names)."""
-    from .workloads import ITEMSIZE
-
     bl = "batch × seqlen" if symbolic else f"{w.batch} seq × {w.seqlen} tok"
     text = (f"K+V = 2 × {bl} × {w.num_kv_heads} kv heads × {w.head_dim} dims × "
             f"{w.kv_itemsize} B" + (" (+ 4 B of scale per token and KV head)"
@@ -791,25 +789,20 @@ def _subset_checker(w: Workload, q, k, v, new=None, scales=None):
     b_ids = sorted({0, w.batch - 1})
     h_ids = sorted({0, w.num_kv_heads - 1})
     opts = _score_options(w)
-    if w.kv_dtype:
-        opts.update(kv_dtype=w.kv_dtype, **scales)
+    k_scale, v_scale = (scales or {}).get("k_scale"), (scales or {}).get("v_scale")
     if new is None:
-        ref_out, _ = reference_gpu(q, k, v, None, None, b_ids, h_ids, **opts)
+        ref_out, _ = reference_gpu(q, k, v, None, None, b_ids, h_ids, **opts,
+                                   **fp8_options(w, k_scale, v_scale))
     else:  # those sequences' caches (copies) with their new tokens appended
-        import cupy
-
         lens = None if w.lengths is None else np.asarray(w.lengths)[b_ids]
-        fp8 = {}
-        if w.kv_dtype:  # the selected sequences' per-token scales
-            fp8 = {"kv_dtype": w.kv_dtype, **{
-                n: x[b_ids] if getattr(x, "ndim", 0) == 3 else x for n, x in scales.items()}}
-        grown = R.append_kv(k[b_ids], v[b_ids], lens, new[0][b_ids], new[1][b_ids], xp=cupy,
-                            **fp8)
-        ks, vs, lens = grown[:3]
-        if fp8:
-            opts.update(k_scale=grown[3], v_scale=grown[4])
-        ref_out, _ = reference_gpu(q[b_ids], ks, vs, lens, None, None, h_ids, **opts)
-        del ks, vs, grown
+        # the selected sequences' per-token scales
+        k_scale, v_scale = (s[b_ids] if getattr(s, "ndim", 0) == 3 else s
+                            for s in (k_scale, v_scale))
+        ks, vs, lens, fp8 = append_on_gpu(k[b_ids], v[b_ids], lens,
+                                          (new[0][b_ids], new[1][b_ids]),
+                                          fp8_options(w, k_scale, v_scale))
+        ref_out, _ = reference_gpu(q[b_ids], ks, vs, lens, None, None, h_ids, **opts, **fp8)
+        del ks, vs
 
     def check(out) -> float:
         return R.relative_error(select_rows(out, w.num_kv_heads, b_ids, h_ids, w.q_len > 1),

@@ -77,6 +77,22 @@ def select_rows(x, num_kv_heads: int, batch_ids=None, kv_heads=None, tokens: boo
     return y
 
 
+def fp8_options(w: Workload, k_scale, v_scale) -> dict:
+    """The reference's options for the workload's cache: ``kv_dtype``, ``k_scale``, ``v_scale``
+    for an fp8 cache (k and v its codes), none for a cache in dtype."""
+    return ({} if w.kv_dtype is None else
+            {"kv_dtype": w.kv_dtype, "k_scale": k_scale, "v_scale": v_scale})
+
+
+def append_on_gpu(k, v, lens, new, fp8: dict):
+    """``reference.append_kv`` on the GPU (copies): ``(k, v, lengths, fp8)`` with ``fp8`` (the
+    options of :func:`fp8_options`) holding the scales after the append."""
+    import cupy
+
+    k, v, lens, *grown = R.append_kv(k, v, lens, *new, xp=cupy, **fp8)
+    return k, v, lens, (dict(fp8, k_scale=grown[0], v_scale=grown[1]) if fp8 else fp8)
+
+
 def reference_for(w: Workload, q, k, v, new=None, scales=(None, None)):
     """Float64 ``(out, lse, kind)`` for the whole workload; out (B, H, D), lse (B, H); ``new``:
     the appended tokens (k_new, v_new) of an append workload, None otherwise; ``scales``: an
@@ -84,8 +100,7 @@ def reference_for(w: Workload, q, k, v, new=None, scales=(None, None)):
     options = {"logits_soft_cap": w.logits_soft_cap, "window_left": w.window_left,
                "alibi_slopes": alibi_slopes(w.num_heads) if w.alibi else None,
                "sinks": sink_logits(w.num_heads, w.seed) if w.sinks else None}
-    fp8 = ({} if w.kv_dtype is None else
-           {"kv_dtype": w.kv_dtype, "k_scale": scales[0], "v_scale": scales[1]})
+    fp8 = fp8_options(w, *scales)
     lens = None if w.lengths is None else np.asarray(w.lengths)
     if k[0].size * w.batch <= NUMPY_REFERENCE_MAX_ELEMENTS:
         if new is not None:
@@ -93,12 +108,7 @@ def reference_for(w: Workload, q, k, v, new=None, scales=(None, None)):
         out, lse = R.decode_attention(q, k, v, lens, **options, **fp8)
         return out, lse, "numpy f64"
     if new is not None:
-        import cupy
-
-        grown = R.append_kv(k, v, lens, *new, xp=cupy, **fp8)
-        k, v, lens = grown[:3]
-        if fp8:
-            fp8.update(k_scale=grown[3], v_scale=grown[4])
+        k, v, lens, fp8 = append_on_gpu(k, v, lens, new, fp8)
     out, lse = reference_gpu(q, k, v, lens, **options, **fp8)
     return out.reshape(w.q_shape).get(), lse.reshape(w.q_shape[:-1]).get(), "gpu f64"
 
@@ -204,9 +214,8 @@ def wrong_cache_rows(w: Workload, q, k, v, seqlens, new, k_after, v_after,
     import cupy
 
     lens = None if w.lengths is None else np.asarray(w.lengths)
-    fp8 = ({} if w.kv_dtype is None else
-           {"kv_dtype": w.kv_dtype, "k_scale": scales[0], "v_scale": scales[1]})
-    k_exp, v_exp, _, *s_exp = R.append_kv(k, v, lens, *new, xp=cupy, **fp8)
+    k_exp, v_exp, _, fp8 = append_on_gpu(k, v, lens, new, fp8_options(w, *scales))
+    s_exp = [fp8.get("k_scale"), fp8.get("v_scale")]
     if w.page_size:
         _, k_exp, v_exp, _, _ = page_inputs((q, k_exp, v_exp, seqlens), w.page_size, w.seed)
     got_exp = [(k_after, k_exp), (v_after, v_exp)]

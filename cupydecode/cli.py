@@ -22,9 +22,9 @@ import time
 import click
 
 from . import __version__
-from ._policy import HEAD_DIMS_TEXT, KERNEL_HEAD_DIMS, MAX_Q_LEN, MAX_SPLITS, SUPPORTED_HEAD_DIMS
+from ._policy import (HEAD_DIMS_TEXT, KERNEL_HEAD_DIMS, KV_DTYPES, MAX_Q_LEN, MAX_SPLITS,
+                      SUPPORTED_HEAD_DIMS)
 from ._validate import MAX_SOFT_CAP
-from ._policy import KV_DTYPES
 from .workloads import (DTYPES, KV_SCALES, MODELS, Workload, fresh_seed, random_lengths,
                         workload_for_model)
 

@@ -171,11 +171,15 @@ class Workload:
         """Bytes per cached element: 1 for an fp8 cache, else the dtype's."""
         return 1 if self.kv_dtype else ITEMSIZE[self.dtype]
 
+    @property
+    def kv_row_bytes(self) -> int:
+        """Bytes of one token's row of one KV head, of K or of V: head_dim elements (an fp8
+        cache's codes, and its per-token scale, 4 bytes)."""
+        return self.head_dim * self.kv_itemsize + (4 if self.kv_per_token_scales else 0)
+
     def kv_bytes(self) -> int:
-        """Bytes of K and V that one call must read (live tokens only; an fp8 cache's codes,
-        and its per-token scales, 4 bytes per token and KV head each)."""
-        row = self.head_dim * self.kv_itemsize + (4 if self.kv_per_token_scales else 0)
-        return 2 * self.live_tokens() * self.num_kv_heads * row
+        """Bytes of K and V that one call must read (live tokens only)."""
+        return 2 * self.live_tokens() * self.num_kv_heads * self.kv_row_bytes
 
     @property
     def kv_per_token_scales(self) -> bool:
@@ -190,9 +194,8 @@ class Workload:
     def cache_bytes(self) -> int:
         """Bytes of the allocated q, K and V (max_seqlen for every sequence; an fp8 cache's
         codes and per-token scales)."""
-        row = self.head_dim * self.kv_itemsize + (4 if self.kv_per_token_scales else 0)
         return (ITEMSIZE[self.dtype] * self.batch * self.q_len * self.num_heads * self.head_dim
-                + 2 * self.batch * self.seqlen * self.num_kv_heads * row)
+                + 2 * self.batch * self.seqlen * self.num_kv_heads * self.kv_row_bytes)
 
     def draw_bytes(self) -> int:
         """Bytes :func:`make_inputs` allocates (an fp8 cache is drawn in dtype first, then
