@@ -7,14 +7,18 @@ against float64 before it is timed.
 Usage:
   python tools/ab.py [--points 1x16384,16x65536] [--layout 32/8/128] [--dtype float16]
                      [--protocol step|back-to-back] [--passes 2]
+                     [--kv-dtype e4m3|e5m2] [--kv-scale tensor|head|token]
                      [--arm LABEL=FIELD=VALUE,...]... [--kernels LABEL=FOLDER]...
                      [--sub 'LABEL|OLD|NEW']...
   --arm 'w8s2=num_warps=8,stages=2'   a plan with those Tuning fields (num_warps, stages,
-                                      l2_evict_first, warps_in_step; true/false for the flags)
+                                      l2_evict_first, warps_in_step; true/false for the flags),
+                                      and num_splits (the plan's split count)
   --kernels 'prev=/tmp/prev'          the kernels of a folder (files it lacks: the shipped
                                       ones), e.g. filled with `git show REV:kernels/FILE`
   --sub 'nohint|L2::evict_first|L2::evict_normal'
                                       the shipped decode_split.cu with OLD replaced by NEW
+  --kv-dtype e4m3 --kv-scale token   an fp8 cache (workloads.quantize_inputs: scales of that
+                                      mode), every arm over the same codes and scales
 The first arm is always the shipped kernels with the policy's shape ("policy"); the table gives
 each arm's median GPU µs per call and its ratio to the first.
 """
@@ -35,33 +39,47 @@ from cupydecode import _kernels  # noqa: E402
 from cupydecode.bench import (StepTraffic, _subset_checker, buffer_sets_needed,  # noqa: E402
                               graph_time_cupy, settle)
 from cupydecode.check import REL_TOL  # noqa: E402
-from cupydecode.workloads import Workload, make_inputs  # noqa: E402
+from cupydecode.workloads import Workload, fresh_seed, make_inputs, quantize_inputs  # noqa: E402
 
 TUNING_FIELDS = {f.name: f.type for f in dataclasses.fields(cd.Tuning)}
+PLAN_FIELDS = ("num_splits",)  # arm fields that are DecodePlan arguments, not Tuning's
 
 
 def buffer_sets(w: Workload) -> list:
-    """Fresh (q, k, v) sets of workload ``w``, enough that together they exceed 4x L2 (at least
-    2): each call of a rotation reads a cache the calls before it did not."""
+    """Fresh (q, k, v, scales) sets of workload ``w``, enough that together they exceed 4x L2
+    (at least 2): each call of a rotation reads a cache the calls before it did not. An fp8
+    workload's k and v are its codes and ``scales`` their {k_scale, v_scale}; otherwise {}."""
     import cupy
 
     l2 = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["l2CacheSize"]
-    return [make_inputs(dataclasses.replace(w, seed=None))[:3]
-            for _ in range(max(2, buffer_sets_needed(w, l2)))]
+    sets = []
+    for _ in range(max(2, buffer_sets_needed(w, l2))):
+        wi = dataclasses.replace(w, seed=fresh_seed())
+        q, k, v = make_inputs(wi)[:3]
+        scales = {}
+        if w.kv_dtype:
+            k, v, ks, vs = quantize_inputs(wi, k, v)
+            scales = {"k_scale": ks, "v_scale": vs}
+        sets.append((q, k, v, scales))
+    return sets
 
 
-def parse_tuning(text: str) -> cd.Tuning:
-    """'num_warps=8,stages=2,l2_evict_first=false' → Tuning(...)."""
-    values = {}
+def parse_arm(text: str) -> tuple[cd.Tuning, dict]:
+    """'num_warps=8,stages=2,num_splits=8' → (Tuning(num_warps=8, stages=2), {"num_splits": 8})."""
+    values, plan = {}, {}
     for item in filter(None, text.split(",")):
         name, _, value = item.partition("=")
+        if name in PLAN_FIELDS:
+            plan[name] = int(value)
+            continue
         if name not in TUNING_FIELDS:
-            raise SystemExit(f"--arm: unknown Tuning field {name!r} (fields: {', '.join(TUNING_FIELDS)})")
+            raise SystemExit(f"--arm: unknown field {name!r} (fields: "
+                             f"{', '.join([*TUNING_FIELDS, *PLAN_FIELDS])})")
         if value.lower() in ("true", "false"):
             values[name] = value.lower() == "true"
         else:
             values[name] = int(value)
-    return cd.Tuning(**values)
+    return cd.Tuning(**values), plan
 
 
 @contextlib.contextmanager
@@ -91,12 +109,15 @@ def main(argv=None) -> int:
     ap.add_argument("--arm", action="append", default=[])
     ap.add_argument("--kernels", action="append", default=[])
     ap.add_argument("--sub", action="append", default=[])
+    ap.add_argument("--kv-dtype", choices=("e4m3", "e5m2"), default=None)
+    ap.add_argument("--kv-scale", choices=("tensor", "head", "token"), default="tensor")
     args = ap.parse_args(argv)
 
-    arms = [("policy", None, None, None)]  # (label, Tuning, kernel folder, substitution)
-    arms += [(a.partition("=")[0], parse_tuning(a.partition("=")[2]), None, None) for a in args.arm]
-    arms += [(k.partition("=")[0], None, k.partition("=")[2], None) for k in args.kernels]
-    arms += [(s.split("|")[0], None, None, tuple(s.split("|")[1:3])) for s in args.sub]
+    # (label, Tuning, DecodePlan arguments, kernel folder, substitution)
+    arms = [("policy", None, {}, None, None)]
+    arms += [(a.partition("=")[0], *parse_arm(a.partition("=")[2]), None, None) for a in args.arm]
+    arms += [(k.partition("=")[0], None, {}, k.partition("=")[2], None) for k in args.kernels]
+    arms += [(s.split("|")[0], None, {}, None, tuple(s.split("|")[1:3])) for s in args.sub]
     labels = [label for label, *_ in arms]
     if len(set(labels)) != len(labels):
         raise SystemExit(f"arm labels must differ (the first is 'policy'), got {labels}")
@@ -108,34 +129,44 @@ def main(argv=None) -> int:
     for point in args.points.split(","):
         batch, seqlen = (int(x) for x in point.split("x"))
         w = Workload(batch=batch, seqlen=seqlen, num_heads=heads, num_kv_heads=kv_heads,
-                     head_dim=dim, dtype=args.dtype)
+                     head_dim=dim, dtype=args.dtype, kv_dtype=args.kv_dtype,
+                     kv_scale=args.kv_scale)
         sets = buffer_sets(w)
-        check = _subset_checker(w, *sets[0])
+        check = _subset_checker(w, *sets[0][:3], scales=sets[0][3])
         before = StepTraffic(w, l2) if args.protocol == "step" else None
         n_calls = max(10, len(sets))
         times = {label: [] for label, *_ in arms}
         plans = {}
-        for label, tuning, folder, subs in arms:  # build (compile) and check every arm first
-            with kernels_of(folder, subs):
-                made = [cd.DecodePlan(batch, heads, kv_heads, dim, seqlen, args.dtype,
-                                      tuning=tuning) for _ in sets]  # a workspace per set
-            made[0].run(*sets[0])
+        for label, tuning, plan_args, folder, subs in arms:  # build (compile), check every arm
+            try:
+                with kernels_of(folder, subs):
+                    made = [cd.DecodePlan(batch, heads, kv_heads, dim, seqlen, args.dtype,
+                                          kv_dtype=args.kv_dtype, tuning=tuning, **plan_args)
+                            for _ in sets]  # a workspace per set
+            except (TypeError, ValueError) as e:  # a shape the kernel or the GPU cannot take
+                print(f"  {label} at {point}: refused ({e})", flush=True)
+                continue
+            made[0].run(*sets[0][:3], **sets[0][3])
             err = check(made[0].out)
             if not err <= REL_TOL[args.dtype]:
                 raise SystemExit(f"{label} at {point}: relative error {err:.2e} against float64")
             plans[label] = made
         settle()
         for rep in range(args.passes):
-            for label, *_ in (arms if rep % 2 == 0 else arms[::-1]):
+            for label in (list(plans) if rep % 2 == 0 else list(plans)[::-1]):
                 made = plans[label]
 
-                def call(i, made=made):
-                    made[i % len(sets)].run(*sets[i % len(sets)])
+                def call(i, made=made, sets=sets):
+                    q, k, v, scales = sets[i % len(sets)]
+                    made[i % len(sets)].run(q, k, v, **scales)
                 times[label].append(graph_time_cupy(call, n_calls, before=before,
                                                     span=len(sets))[0])
         first = statistics.median(times[arms[0][0]])
         cells = []
         for label, *_ in arms:
+            if label not in plans:
+                cells.append("refused")
+                continue
             us = statistics.median(times[label])
             cells.append(f"{us:8.2f} x{us / first:.3f}")
         print(f"{point:>12s}" + "".join(f"  {c:>14s}" for c in cells), flush=True)
