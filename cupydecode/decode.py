@@ -258,7 +258,12 @@ class DecodePlan:
             self.config = dataclasses.replace(self.config, paged=True)
         if self.q_len > 1:
             self.config = dataclasses.replace(self.config, multi_q=True)
+        # per-token fp8 scales: the same kernel with KV_SCALE_TOKEN in its own shape, built at
+        # the first run that passes such scales
+        token = None if self.kv_dtype is None else _policy.fp8_token_config(self.config,
+                                                                             self.chunk_tokens)
         self.config = V.check_tuning(tuning, self.config, smem_optin)  # (tuning's overrides)
+        self.token_config = None if token is None else V.check_tuning(tuning, token, smem_optin)
         self.merge = _policy.merge_mode(self.num_splits, rows_per_block, self.head_dim,
                                         self.config.num_warps, merge, programmatic)
         rows = self.batch * self.q_len * self.num_heads
@@ -495,8 +500,7 @@ class DecodePlan:
             v_arr = 0 if v_sc is None else v_sc.data.ptr
             if per_token:
                 if self._token_launch is None:
-                    self._token_launch = self._struct_launch(
-                        dataclasses.replace(self.config, kv_scale_token=True))
+                    self._token_launch = self._struct_launch(self.token_config)
                 launch = self._token_launch
 
         def tail() -> tuple:  # the parameters after the pointers, in the list's order

@@ -134,6 +134,34 @@ def test_fp8_matches_the_reference(cupy, rng, seed, kv_dtype, mode, layout):
     assert not cupy.any(out[1]) and bool(cupy.all(cupy.isneginf(lse[1]))), case.ctx
 
 
+@pytest.mark.parametrize("num_splits", (1, 2))
+def test_fp8_per_token_long_chunks(cupy, rng, seed, num_splits):
+    """Per-token scales on blocks streaming ≥ FP8_TOKEN_LONG_CHUNK tokens (their own block shape,
+    _policy.fp8_token_config), one split and two with the fused merge, a length that ends
+    inside a tile of the last chunk; the same plan's per-head run keeps the 8-warp shape."""
+    from cupydecode import _policy
+
+    chunk = _policy.FP8_TOKEN_LONG_CHUNK
+    case = Fp8Case(rng, seed, 2, 32, 8, 128, chunk * num_splits, "float16", "e4m3", "token",
+                   [chunk * num_splits, chunk * num_splits - 77])
+    plan = cupydecode.DecodePlan(*case.shape, "float16", num_splits=num_splits, kv_dtype="e4m3")
+    assert plan.chunk_tokens == chunk
+    assert plan.token_config.num_warps == _policy.FP8_TOKEN_LONG_SHAPES[128][0], plan.token_config
+    assert plan.token_config.num_warps != plan.config.num_warps
+    out, lse = case.poisoned()
+    plan.run(case.q, case.k, case.v, case.seqlens, out=out, lse=lse, k_scale=case.k_scale,
+             v_scale=case.v_scale)
+    case.check(out, lse, what=f"per token, {num_splits} split(s) of {chunk}")
+    head_k = np.full(8, 0.75, np.float32)  # the same codes read with per-head scales
+    head_v = np.full(8, 1.25, np.float32)
+    out, lse = case.poisoned()
+    plan.run(case.q, case.k, case.v, case.seqlens, out=out, lse=lse,
+             k_scale=cupy.asarray(head_k), v_scale=cupy.asarray(head_v))
+    ref = R.decode_attention(case.q_host, case.kc, case.vc, case.lengths, kv_dtype="e4m3",
+                             k_scale=head_k, v_scale=head_v)
+    case.check(out, lse, ref, what="per head, same plan")
+
+
 def test_the_scales_change_the_answer(rng, seed):
     """The tests above can fail: with the scales of another head, or of another token, or with
     none, the reference moves by far more than the tolerance."""

@@ -509,3 +509,25 @@ def test_plan_shape_groups_kv_heads_whose_rows_are_not_whole_bursts():
     for d, g, b, h, n in [(80, 1, 1, 32, 16384), (80, 1, 16, 32, 65536), (112, 4, 16, 8, 16384)]:
         splits, chunk, k = P.burst_kv_per_block("float16", d, g, b, h, n, 132, one)
         assert splits <= P.BURST_GROUP_MAX_SPLITS and shape(d, g, b, h, n) == (1, splits, chunk, k)
+
+
+def test_fp8_per_token_scales_take_more_warps_on_long_chunks():
+    """Per-token fp8 scales: more warps (12 × 3 instead of 8 × 4) from FP8_TOKEN_LONG_CHUNK
+    tokens a block at head_dim 128 (the measured width), the plan's own shape below that and at
+    other widths; per-tensor/per-head plans never change shape; a Tuning applies to both."""
+    base = P.split_kernel_config("float16", 128, kv_dtype="e4m3")
+    from cupydecode import _validate as V
+
+    replace = dataclasses.replace
+    short = P.fp8_token_config(base, P.FP8_TOKEN_LONG_CHUNK - 1)
+    assert short == replace(base, kv_scale_token=True)
+    long = P.fp8_token_config(base, P.FP8_TOKEN_LONG_CHUNK)
+    assert (long.num_warps, long.stages) == P.FP8_TOKEN_LONG_SHAPES[128] == (12, 3)
+    assert long.kv_scale_token and long.kv_dtype == "e4m3"
+    assert long.num_warps > base.num_warps
+    for d in (64, 256):
+        c = P.split_kernel_config("float16", d, kv_dtype="e4m3")
+        assert P.fp8_token_config(c, 1 << 20) == replace(c, kv_scale_token=True), d
+    assert long in P.fp8_kernel_configs("float16", 128, "e4m3")  # (compile-checked)
+    tuned = V.check_tuning(P.Tuning(num_warps=8, stages=4), long, 0)
+    assert (tuned.num_warps, tuned.stages, tuned.kv_scale_token) == (8, 4, True)
