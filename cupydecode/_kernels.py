@@ -323,8 +323,9 @@ class StructLaunch:
     mix their parameters (the driver copies the parameters before ``cuLaunchKernel`` returns).
 
     ``tail`` (a ``struct.Struct``): the parameters continue after ``layout`` with ``tail``'s,
-    which :meth:`launch_with_tail` packs only when their key changes (a plan's strides and
-    scalars stay the same from call to call, its pointers do not).
+    which :meth:`launch_with_tail` packs only when their key is another object than the one
+    packed last (a plan's strides and scalars stay the same from call to call, its pointers do
+    not).
 
     With ``programmatic`` (where :func:`programmatic_launch_supported`), the launch is a
     programmatic dependent of the kernel before it in the stream, through ``cuLaunchKernelEx``
@@ -380,15 +381,16 @@ class StructLaunch:
         self._layout.pack_into(slot[0], 0, *values)
         self._launch(stream_ptr, slot)
 
-    def launch_with_tail(self, stream_ptr: int, values: tuple, tail_key, tail_values) -> None:
-        """Launch with ``values`` packed with the layout and ``tail_values()`` with the tail
-        after them, the tail packed only where ``tail_key`` differs from the one this thread
-        packed last (equal keys must mean equal tail values)."""
+    def launch_with_tail(self, stream_ptr: int, values: tuple, tail_key, tail_values: tuple) -> None:
+        """Launch with ``values`` packed with the layout and ``tail_values`` with the tail after
+        them, the tail packed only where ``tail_key`` is not the object this thread packed last
+        (one key object must always come with the same tail values; holding the last one keeps
+        its identity from being reused)."""
         slot = self._slot()
         local = self._local
-        if local.tail_key != tail_key:
+        if local.tail_key is not tail_key:
             local.tail_key = None  # (a packing that raises leaves no key behind)
-            self._tail.pack_into(slot[0], self._layout.size, *tail_values())
+            self._tail.pack_into(slot[0], self._layout.size, *tail_values)
             local.tail_key = tail_key
         self._layout.pack_into(slot[0], 0, *values)
         self._launch(stream_ptr, slot)

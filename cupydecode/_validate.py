@@ -328,6 +328,61 @@ def layout_key(q, k_cache, v_cache):
     return None
 
 
+_KEY_SCALARS = (int, float, str, bool)  # host values a call key holds as (type, value)
+
+
+def call_key(q, k_cache, v_cache, args: tuple, rare: tuple):
+    """Every property of a call's inputs that its checks depend on, as one hashable key: q,
+    k_cache and v_cache's :func:`layout_key`, and for each of ``args`` and ``rare`` (the call's
+    other arguments, in a fixed order: ``rare`` those a serving loop seldom passes) None, a
+    ``cupy.ndarray``'s shape, strides, dtype, pointer alignment and device, or a host int,
+    float, str or bool with its type. None (not cacheable: checked on every call) where q, k or
+    v is not a ``cupy.ndarray`` or another argument is of any other kind. Inputs with equal keys
+    pass or fail every check alike and give the kernel the same values apart from the pointers,
+    which is what lets DecodePlan.run and flash_decode skip the checks of keys that passed.
+    ``args[0]`` is the call's cache_seqlens: an int there is keyed by its type alone (a loop's
+    length changes every step), so its callers check its value on every call
+    (DecodePlan._with_length)."""
+    layout = layout_key(q, k_cache, v_cache)
+    if layout is None:
+        return None
+    nd = _NDARRAY or _ndarray_type()
+    items = args
+    for a in rare:  # (by identity: an array's == is elementwise)
+        if a is not None:
+            items = args + rare
+            break
+    parts = [layout]
+    for a in items:
+        if a is None:
+            parts.append(None)
+            continue
+        kind = type(a)
+        if kind is nd:
+            d = a.data
+            parts.append((a.shape, a.strides, a.dtype, d.ptr & 15, d.device_id))
+        elif kind in _KEY_SCALARS:
+            parts.append((kind, a))
+        else:
+            return None
+    if type(args[0]) is int:
+        parts[1] = int
+    return tuple(parts)
+
+
+def _ndarray_type():
+    """cupy.ndarray (imported once, on the first call: CuPy is imported lazily)."""
+    global _NDARRAY
+    if _NDARRAY is None:
+        import cupy
+
+        _NDARRAY = cupy.ndarray
+    return _NDARRAY
+
+
+_NDARRAY = None
+
+
 def check_decode_inputs(q, k_cache, v_cache, key, paged: bool = False, kv_dtype=None):
     """Validate q, k_cache, v_cache; return (q, k, v, dtype, shape dict) as device arrays.
 
@@ -439,20 +494,6 @@ def _check_decode_inputs(q, k_cache, v_cache, paged: bool = False, kv_dtype=None
     if paged:
         return q, k, v, dt, dict(shape, page_size=max_seqlen, num_pages=kb)
     return q, k, v, dt, dict(shape, max_seqlen=max_seqlen)
-
-
-def table_key(block_table):
-    """Every property of a block table that :func:`check_block_table` checks apart from its
-    values (shape, strides, dtype, device), as a hashable key; None unless a ``cupy.ndarray``
-    (or no table: ``()``)."""
-    import cupy
-
-    if block_table is None:
-        return ()
-    if type(block_table) is cupy.ndarray:
-        return (block_table.shape, block_table.strides, block_table.dtype,
-                block_table.data.device_id)
-    return None
 
 
 def check_block_table(block_table, batch: int, page_size: int, num_pages: int,

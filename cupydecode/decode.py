@@ -310,7 +310,9 @@ class DecodePlan:
         self._part_ptrs = ((0, 0) if self.o_part is None
                            else (self.o_part.data.ptr, self.lse_part.data.ptr))
         self._counter_ptr = 0 if self._counters is None else self._counters.data.ptr
-        self._layouts: dict = {}  # layout_key of inputs that passed run's checks -> strides
+        self._calls: dict = {}  # call_key of inputs that passed run's checks -> _prepare(...)
+        self._get_stream = cupy.cuda.get_current_stream
+        self._ndarray = cupy.ndarray
         self._scale = V.check_scale(None, self.head_dim)
         self._score_default = self._score_values(self._scale)
         self._programmatic = programmatic
@@ -382,16 +384,34 @@ class DecodePlan:
             TypeError, ValueError: inputs that do not match the plan (shape, dtype, device) or
                 are invalid, named in the message, before any launch.
         """
-        layout = V.layout_key(q, k_cache, v_cache)
-        tkey = V.table_key(block_table)
-        if layout is not None and tkey is not None:
-            layout = (layout, tkey)
-            strides = self._layouts.get(layout)
-        else:
-            layout = strides = None
-        if strides is None:  # a layout this plan has not seen: the full checks, once
-            q, k_cache, v_cache, block_table, strides = self._check_layout(
-                q, k_cache, v_cache, block_table, layout)
+        args = (cache_seqlens, block_table, k_new, v_new)
+        rare = (out, lse, softmax_scale, alibi_slopes, sinks, k_scale, v_scale)
+        key = V.call_key(q, k_cache, v_cache, args, rare)
+        call = self._calls.get(key)  # (never stored under None: uncacheable inputs)
+        if call is None:  # inputs of a kind this plan has not seen pass: the full checks
+            call, q, k_cache, v_cache, args, rare = self._check_run(
+                q, k_cache, v_cache, args, rare, None if key is None else key[0])
+            if key is not None:
+                if len(self._calls) >= _CALLS_SIZE:
+                    self._calls.clear()
+                self._calls[key] = call
+        elif type(cache_seqlens) is int:  # (its value is not in the key)
+            call = self._with_length(call, cache_seqlens, k_new is None and v_new is None)
+        out = self.out if out is None else rare[0]
+        lse = self.lse if lse is None else rare[1]
+        self._launch(call, None, q, k_cache, v_cache, *args, out, lse, *rare[3:])
+        return out, lse
+
+    def _check_run(self, q, k_cache, v_cache, args: tuple, rare: tuple, layout) -> tuple:
+        """run's checks of its inputs (every one, in order): ``(call, q, k, v, args, rare)``,
+        the call :meth:`_prepare`'s and the arrays as the kernel takes them (device lengths or
+        None, the block table, k_new, v_new; out, lse, None, alibi slopes, sinks, k and v
+        scales as device arrays or None); ``layout``: the inputs' ``_validate.layout_key``
+        where known."""
+        cache_seqlens, block_table, k_new, v_new = args
+        out, lse, softmax_scale, alibi_slopes, sinks, k_scale, v_scale = rare
+        q, k_cache, v_cache, block_table, strides = self._check_layout(
+            q, k_cache, v_cache, block_table, layout)
         if self.q_len > 1:
             V.check_lengths_fit(cache_seqlens, self.q_len if k_new is None and v_new is None else 1)
         # (inputs that passed are on the current device, which is then the plan's)
@@ -399,22 +419,24 @@ class DecodePlan:
                                               allow_host_array=False, device=self.device_id)
         scale = self._scale if softmax_scale is None else V.check_scale(softmax_scale,
                                                                         self.head_dim)
-        out = self.out if out is None else V.check_out(out, "out", self.out.shape, self.dtype)
-        lse = self.lse if lse is None else V.check_out(lse, "lse", self.lse.shape, "float32")
+        out = None if out is None else V.check_out(out, "out", self.out.shape, self.dtype)
+        lse = None if lse is None else V.check_out(lse, "lse", self.lse.shape, "float32")
         new = (None if k_new is None and v_new is None else V.check_new_tokens(
             k_new, v_new, self.batch, self.num_kv_heads, self.head_dim, self.dtype, self.q_len))
         slopes = (None if alibi_slopes is None and not self.alibi else V.check_alibi_slopes(
             alibi_slopes, self.alibi, self.num_heads, allow_host_array=False))
         if sinks is not None:
             sinks = V.check_head_values(sinks, "sinks", self.num_heads, allow_host_array=False)
-        scales = V.check_attention_scales(self.kv_dtype, k_scale, v_scale, k_cache, self.num_kv_heads)
-        self._launch(q, k_cache, v_cache, seqlens, seqlen_all, scale, out, lse, None, strides,
-                     block_table, new, slopes, sinks, scales)
-        return out, lse
+        scales = V.check_attention_scales(self.kv_dtype, k_scale, v_scale, k_cache,
+                                          self.num_kv_heads)
+        call = self._prepare(strides, seqlens, seqlen_all, scale, block_table, new, scales)
+        (k_new, v_new), (k_sc, v_sc) = new[:2] if new else (None, None), _scale_arrays(scales)
+        return (call, q, k_cache, v_cache, (seqlens, block_table, k_new, v_new),
+                (out, lse, None, slopes, sinks, k_sc, v_sc))
 
-    def _check_layout(self, q, k_cache, v_cache, block_table, layout):
-        """The checks of inputs of a layout not seen before: (q, k, v, block_table, kernel
-        strides). A layout that passes is remembered (``layout``: its key, or None)."""
+    def _check_layout(self, q, k_cache, v_cache, block_table, layout=None):
+        """The checks of q, k_cache, v_cache and block_table: (q, k, v, block_table, kernel
+        strides); ``layout``: their ``_validate.layout_key`` where known."""
         paged = self.page_size is not None
         if (block_table is not None) != paged:
             expected = (f"a (batch, max_pages_per_seq) int32 device array (the plan has "
@@ -423,8 +445,10 @@ class DecodePlan:
                         "takes paged ones)")
             V.fail(ValueError, "block_table", expected,
                    "None" if block_table is None else type(block_table).__name__)
-        q, k, v, dt, shape = V.check_decode_inputs(q, k_cache, v_cache, layout and layout[0],
-                                                   paged, self.kv_dtype)
+        if layout is None:
+            layout = V.layout_key(q, k_cache, v_cache)
+        q, k, v, dt, shape = V.check_decode_inputs(q, k_cache, v_cache, layout, paged,
+                                                   self.kv_dtype)
         if self.q_len == 1 and q.ndim == 4:  # (its out and lse are the 3-dimensional ones)
             V.fail(ValueError, "q", "(batch, num_heads, head_dim) for a plan of one query token "
                    "(DecodePlan(..., q_len=N) takes (batch, N, num_heads, head_dim))",
@@ -445,16 +469,13 @@ class DecodePlan:
             V.fail(ValueError, "q/k_cache/v_cache",
                    f"the plan's shape {self._shape} and dtype {self.dtype}",
                    f"{shape} and dtype {dt}")
-        strides = self._element_strides(q, k, v, bt_sb, num_pages)
-        if layout is not None and len(self._layouts) < 64:
-            self._layouts[layout] = strides
-        return q, k, v, block_table, strides
+        return q, k, v, block_table, self._element_strides(q, k, v, bt_sb, num_pages)
 
     def _element_strides(self, q, k, v, bt_sb: int = 0, num_pages: int = 0) -> tuple:
         """The kernel's layout values: strides in elements (q's batch and head, K's and V's
         batch — the page, paged — token and head, out's batch and head, the block table's row,
         q's and out's token (0 for one token)) and the number of pages (0 unpaged), computed
-        once per layout by the callers' caches: run's ``_layouts``, flash_decode's ``_EAGER``.
+        once per kind of inputs by the callers' caches: run's ``_calls``, flash_decode's ``_EAGER``.
         ``out`` is always C-contiguous (``check_out``), so its strides follow from the shape (a
         size-1 axis's stride, whatever the array reports, only ever multiplies index 0)."""
         es = q.itemsize
@@ -465,20 +486,56 @@ class DecodePlan:
                 self.q_len * row, self.head_dim, bt_sb, q_st // es,
                 row if self.q_len > 1 else 0, num_pages)
 
-    def _launch(self, q, k, v, seqlens, seqlen_all, scale, out, lse, stream, strides,
-                table=None, new=None, slopes=None, sinks=None, scales=None) -> None:
-        """Everything after validation: the split kernel (which appends ``new``'s tokens), then
-        (if split) the merge kernel, on ``stream`` (None: the current stream); ``strides``:
-        ``_element_strides(...)``; ``table``: the block table of a paged plan; ``new``:
-        ``_validate.check_new_tokens(...)``'s (k_new, v_new, their strides in elements);
-        ``slopes``: an ALiBi plan's (num_heads,) float32 device slopes; ``sinks``: (num_heads,)
-        float32 device sink logits; ``scales``: an fp8 plan's ``_validate.check_attention_scales(...)``."""
-        import cupy
+    def _prepare(self, strides, seqlens, seqlen_all, scale, table=None, new=None,
+                 scales=None) -> tuple:
+        """A call of this plan with checked inputs of one kind, less its pointers: ``(launch,
+        tail)``, the prepared split kernel and the values of its parameters after the pointers.
+        ``strides``: :meth:`_element_strides`; ``seqlens``: the device lengths or None, with
+        ``seqlen_all`` (``_validate.check_seqlens``); ``scale``: the softmax scale; ``table``:
+        a paged plan's block table; ``new``: ``_validate.check_new_tokens(...)`` (k_new, v_new,
+        their strides in elements); ``scales``: an fp8 plan's
+        ``_validate.check_attention_scales(...)``."""
+        if self.batch == 0:  # (nothing is launched)
+            return None, ()
+        new_strides, n_new = _NO_NEW if new is None else new[2], 0 if new is None else self.q_len
+        launch = self._split_launch
+        k_all = v_all = 1.0
+        if scales is not None:
+            per_token, (_, k_all), (_, v_all) = scales
+            if per_token:
+                if self._token_launch is None:
+                    self._token_launch = self._struct_launch(self.token_config)
+                launch = self._token_launch
+        tail = (*strides[:11], *new_strides, *strides[11:], seqlen_all, *self._static,
+                *self._score_args(scale), n_new, self._window_arg,
+                0 if seqlens is None else seqlens.itemsize >> 3,
+                0 if table is None else table.itemsize >> 3, self.q_len, k_all, v_all)
+        return launch, tail
 
+    def _with_length(self, call, length: int, tokens_in_cache: bool) -> tuple:
+        """``call`` (:meth:`_prepare`'s) for an int ``cache_seqlens`` of ``length``, checked
+        as the full checks do (``tokens_in_cache``: no k_new/v_new, so several query tokens
+        must be in the cache already): itself where the length is the one it was prepared
+        with, else a copy with that length."""
+        if self.q_len > 1:
+            V.check_lengths_fit(length, self.q_len if tokens_in_cache else 1)
+        length = V.check_seqlens(length, self.batch, self.max_seqlen)[1]
+        launch, tail = call
+        if not tail or tail[_SEQLEN_ALL] == length:
+            return call
+        return launch, (*tail[:_SEQLEN_ALL], length, *tail[_SEQLEN_ALL + 1:])
+
+    def _launch(self, call, stream, q, k, v, seqlens, table, k_new, v_new, out, lse, slopes,
+                sinks, k_scale, v_scale) -> None:
+        """Everything after the checks: the split kernel (which appends k_new/v_new's tokens),
+        then (if split) the merge kernel, on ``stream`` (None: the current stream). ``call``:
+        :meth:`_prepare`'s for inputs of this kind; the arrays: device arrays or None (``lse``
+        None: not written), except that ``seqlens`` may be an int and the scales floats (as
+        :meth:`run` is given them: no pointer)."""
         if self.batch == 0:
             return
         if stream is None:
-            stream = cupy.cuda.get_current_stream()
+            stream = self._get_stream()
         if (self._counters_wait is not None or self._counters_refill) and not _is_capturing(stream):
             if self._counters_refill:
                 self._counters.fill(0)
@@ -487,41 +544,32 @@ class DecodePlan:
             self._counters_wait, self._counters_refill = None, False
         # Raw pointers in the struct are as safe as array arguments: the arrays are alive during
         # this call, and CuPy's pool hands freed memory out again only in stream order.
-        k_new, v_new, new_strides, n_new = (0, 0, _NO_NEW, 0) if new is None else (
-            new[0].data.ptr, new[1].data.ptr, new[2], self.q_len)
-        seqlens_64 = 0 if seqlens is None else seqlens.itemsize >> 3
-        table_64 = 0 if table is None else table.itemsize >> 3
-        launch = self._split_launch
-        k_arr = v_arr = 0
-        k_all = v_all = 1.0
-        if scales is not None:
-            per_token, (k_sc, k_all), (v_sc, v_all) = scales
-            k_arr = 0 if k_sc is None else k_sc.data.ptr
-            v_arr = 0 if v_sc is None else v_sc.data.ptr
-            if per_token:
-                if self._token_launch is None:
-                    self._token_launch = self._struct_launch(self.token_config)
-                launch = self._token_launch
-
-        def tail() -> tuple:  # the parameters after the pointers, in the list's order
-            return (*strides[:11], *new_strides, *strides[11:], seqlen_all, *self._static,
-                    *self._score_args(scale), n_new, self._window_arg, seqlens_64, table_64,
-                    self.q_len, k_all, v_all)
-
+        nd = self._ndarray
+        lse_ptr = 0 if lse is None else lse.data.ptr
+        launch, tail = call
         launch.launch_with_tail(
             stream.ptr,
-            (q.data.ptr, k.data.ptr, v.data.ptr, 0 if seqlens is None else seqlens.data.ptr,
-             *self._part_ptrs, out.data.ptr, 0 if lse is None else lse.data.ptr,
-             self._counter_ptr, 0 if table is None else table.data.ptr, k_new, v_new,
-             0 if slopes is None else slopes.data.ptr, 0 if sinks is None else sinks.data.ptr,
-             k_arr, v_arr),
-            # everything tail() reads that can change between calls of this plan
-            (strides, new_strides, n_new, seqlen_all, scale, seqlens_64, table_64, k_all, v_all),
-            tail)
+            (q.data.ptr, k.data.ptr, v.data.ptr, seqlens.data.ptr if type(seqlens) is nd else 0,
+             *self._part_ptrs, out.data.ptr, lse_ptr, self._counter_ptr,
+             0 if table is None else table.data.ptr, 0 if k_new is None else k_new.data.ptr,
+             0 if v_new is None else v_new.data.ptr, 0 if slopes is None else slopes.data.ptr,
+             0 if sinks is None else sinks.data.ptr,
+             k_scale.data.ptr if type(k_scale) is nd else 0,
+             v_scale.data.ptr if type(v_scale) is nd else 0),
+            call, tail)
         if self._merge_call is not None:
-            self._merge_call(stream.ptr, *self._part_ptrs, out.data.ptr,
-                             0 if lse is None else lse.data.ptr, *self._merge_static,
-                             0 if sinks is None else sinks.data.ptr, self.num_heads)
+            self._merge_call(stream.ptr, *self._part_ptrs, out.data.ptr, lse_ptr,
+                             *self._merge_static, 0 if sinks is None else sinks.data.ptr,
+                             self.num_heads)
+
+
+def _scale_arrays(scales) -> tuple:
+    """The device arrays (or None) of ``_validate.check_attention_scales(...)``'s k and v scales
+    (None without an fp8 cache)."""
+    return (None, None) if scales is None else (scales[1][0], scales[2][0])
+
+
+_CALLS_SIZE = 64  # kinds of inputs a plan remembers (DecodePlan._calls)
 
 
 # struct cd_decode_params of the split kernel, packed from its declaration in
@@ -551,6 +599,7 @@ if _PARAM_LIST and tuple(name for _, name in _PARAM_LIST) != _LAUNCH_ORDER:
                       f"kernel's parameters: {[n for _, n in _PARAM_LIST]} vs {list(_LAUNCH_ORDER)}")
 
 _NO_NEW = (0,) * 6  # k_new's and v_new's strides without new tokens
+_SEQLEN_ALL = _LAUNCH_ORDER.index("seqlen_all") - _NUM_PTRS  # its place in a prepared tail
 
 # Parameters of cd_merge_states in kernels/merge_states.cu, packed for a plan's prepared launch:
 # o_parts, lse_parts, out, lse_out (pointers), num_states (int32), rows (int64), head_dim and
@@ -603,11 +652,9 @@ def _cached_plan(shape: dict, dtype: str, num_splits, split_size, soft_cap, wind
     return plan
 
 
-# flash_decode's lookups folded into one per call: (the inputs' layout key (_validate.layout_key),
-# stream, num_splits, split_size, soft-cap, window, per-thread owner) → (dtype name, shape, plan,
-# kernel strides). An entry exists only for inputs that passed the checks with those values;
-# num_splits, split_size, cache_seqlens, softmax_scale, logits_soft_cap and window_left are
-# checked on every call all the same.
+# flash_decode's lookups folded into one per call: (the inputs' _validate.call_key, stream,
+# return_lse, per-thread owner) → _check_flash_decode's entry (plan, prepared call, out's shape
+# and dtype, 4-d one-token q). An entry exists only for inputs that passed every check.
 _EAGER: dict = {}
 _EAGER_SIZE = 16
 
@@ -697,33 +744,58 @@ def flash_decode(q: ArrayLike, k_cache: ArrayLike, v_cache: ArrayLike,
     """
     cupy = _kernels.import_cupy()
 
-    layout = V.layout_key(q, k_cache, v_cache)  # (no CUDA call before a host array is refused)
+    args = (cache_seqlens, block_table, k_new, v_new)
+    rare = (out, softmax_scale, logits_soft_cap, num_splits, split_size, window_left,
+            alibi_slopes, sinks, kv_dtype, k_scale, v_scale)
+    key = V.call_key(q, k_cache, v_cache, args, rare)  # (no CUDA call before a host array is refused)
+    hit = stream = None
+    if key is not None:
+        stream = cupy.cuda.get_current_stream()
+        ptr = stream.ptr
+        key = (key, ptr, bool(return_lse), _thread_token() if ptr == _PER_THREAD_STREAM else None)
+        hit = _EAGER.get(key)
+    if hit is None:  # inputs of a kind not seen to pass: the full checks
+        hit, stream, q, k_cache, v_cache, args, rare = _check_flash_decode(
+            q, k_cache, v_cache, args, rare, None if key is None else key[0][0], stream)
+        if key is not None:
+            if len(_EAGER) >= _EAGER_SIZE:
+                _EAGER.clear()
+            _EAGER[key] = hit
+        out = rare[0]
+    plan, call, out_shape, out_dtype, one_token_4d = hit
+    if type(cache_seqlens) is int:  # (its value is not in the key)
+        call = plan._with_length(call, cache_seqlens, k_new is None and v_new is None)
+    # out and lse follow q: (batch, [q_len,] num_heads, head_dim), (batch, [q_len,] num_heads)
+    ret_out = out = cupy.empty(out_shape, out_dtype) if out is None else out
+    ret_lse = lse = cupy.empty(out_shape[:-1], _FLOAT32) if return_lse else None
+    if one_token_4d:  # one token in the 4-dimensional layout: the 3-d plan's views
+        out = out.reshape(out_shape[0], *out_shape[2:])
+        lse = None if lse is None else lse.reshape(out_shape[0], out_shape[2])
+    plan._launch(call, stream, q, k_cache, v_cache, *args, out, lse, *rare[6:8], *rare[9:])
+    return (ret_out, ret_lse) if return_lse else ret_out
+
+
+def _check_flash_decode(q, k_cache, v_cache, args: tuple, rare: tuple, layout, stream) -> tuple:
+    """flash_decode's checks of its inputs (every one, in order, before any CUDA call) and its
+    plan: ``(entry, stream, q, k, v, args, rare)``, the entry ``(plan, call, out's shape, out's
+    dtype, whether q is (batch, 1, heads, head_dim))`` (``call``: the plan's
+    :meth:`DecodePlan._prepare`), the current stream (``stream`` where given) and the arrays as
+    the kernel takes them, in flash_decode's order; ``layout``: the inputs'
+    ``_validate.layout_key`` where known."""
+    cache_seqlens, block_table, k_new, v_new = args
+    (out, softmax_scale, logits_soft_cap, num_splits, split_size, window_left, alibi_slopes,
+     sinks, kv_dtype, k_scale, v_scale) = rare
     kv = None if kv_dtype is None else V.check_kv_dtype(kv_dtype)
     soft_cap = V.check_soft_cap(logits_soft_cap)
     window = V.check_window(window_left)
     alibi = alibi_slopes is not None
-    tkey = V.table_key(block_table)
-    stream = key = hit = None
-    table = block_table
-    if layout is not None and tkey is not None:
-        stream = cupy.cuda.get_current_stream()
-        ptr = stream.ptr
-        key = (layout, tkey, ptr, num_splits, split_size, soft_cap, window, alibi,
-               _thread_token() if ptr == _PER_THREAD_STREAM else None, kv)
-        try:
-            hit = _EAGER.get(key)
-        except TypeError:  # an unhashable num_splits or split_size: check_splits names it
-            key = None
-    if hit is not None:  # these inputs passed the checks before: same layout, same outcome
-        dt, shape, plan, strides = hit
-        k, v = k_cache, v_cache
-    else:
-        q, k, v, dt, shape = V.check_decode_inputs(q, k_cache, v_cache, layout,
-                                                   block_table is not None, kv)
-        plan = strides = None
-        bt_sb = num_pages = 0
-        if block_table is not None:
-            shape, table, bt_sb, num_pages = V.check_paged_cache(shape, block_table)
+    if layout is None:
+        layout = V.layout_key(q, k_cache, v_cache)
+    q, k, v, dt, shape = V.check_decode_inputs(q, k_cache, v_cache, layout,
+                                               block_table is not None, kv)
+    table, bt_sb, num_pages = block_table, 0, 0
+    if block_table is not None:
+        shape, table, bt_sb, num_pages = V.check_paged_cache(shape, block_table)
     q_len = shape["q_len"]
     # (appending: the query tokens are the new ones, any length before them will do)
     V.check_lengths_fit(cache_seqlens, q_len if k_new is None and v_new is None else 1)
@@ -737,30 +809,22 @@ def flash_decode(q: ArrayLike, k_cache: ArrayLike, v_cache: ArrayLike,
     if sinks is not None:
         sinks = V.check_head_values(sinks, "sinks", shape["num_heads"])
     scales = V.check_attention_scales(kv, k_scale, v_scale, k, shape["num_kv_heads"])
-    # out and lse follow q: (batch, [q_len,] num_heads, head_dim), (batch, [q_len,] num_heads)
     out_shape = tuple(q.shape)
-    # dtype objects, not names: CuPy parses a name on every call
-    out = cupy.empty(out_shape, q.dtype) if out is None else V.check_out(out, "out", out_shape, dt)
-    lse = cupy.empty(out_shape[:-1], _FLOAT32) if return_lse else None
-    ret_out, ret_lse = out, lse
-    if q.ndim == 4 and q_len == 1:  # one token in the 4-dimensional layout: the 3-d plan's views
-        out = out.reshape(out_shape[0], *out_shape[2:])
-        lse = None if lse is None else lse.reshape(out_shape[0], out_shape[2])
+    out = None if out is None else V.check_out(out, "out", out_shape, dt)
     if stream is None:
+        import cupy
+
         stream = cupy.cuda.get_current_stream()
-        ptr = stream.ptr
-    if plan is None:
-        # validation put q on the current device: its id, without asking the runtime again
-        plan = _cached_plan(shape, dt, num_splits, split_size, soft_cap, window, alibi,
-                            q.data.device_id, ptr, kv)
-        strides = plan._element_strides(q, k, v, bt_sb, num_pages)
-        if key is not None:
-            if len(_EAGER) >= _EAGER_SIZE:
-                _EAGER.clear()
-            _EAGER[key] = (dt, shape, plan, strides)
-    plan._launch(q, k, v, seqlens, seqlen_all, scale, out, lse, stream, strides, table, new,
-                 slopes, sinks, scales)
-    return (ret_out, ret_lse) if return_lse else ret_out
+    # validation put q on the current device: its id, without asking the runtime again
+    plan = _cached_plan(shape, dt, num_splits, split_size, soft_cap, window, alibi,
+                        q.data.device_id, stream.ptr, kv)
+    call = plan._prepare(plan._element_strides(q, k, v, bt_sb, num_pages), seqlens, seqlen_all,
+                         scale, table, new, scales)
+    (k_new, v_new), (k_sc, v_sc) = new[:2] if new else (None, None), _scale_arrays(scales)
+    # (dtype objects, not names, for the outputs: CuPy parses a name on every call)
+    entry = (plan, call, out_shape, q.dtype, q.ndim == 4 and q_len == 1)
+    return (entry, stream, q, k, v, (seqlens, table, k_new, v_new),
+            (out, None, None, None, None, None, slopes, sinks, None, k_sc, v_sc))
 
 
 def merge_states(o_parts: ArrayLike, lse_parts: ArrayLike, *,

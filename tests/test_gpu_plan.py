@@ -217,6 +217,48 @@ def test_plan_run_rejects(cupy, rng):
     plan.run(q, k, v, 17)
 
 
+def test_remembered_inputs_still_take_their_own_values(cupy, rng, seed):
+    """run and flash_decode skip the checks of a kind of inputs that passed before (same shapes,
+    strides, dtypes, alignment, devices and host values: _validate.call_key; an int length by
+    its type alone), never the values of a new kind: host lengths and softmax scales taken in
+    turn each give their own reference in both rounds (the second all remembered: the kernel's
+    parameters follow each), and bad inputs between them are still refused by name."""
+    batch, heads, kv_heads, dim, cap = 2, 8, 2, 128, 700
+    hq, hk, hv = decode_inputs(rng, batch, heads, kv_heads, dim, cap, "float16")
+    q, k, v = to_device(hq), to_device(hk), to_device(hv)
+    lens = cupy.asarray(np.array([700, 251], np.int32))
+    plan = cupydecode.DecodePlan(batch, heads, kv_heads, dim, cap, "float16", num_splits=3)
+    for rnd in range(2):
+        for length, scale in ((None, None), (700, 0.05), (123, None), (700, 0.2), (lens, 0.05),
+                              (77, 0.05), (lens, None)):
+            ctx = context(seed, round=rnd, length=length if isinstance(length, int) else "dev",
+                          scale=scale)
+            out = cupy.full(q.shape, np.nan, q.dtype)
+            plan.run(q, k, v, length, out=out, softmax_scale=scale)
+            want = [700, 251] if length is lens else length
+            ref, _ = R.decode_attention(hq, hk, hv, want, softmax_scale=scale)
+            assert_out_close(out, ref, OUT_TOL["float16"], ctx)
+            out = cupy.full(q.shape, np.nan, q.dtype)
+            cupydecode.flash_decode(q, k, v, length, softmax_scale=scale, num_splits=2, out=out)
+            assert_out_close(out, ref, OUT_TOL["float16"], f"flash_decode {ctx}")
+        with pytest.raises(ValueError, match="^cache_seqlens:"):
+            plan.run(q, k, v, cap + 1)
+        with pytest.raises(ValueError, match="^cache_seqlens:"):
+            cupydecode.flash_decode(q, k, v, -1, num_splits=2)
+        with pytest.raises(TypeError, match="^cache_seqlens:"):
+            plan.run(q, k, v, True)
+        with pytest.raises(ValueError, match="^cache_seqlens:"):
+            plan.run(q, k, v, cupy.zeros(batch + 1, cupy.int32))
+        with pytest.raises(ValueError, match="^softmax_scale:"):
+            plan.run(q, k, v, lens, softmax_scale=float("nan"))
+        with pytest.raises(ValueError, match="^num_splits:"):
+            cupydecode.flash_decode(q, k, v, lens, num_splits=0)
+        with pytest.raises(TypeError, match="^num_splits:"):
+            cupydecode.flash_decode(q, k, v, lens, num_splits=2.0)
+        with pytest.raises(ValueError, match="^q: .*contiguous"):  # every other column
+            plan.run(cupy.zeros((batch, heads, 2 * dim), q.dtype)[:, :, ::2], k, v, lens)
+
+
 @pytest.mark.parametrize("merge", MERGES)
 @pytest.mark.parametrize("dtype,splits", [("float16", None), ("bfloat16", 3), ("float32", 1),
                                           ("float16", 5)])

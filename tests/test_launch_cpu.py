@@ -81,25 +81,21 @@ def test_struct_launch_passes_the_packed_block(captured):
 
 def test_launch_with_tail_packs_the_tail_only_when_its_key_changes(captured):
     """The split kernel's pointers (decode._PARAMS_HEAD) every call, the rest
-    (decode._PARAMS_TAIL) only when the tail's key changes: the bytes the driver gets are those
-    of the whole list packed at once (decode._PARAMS)."""
+    (decode._PARAMS_TAIL) only when the tail's key is another object (an equal one included):
+    the bytes the driver gets are those of the whole list packed at once (decode._PARAMS)."""
     from cupydecode.decode import _NUM_PTRS, _PARAMS_HEAD, _PARAMS_TAIL
 
     assert _NUM_PTRS == 16 and _PARAMS_HEAD.size + _PARAMS_TAIL.size == _PARAMS.size
     launch = _kernels.StructLaunch(_FakeKernel(), (8, 16, 2), (128, 1, 1), 4096, _PARAMS_HEAD,
                                    tail=_PARAMS_TAIL)
-    packed = []
-
-    def tail_of(seed):
-        return lambda: (packed.append(seed), _values(seed)[_NUM_PTRS:])[1]
-
-    v1, v2 = _values(1), _values(2)
-    launch.launch_with_tail(0x5151, v1[:_NUM_PTRS], "a", tail_of(1))
-    launch.launch_with_tail(0x5151, v2[:_NUM_PTRS], "a", tail_of(2))  # same key: tail kept
-    launch.launch_with_tail(0x5151, v2[:_NUM_PTRS], "b", tail_of(2))
-    assert packed == [1, 2]
+    v1, v2, v3 = _values(1), _values(2), _values(3)
+    a, b = ["a"], ["a"]  # equal, not the same
+    launch.launch_with_tail(0x5151, v1[:_NUM_PTRS], a, v1[_NUM_PTRS:])
+    launch.launch_with_tail(0x5151, v2[:_NUM_PTRS], a, v2[_NUM_PTRS:])  # same key: tail kept
+    launch.launch_with_tail(0x5151, v2[:_NUM_PTRS], b, v2[_NUM_PTRS:])
+    launch.launch_with_tail(0x5151, v3[:_NUM_PTRS], a, v3[_NUM_PTRS:])
     blocks = [_PARAMS.unpack(c[1]) for c in captured[1:]]
-    assert blocks == [v1, v2[:_NUM_PTRS] + v1[_NUM_PTRS:], v2]
+    assert blocks == [v1, v2[:_NUM_PTRS] + v1[_NUM_PTRS:], v2, v3]
 
 
 def test_struct_launch_buffers_are_per_thread(captured):
@@ -218,8 +214,15 @@ class _Recorder:
         self.record = record
 
     def launch_with_tail(self, stream, values, tail_key, tail_values):
-        hash(tail_key)  # (a key must be comparable and hashable like the values it stands for)
-        self.record(stream, tuple(values) + tuple(tail_values()))
+        self.record(stream, tuple(values) + tuple(tail_values))
+
+
+def _launch(plan, q, k, v, seqlens, seqlen_all, scale, out, lse, strides, table=None, new=None):
+    """What DecodePlan.run does after its checks: the call prepared for these inputs
+    (DecodePlan._prepare), then launched with their pointers (DecodePlan._launch)."""
+    call = plan._prepare(strides, seqlens, seqlen_all, scale, table, new)
+    plan._launch(call, _Stream(), q, k, v, seqlens, table, *(new[:2] if new else (None, None)),
+                 out, lse, None, None, None, None)
 
 
 def _fake_plan(paged: bool):
@@ -236,6 +239,7 @@ def _fake_plan(paged: bool):
     plan._window_arg = 4095 if paged else -1
     plan._scale, plan._score_default = 0.5, (0.72, 1, 0.0, 0.0)
     plan._split_launch = _Recorder(lambda stream, values: calls.append(("split", stream, values)))
+    plan._ndarray = _Arr
     return plan, calls
 
 
@@ -255,8 +259,8 @@ def test_launch_packs_the_new_tokens_into_the_split_values(paged):
     strides = (4096, 128, 8 * 81920, 8 * 1024, 8 * 128, 8 * 81920, 8 * 1024, 8 * 128, 4096, 128,
                40 if paged else 0, 0, 0, 123 if paged else 0)
     new = (k_new, v_new, (1024, 0, 128, 2048, 1024, 256))
-    plan._launch(q, k, v, seqlens, 640, 0.5, out, lse, _Stream(), strides, table, new)
-    plan._launch(q, k, v, None, 17, 0.5, out, lse, _Stream(), strides, table)
+    _launch(plan, q, k, v, seqlens, 640, 0.5, out, lse, strides, table, new)
+    _launch(plan, q, k, v, None, 17, 0.5, out, lse, strides, table)
     assert [c[0] for c in calls] == ["split", "split"] and {c[1] for c in calls} == {0x77}
     for call, seqlens_ptr, seqlen_all, with_new in ((calls[0], 0x600, 640, True),
                                                     (calls[1], 0, 17, False)):
@@ -370,15 +374,15 @@ def test_append_values_write_the_reference_rows(layout, dtype):
     plan._scale, plan._score_default = 0.125, (0.125 * _policy.LOG2E, 0, 0.0, 0.0)
     split = []
     plan._split_launch = _Recorder(lambda stream, values: split.append(values))
+    plan._ndarray = _Arr
     from numpy.lib.array_utils import byte_bounds
 
     bt_sb = 0 if table is None else table.strides[0] // 4
     strides = plan._element_strides(q, k, v, bt_sb, 0 if table is None else k.shape[0])
     new = (_host_arr(k_new), _host_arr(v_new),
            (*V.new_token_strides(k_new), *V.new_token_strides(v_new)))
-    plan._launch(_host_arr(q), _host_arr(k), _host_arr(v), _host_arr(lens), cap, 0.125,
-                 _host_arr(q), None, _Stream(), strides,
-                 None if table is None else _host_arr(table), new)
+    _launch(plan, _host_arr(q), _host_arr(k), _host_arr(v), _host_arr(lens), cap, 0.125,
+            _host_arr(q), None, strides, None if table is None else _host_arr(table), new)
     (values,) = split
     bounds = {"k": byte_bounds(k), "v": byte_bounds(v), "k_new": byte_bounds(k_new),
               "v_new": byte_bounds(v_new), "seqlens": byte_bounds(lens),
@@ -399,10 +403,34 @@ def test_launch_flags_int64_lengths():
     q, k, v, out, lse = (_Arr(p) for p in (0x100, 0x200, 0x300, 0x400, 0x500))
     strides = (4096, 128, 8 * 81920, 8 * 1024, 8 * 128, 8 * 81920, 8 * 1024, 8 * 128, 4096, 128,
                0, 0, 0, 0)
-    plan._launch(q, k, v, _Arr(0x600, 8), 640, 0.5, out, lse, _Stream(), strides)
+    _launch(plan, q, k, v, _Arr(0x600, 8), 640, 0.5, out, lse, strides)
     split = dict(zip(_LAUNCH_ORDER, calls[0][2]))
     assert (split["seqlens"], split["seqlens_64"], split["table_64"]) == (0x600, 1, 0)
     plan, calls = _fake_plan(True)  # an int64 block table likewise
-    plan._launch(q, k, v, _Arr(0x600, 4), 640, 0.5, out, lse, _Stream(), strides, _Arr(0x700, 8))
+    _launch(plan, q, k, v, _Arr(0x600, 4), 640, 0.5, out, lse, strides, _Arr(0x700, 8))
     split = dict(zip(_LAUNCH_ORDER, calls[0][2]))
     assert (split["block_table"], split["seqlens_64"], split["table_64"]) == (0x700, 0, 1)
+
+
+def test_an_int_length_reaches_the_kernel_whatever_was_remembered():
+    """An int cache_seqlens is not in a call's key (it changes every step of a loop): a
+    remembered call takes each call's value as seqlen_all (the prepared call itself where it is
+    the same), and a value out of range is refused as the full checks refuse it."""
+    from cupydecode.decode import _LAUNCH_ORDER
+
+    plan, calls = _fake_plan(False)
+    q, k, v, out, lse = (_Arr(p) for p in (0x100, 0x200, 0x300, 0x400, 0x500))
+    strides = (4096, 128, 8 * 81920, 8 * 1024, 8 * 128, 8 * 81920, 8 * 1024, 8 * 128, 4096, 128,
+               0, 0, 0, 0)
+    call = plan._prepare(strides, None, 640, 0.5)
+    assert plan._with_length(call, 640, True) is call
+    for n in (17, 0, 640):
+        launch, tail = plan._with_length(call, n, True)
+        plan._launch((launch, tail), _Stream(), q, k, v, n, None, None, None, out, lse, None,
+                     None, None, None)
+    got = [dict(zip(_LAUNCH_ORDER, c[2])) for c in calls]
+    assert [(g["seqlen_all"], g["seqlens"]) for g in got] == [(17, 0), (0, 0), (640, 0)]
+    assert got[0]["max_seqlen"] == 640 and got[0]["k_sb"] == 8 * 81920
+    for bad in (641, -1):
+        with pytest.raises(ValueError, match="^cache_seqlens:"):
+            plan._with_length(call, bad, True)
