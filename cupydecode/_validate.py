@@ -318,13 +318,12 @@ def layout_key(q, k_cache, v_cache):
     """Every property of q, k_cache and v_cache that :func:`check_decode_inputs` checks (shapes,
     strides, dtypes, pointer alignment, devices, and the current device), as a hashable key; None
     unless all three are ``cupy.ndarray``. Equal keys pass or fail the checks alike."""
-    import cupy
-
-    if type(q) is cupy.ndarray and type(k_cache) is cupy.ndarray and type(v_cache) is cupy.ndarray:
+    nd = _NDARRAY or _ndarray_type()
+    if type(q) is nd and type(k_cache) is nd and type(v_cache) is nd:
         qd, kd, vd = q.data, k_cache.data, v_cache.data
         return (q.shape, q.strides, q.dtype, k_cache.shape, k_cache.strides, k_cache.dtype,
                 v_cache.shape, v_cache.strides, v_cache.dtype, (qd.ptr | kd.ptr | vd.ptr) & 15,
-                qd.device_id, kd.device_id, vd.device_id, cupy.cuda.runtime.getDevice())
+                qd.device_id, kd.device_id, vd.device_id, _GET_DEVICE())
     return None
 
 
@@ -371,16 +370,18 @@ def call_key(q, k_cache, v_cache, args: tuple, rare: tuple):
 
 
 def _ndarray_type():
-    """cupy.ndarray (imported once, on the first call: CuPy is imported lazily)."""
-    global _NDARRAY
+    """cupy.ndarray, and the runtime's current-device query beside it (looked up once, on the
+    first call: CuPy is imported lazily; importing it makes no CUDA call)."""
+    global _NDARRAY, _GET_DEVICE
     if _NDARRAY is None:
         import cupy
 
+        _GET_DEVICE = cupy.cuda.runtime.getDevice
         _NDARRAY = cupy.ndarray
     return _NDARRAY
 
 
-_NDARRAY = None
+_NDARRAY = _GET_DEVICE = None
 
 
 def check_decode_inputs(q, k_cache, v_cache, key, paged: bool = False, kv_dtype=None):
