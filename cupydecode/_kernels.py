@@ -386,14 +386,17 @@ class StructLaunch:
         them, the tail packed only where ``tail_key`` is not the object this thread packed last
         (one key object must always come with the same tail values; holding the last one keeps
         its identity from being reused)."""
-        slot = self._slot()
         local = self._local
+        slot = getattr(local, "slot", None) or self._slot()
         if local.tail_key is not tail_key:
             local.tail_key = None  # (a packing that raises leaves no key behind)
             self._tail.pack_into(slot[0], self._layout.size, *tail_values)
             local.tail_key = tail_key
         self._layout.pack_into(slot[0], 0, *values)
-        self._launch(stream_ptr, slot)
+        if self._launch_ex is None:  # (the plain launch of _launch, one call less)
+            self._driver.launchKernel(self._func, *self._dims, stream_ptr, slot[2], 0)
+        else:
+            self._launch(stream_ptr, slot)
 
     def _launch(self, stream_ptr: int, slot) -> None:
         _, _, argv, config, config_ptr = slot

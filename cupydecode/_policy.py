@@ -335,14 +335,17 @@ class Tuning:
     num_warps, stages: the split kernel's warps per block and K/V ring depth (tiles per warp);
     l2_evict_first: the L2 evict-first hint on the K/V copies; warps_in_step: the block's warps
     meet at a barrier per tile (one-M-tile blocks only; a block whose slots have unequal tile
-    counts runs unsynchronised whatever this says). An override that the kernel cannot build or
-    the GPU cannot hold is refused when the plan is made.
+    counts runs unsynchronised whatever this says); kv_groups: False keeps one KV head a block
+    where the policy would take blocks of several adjacent KV heads (:func:`kv_per_block`,
+    :func:`burst_kv_per_block`; the split count is then chosen for one-head blocks). An override
+    that the kernel cannot build or the GPU cannot hold is refused when the plan is made.
     """
 
     num_warps: int | None = None
     stages: int | None = None
     l2_evict_first: bool | None = None
     warps_in_step: bool | None = None
+    kv_groups: bool | None = None
 
 
 def tuned(config: SplitKernelConfig, tuning: Tuning | None) -> SplitKernelConfig:

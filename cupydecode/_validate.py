@@ -182,7 +182,7 @@ def check_tuning(tuning, config, smem_optin: int):
         value = getattr(tuning, name)
         if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
             fail(TypeError, f"tuning.{name}", "an int or None", f"{type(value).__name__} {value!r}")
-    for name in ("l2_evict_first", "warps_in_step"):
+    for name in ("l2_evict_first", "warps_in_step", "kv_groups"):
         value = getattr(tuning, name)
         if value is not None and not isinstance(value, bool):
             fail(TypeError, f"tuning.{name}", "True, False or None", repr(value))
@@ -317,7 +317,8 @@ _VALIDATED: dict = {}
 def layout_key(q, k_cache, v_cache):
     """Every property of q, k_cache and v_cache that :func:`check_decode_inputs` checks (shapes,
     strides, dtypes, pointer alignment, devices, and the current device), as a hashable key; None
-    unless all three are ``cupy.ndarray``. Equal keys pass or fail the checks alike."""
+    unless all three are ``cupy.ndarray``. Equal keys pass or fail the checks alike. The first
+    :data:`LAYOUT_PARTS` items of a :func:`call_key` are this key."""
     nd = _NDARRAY or _ndarray_type()
     if type(q) is nd and type(k_cache) is nd and type(v_cache) is nd:
         qd, kd, vd = q.data, k_cache.data, v_cache.data
@@ -327,46 +328,58 @@ def layout_key(q, k_cache, v_cache):
     return None
 
 
+LAYOUT_PARTS = 14  # items of a layout_key (the start of a call_key)
 _KEY_SCALARS = (int, float, str, bool)  # host values a call key holds as (type, value)
 
 
 def call_key(q, k_cache, v_cache, args: tuple, rare: tuple):
-    """Every property of a call's inputs that its checks depend on, as one hashable key: q,
-    k_cache and v_cache's :func:`layout_key`, and for each of ``args`` and ``rare`` (the call's
-    other arguments, in a fixed order: ``rare`` those a serving loop seldom passes) None, a
-    ``cupy.ndarray``'s shape, strides, dtype, pointer alignment and device, or a host int,
-    float, str or bool with its type. None (not cacheable: checked on every call) where q, k or
-    v is not a ``cupy.ndarray`` or another argument is of any other kind. Inputs with equal keys
-    pass or fail every check alike and give the kernel the same values apart from the pointers,
-    which is what lets DecodePlan.run and flash_decode skip the checks of keys that passed.
-    ``args[0]`` is the call's cache_seqlens: an int there is keyed by its type alone (a loop's
-    length changes every step), so its callers check its value on every call
-    (DecodePlan._with_length)."""
-    layout = layout_key(q, k_cache, v_cache)
-    if layout is None:
-        return None
+    """Every property of a call's inputs that its checks depend on, as one hashable key, and
+    the device pointers of its arrays: ``(key, pointers)``. The key: q, k_cache and v_cache's
+    :func:`layout_key` items, then for each of ``args`` and ``rare`` (the call's other
+    arguments, in a fixed order: ``rare`` those a serving loop seldom passes, left out of the
+    key while all are None) None, a ``cupy.ndarray``'s shape, strides, dtype, pointer alignment
+    and device, or a host int, float, str or bool with its type. ``pointers``: a list of the
+    pointer of q, k_cache, v_cache and each of ``args`` (then of ``rare`` where the key has
+    them), 0 for what is not an array, each read once for the key and the launch. ``(None,
+    None)`` (not cacheable: checked on every call) where q, k or v is not a ``cupy.ndarray`` or
+    another argument is of any other kind. Inputs with equal keys pass or fail every check alike
+    and give the kernel the same values apart from the pointers, which is what lets
+    DecodePlan.run and flash_decode skip the checks of keys that passed. ``args[0]`` is the
+    call's cache_seqlens: an int there is keyed by its type alone (a loop's length changes every
+    step), so its callers check its value on every call (DecodePlan._with_length)."""
     nd = _NDARRAY or _ndarray_type()
+    if type(q) is not nd or type(k_cache) is not nd or type(v_cache) is not nd:
+        return None, None
+    qd, kd, vd = q.data, k_cache.data, v_cache.data
+    qp, kp, vp = qd.ptr, kd.ptr, vd.ptr
+    parts = [q.shape, q.strides, q.dtype, k_cache.shape, k_cache.strides, k_cache.dtype,
+             v_cache.shape, v_cache.strides, v_cache.dtype, (qp | kp | vp) & 15,
+             qd.device_id, kd.device_id, vd.device_id, _GET_DEVICE()]
+    pointers = [qp, kp, vp]
     items = args
     for a in rare:  # (by identity: an array's == is elementwise)
         if a is not None:
             items = args + rare
             break
-    parts = [layout]
     for a in items:
         if a is None:
             parts.append(None)
+            pointers.append(0)
             continue
         kind = type(a)
         if kind is nd:
             d = a.data
-            parts.append((a.shape, a.strides, a.dtype, d.ptr & 15, d.device_id))
+            p = d.ptr
+            parts.append((a.shape, a.strides, a.dtype, p & 15, d.device_id))
+            pointers.append(p)
         elif kind in _KEY_SCALARS:
             parts.append((kind, a))
+            pointers.append(0)
         else:
-            return None
+            return None, None
     if type(args[0]) is int:
-        parts[1] = int
-    return tuple(parts)
+        parts[LAYOUT_PARTS] = int
+    return tuple(parts), pointers
 
 
 def _ndarray_type():

@@ -228,7 +228,8 @@ class DecodePlan:
             self.m_tiles, self.num_splits, self.chunk_tokens, self.kv_per_block = _policy.plan_shape(
                 self.dtype, self.head_dim, rows_g, self.batch, self.num_kv_heads, self.span,
                 _sm_count(self.device_id), lambda cfg: _blocks_per_sm(cfg, self.device_id),
-                num_splits, split_size, merge, programmatic, kv_groups=self.q_len == 1)
+                num_splits, split_size, merge, programmatic,
+                kv_groups=self.q_len == 1 and (tuning is None or tuning.kv_groups is not False))
         else:  # an fp8 cache: one M-tile and one KV head a block (_policy.FP8_SHAPES)
             self.m_tiles, self.kv_per_block = 1, 1
             self.num_splits, self.chunk_tokens = _policy.fp8_plan_shape(
@@ -309,10 +310,12 @@ class DecodePlan:
         self._in_step = int(_policy.warps_in_step(self.config, self.chunk_tokens, tuning))
         self._part_ptrs = ((0, 0) if self.o_part is None
                            else (self.o_part.data.ptr, self.lse_part.data.ptr))
+        self._out_ptr, self._lse_ptr = self.out.data.ptr, self.lse.data.ptr
+        # _launch's pointers after the inputs' when run is given none of its rare arguments
+        self._own_outputs = (self._out_ptr, self._lse_ptr, 0, 0, 0, 0)
         self._counter_ptr = 0 if self._counters is None else self._counters.data.ptr
         self._calls: dict = {}  # call_key of inputs that passed run's checks -> _prepare(...)
         self._get_stream = cupy.cuda.get_current_stream
-        self._ndarray = cupy.ndarray
         self._scale = V.check_scale(None, self.head_dim)
         self._score_default = self._score_values(self._scale)
         self._programmatic = programmatic
@@ -386,28 +389,36 @@ class DecodePlan:
         """
         args = (cache_seqlens, block_table, k_new, v_new)
         rare = (out, lse, softmax_scale, alibi_slopes, sinks, k_scale, v_scale)
-        key = V.call_key(q, k_cache, v_cache, args, rare)
+        key, ptrs = V.call_key(q, k_cache, v_cache, args, rare)
         call = self._calls.get(key)  # (never stored under None: uncacheable inputs)
+        checked = None  # (the checked arrays, held until launched: as in flash_decode)
         if call is None:  # inputs of a kind this plan has not seen pass: the full checks
-            call, q, k_cache, v_cache, args, rare = self._check_run(
-                q, k_cache, v_cache, args, rare, None if key is None else key[0])
+            call, ptrs, extra, out, lse, checked = self._check_run(
+                q, k_cache, v_cache, args, rare, None if key is None else key[:V.LAYOUT_PARTS])
             if key is not None:
                 if len(self._calls) >= _CALLS_SIZE:
                     self._calls.clear()
                 self._calls[key] = call
-        elif type(cache_seqlens) is int:  # (its value is not in the key)
-            call = self._with_length(call, cache_seqlens, k_new is None and v_new is None)
-        out = self.out if out is None else rare[0]
-        lse = self.lse if lse is None else rare[1]
-        self._launch(call, None, q, k_cache, v_cache, *args, out, lse, *rare[3:])
-        return out, lse
+        else:
+            if type(cache_seqlens) is int:  # (its value is not in the key)
+                call = self._with_length(call, cache_seqlens, k_new is None and v_new is None)
+            if len(ptrs) == 7:  # none of rare given (call_key: their pointers left out)
+                extra = self._own_outputs
+            else:  # rare's pointers: out, lse, (the scale), slopes, sinks, k and v scales
+                extra = (self._out_ptr if out is None else ptrs[7],
+                         self._lse_ptr if lse is None else ptrs[8], *ptrs[10:])
+        self._launch(call, None, ptrs, *extra)
+        del checked
+        return (self.out if out is None else out), (self.lse if lse is None else lse)
 
     def _check_run(self, q, k_cache, v_cache, args: tuple, rare: tuple, layout) -> tuple:
-        """run's checks of its inputs (every one, in order): ``(call, q, k, v, args, rare)``,
-        the call :meth:`_prepare`'s and the arrays as the kernel takes them (device lengths or
-        None, the block table, k_new, v_new; out, lse, None, alibi slopes, sinks, k and v
-        scales as device arrays or None); ``layout``: the inputs' ``_validate.layout_key``
-        where known."""
+        """run's checks of its inputs (every one, in order): ``(call, pointers, extra, out,
+        lse, checked)``, the call :meth:`_prepare`'s and :meth:`_launch`'s pointers of the
+        arrays as the kernel takes them (q, k, v, the device lengths, the block table, k_new,
+        v_new; then ``extra``: out, lse, alibi slopes, sinks, k and v scales; 0 for none), the
+        checked out and lse (None: the plan's), and ``checked``, those arrays, for the caller to
+        hold until they are launched; ``layout``: the inputs' ``_validate.layout_key`` where
+        known."""
         cache_seqlens, block_table, k_new, v_new = args
         out, lse, softmax_scale, alibi_slopes, sinks, k_scale, v_scale = rare
         q, k_cache, v_cache, block_table, strides = self._check_layout(
@@ -431,8 +442,12 @@ class DecodePlan:
                                           self.num_kv_heads)
         call = self._prepare(strides, seqlens, seqlen_all, scale, block_table, new, scales)
         (k_new, v_new), (k_sc, v_sc) = new[:2] if new else (None, None), _scale_arrays(scales)
-        return (call, q, k_cache, v_cache, (seqlens, block_table, k_new, v_new),
-                (out, lse, None, slopes, sinks, k_sc, v_sc))
+        arrays = (q, k_cache, v_cache, seqlens, block_table, k_new, v_new, slopes, sinks, k_sc,
+                  v_sc)
+        return (call, _pointers(*arrays[:7]),
+                (self._out_ptr if out is None else out.data.ptr,
+                 self._lse_ptr if lse is None else lse.data.ptr, *_pointers(*arrays[7:])),
+                out, lse, arrays)
 
     def _check_layout(self, q, k_cache, v_cache, block_table, layout=None):
         """The checks of q, k_cache, v_cache and block_table: (q, k, v, block_table, kernel
@@ -517,21 +532,23 @@ class DecodePlan:
         as the full checks do (``tokens_in_cache``: no k_new/v_new, so several query tokens
         must be in the cache already): itself where the length is the one it was prepared
         with, else a copy with that length."""
-        if self.q_len > 1:
-            V.check_lengths_fit(length, self.q_len if tokens_in_cache else 1)
-        length = V.check_seqlens(length, self.batch, self.max_seqlen)[1]
+        if self.q_len > 1 or not 0 <= length <= self.max_seqlen:  # (the checks' refusals)
+            if self.q_len > 1:
+                V.check_lengths_fit(length, self.q_len if tokens_in_cache else 1)
+            length = V.check_seqlens(length, self.batch, self.max_seqlen)[1]
         launch, tail = call
         if not tail or tail[_SEQLEN_ALL] == length:
             return call
         return launch, (*tail[:_SEQLEN_ALL], length, *tail[_SEQLEN_ALL + 1:])
 
-    def _launch(self, call, stream, q, k, v, seqlens, table, k_new, v_new, out, lse, slopes,
-                sinks, k_scale, v_scale) -> None:
+    def _launch(self, call, stream, ptrs, out: int, lse: int, slopes: int, sinks: int,
+                k_scale: int, v_scale: int) -> None:
         """Everything after the checks: the split kernel (which appends k_new/v_new's tokens),
         then (if split) the merge kernel, on ``stream`` (None: the current stream). ``call``:
-        :meth:`_prepare`'s for inputs of this kind; the arrays: device arrays or None (``lse``
-        None: not written), except that ``seqlens`` may be an int and the scales floats (as
-        :meth:`run` is given them: no pointer)."""
+        :meth:`_prepare`'s for inputs of this kind; ``ptrs``: the device pointers of q, k, v,
+        the lengths, the block table, k_new and v_new (its first 7 items, as
+        ``_validate.call_key`` gives them); the rest: the pointers of out, lse, the ALiBi slopes,
+        the sinks and the k and v scales. A pointer of 0: none (``lse``: not written)."""
         if self.batch == 0:
             return
         if stream is None:
@@ -544,23 +561,20 @@ class DecodePlan:
             self._counters_wait, self._counters_refill = None, False
         # Raw pointers in the struct are as safe as array arguments: the arrays are alive during
         # this call, and CuPy's pool hands freed memory out again only in stream order.
-        nd = self._ndarray
-        lse_ptr = 0 if lse is None else lse.data.ptr
+        part_o, part_lse = self._part_ptrs
         launch, tail = call
         launch.launch_with_tail(
-            stream.ptr,
-            (q.data.ptr, k.data.ptr, v.data.ptr, seqlens.data.ptr if type(seqlens) is nd else 0,
-             *self._part_ptrs, out.data.ptr, lse_ptr, self._counter_ptr,
-             0 if table is None else table.data.ptr, 0 if k_new is None else k_new.data.ptr,
-             0 if v_new is None else v_new.data.ptr, 0 if slopes is None else slopes.data.ptr,
-             0 if sinks is None else sinks.data.ptr,
-             k_scale.data.ptr if type(k_scale) is nd else 0,
-             v_scale.data.ptr if type(v_scale) is nd else 0),
-            call, tail)
+            stream.ptr, (ptrs[0], ptrs[1], ptrs[2], ptrs[3], part_o, part_lse, out, lse,
+                         self._counter_ptr, ptrs[4], ptrs[5], ptrs[6], slopes, sinks, k_scale,
+                         v_scale), call, tail)
         if self._merge_call is not None:
-            self._merge_call(stream.ptr, *self._part_ptrs, out.data.ptr, lse_ptr,
-                             *self._merge_static, 0 if sinks is None else sinks.data.ptr,
+            self._merge_call(stream.ptr, part_o, part_lse, out, lse, *self._merge_static, sinks,
                              self.num_heads)
+
+
+def _pointers(*arrays) -> list:
+    """The device pointer of each of ``arrays`` (CuPy arrays or None: 0)."""
+    return [0 if a is None else a.data.ptr for a in arrays]
 
 
 def _scale_arrays(scales) -> tuple:
@@ -747,41 +761,51 @@ def flash_decode(q: ArrayLike, k_cache: ArrayLike, v_cache: ArrayLike,
     args = (cache_seqlens, block_table, k_new, v_new)
     rare = (out, softmax_scale, logits_soft_cap, num_splits, split_size, window_left,
             alibi_slopes, sinks, kv_dtype, k_scale, v_scale)
-    key = V.call_key(q, k_cache, v_cache, args, rare)  # (no CUDA call before a host array is refused)
+    # (no CUDA call before a host array is refused)
+    key, ptrs = V.call_key(q, k_cache, v_cache, args, rare)
     hit = stream = None
     if key is not None:
         stream = cupy.cuda.get_current_stream()
         ptr = stream.ptr
         key = (key, ptr, bool(return_lse), _thread_token() if ptr == _PER_THREAD_STREAM else None)
         hit = _EAGER.get(key)
+    # the checked arrays, held until their pointers are launched: among them the device copies
+    # of host values, whose memory must not go back to the pool before
+    checked = None
     if hit is None:  # inputs of a kind not seen to pass: the full checks
-        hit, stream, q, k_cache, v_cache, args, rare = _check_flash_decode(
-            q, k_cache, v_cache, args, rare, None if key is None else key[0][0], stream)
+        hit, stream, ptrs, extra, out, checked = _check_flash_decode(
+            q, k_cache, v_cache, args, rare, None if key is None else key[0][:V.LAYOUT_PARTS],
+            stream)
         if key is not None:
             if len(_EAGER) >= _EAGER_SIZE:
                 _EAGER.clear()
             _EAGER[key] = hit
-        out = rare[0]
-    plan, call, out_shape, out_dtype, one_token_4d = hit
-    if type(cache_seqlens) is int:  # (its value is not in the key)
+    else:  # rare's pointers (call_key: all 0 where none of rare is given): slopes, sinks, scales
+        extra = _NO_EXTRA if len(ptrs) == 7 else (ptrs[13], ptrs[14], ptrs[16], ptrs[17])
+    plan, call, out_shape, out_dtype = hit
+    if checked is None and type(cache_seqlens) is int:  # remembered: its value is not in the key
         call = plan._with_length(call, cache_seqlens, k_new is None and v_new is None)
     # out and lse follow q: (batch, [q_len,] num_heads, head_dim), (batch, [q_len,] num_heads)
-    ret_out = out = cupy.empty(out_shape, out_dtype) if out is None else out
-    ret_lse = lse = cupy.empty(out_shape[:-1], _FLOAT32) if return_lse else None
-    if one_token_4d:  # one token in the 4-dimensional layout: the 3-d plan's views
-        out = out.reshape(out_shape[0], *out_shape[2:])
-        lse = None if lse is None else lse.reshape(out_shape[0], out_shape[2])
-    plan._launch(call, stream, q, k_cache, v_cache, *args, out, lse, *rare[6:8], *rare[9:])
-    return (ret_out, ret_lse) if return_lse else ret_out
+    out = cupy.empty(out_shape, out_dtype) if out is None else out
+    lse = cupy.empty(out_shape[:-1], _FLOAT32) if return_lse else None
+    plan._launch(call, stream, ptrs, out.data.ptr, 0 if lse is None else lse.data.ptr, *extra)
+    del checked  # (launched: CuPy's pool reuses its memory only in stream order)
+    return (out, lse) if return_lse else out
+
+
+_NO_EXTRA = (0, 0, 0, 0)  # flash_decode's slopes, sinks and scales when none is given
 
 
 def _check_flash_decode(q, k_cache, v_cache, args: tuple, rare: tuple, layout, stream) -> tuple:
     """flash_decode's checks of its inputs (every one, in order, before any CUDA call) and its
-    plan: ``(entry, stream, q, k, v, args, rare)``, the entry ``(plan, call, out's shape, out's
-    dtype, whether q is (batch, 1, heads, head_dim))`` (``call``: the plan's
-    :meth:`DecodePlan._prepare`), the current stream (``stream`` where given) and the arrays as
-    the kernel takes them, in flash_decode's order; ``layout``: the inputs'
-    ``_validate.layout_key`` where known."""
+    plan: ``(entry, stream, pointers, extra, out, checked)``, the entry ``(plan, call, out's
+    shape, out's dtype)`` (``call``: the plan's :meth:`DecodePlan._prepare`), the current stream
+    (``stream`` where given), the pointers of the arrays as the kernel takes them (q, k, v, the
+    device lengths, the block table, k_new, v_new; ``extra``: the ALiBi slopes, the sinks, the
+    k and v scales; 0 for none: :meth:`DecodePlan._launch`), the checked ``out`` (or None) and
+    ``checked``, those arrays, which the caller holds until it has launched their pointers (the
+    device copies of host lengths, tables, slopes and sinks live only there); ``layout``: the
+    inputs' ``_validate.layout_key`` where known."""
     cache_seqlens, block_table, k_new, v_new = args
     (out, softmax_scale, logits_soft_cap, num_splits, split_size, window_left, alibi_slopes,
      sinks, kv_dtype, k_scale, v_scale) = rare
@@ -822,9 +846,9 @@ def _check_flash_decode(q, k_cache, v_cache, args: tuple, rare: tuple, layout, s
                          scale, table, new, scales)
     (k_new, v_new), (k_sc, v_sc) = new[:2] if new else (None, None), _scale_arrays(scales)
     # (dtype objects, not names, for the outputs: CuPy parses a name on every call)
-    entry = (plan, call, out_shape, q.dtype, q.ndim == 4 and q_len == 1)
-    return (entry, stream, q, k, v, (seqlens, table, k_new, v_new),
-            (out, None, None, None, None, None, slopes, sinks, None, k_sc, v_sc))
+    entry = (plan, call, out_shape, q.dtype)
+    arrays = (q, k, v, seqlens, table, k_new, v_new, slopes, sinks, k_sc, v_sc)
+    return (entry, stream, _pointers(*arrays[:7]), _pointers(*arrays[7:]), out, arrays)
 
 
 def merge_states(o_parts: ArrayLike, lse_parts: ArrayLike, *,

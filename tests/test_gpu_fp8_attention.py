@@ -314,13 +314,14 @@ def test_fp8_plan_in_a_graph_follows_new_scales(cupy, rng, seed):
                      k_scale=case.k_scale, v_scale=case.v_scale)
             graph = stream.end_capture()
         for step in range(2):
-            if step:
-                case.ks = (case.ks * rng.uniform(0.5, 2.0, case.ks.shape)).astype(np.float32)
-                case.vs = (case.vs * rng.uniform(0.5, 2.0, case.vs.shape)).astype(np.float32)
-                case.k_scale[...] = cupy.asarray(case.ks)
-                case.v_scale[...] = cupy.asarray(case.vs)
-            out.fill(np.nan)
-            graph.launch(stream)
+            with stream:  # (a non-blocking stream: the updates must be ordered before the replay)
+                if step:
+                    case.ks = (case.ks * rng.uniform(0.5, 2.0, case.ks.shape)).astype(np.float32)
+                    case.vs = (case.vs * rng.uniform(0.5, 2.0, case.vs.shape)).astype(np.float32)
+                    case.k_scale[...] = cupy.asarray(case.ks)
+                    case.v_scale[...] = cupy.asarray(case.vs)
+                out.fill(np.nan)
+                graph.launch(stream)
             stream.synchronize()
             case.check(out, lse, what=f"{mode} replay {step}")
 

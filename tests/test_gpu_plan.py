@@ -600,7 +600,8 @@ def test_long_calls_take_plain_copies(cupy):
 
 @pytest.mark.parametrize("tuning", [
     dict(num_warps=8, stages=2), dict(num_warps=2, stages=6), dict(l2_evict_first=False),
-    dict(warps_in_step=True), dict(warps_in_step=False, num_warps=8, stages=3)])
+    dict(warps_in_step=True), dict(warps_in_step=False, num_warps=8, stages=3),
+    dict(kv_groups=False)])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_tuned_block_shapes_agree_with_the_reference(cupy, rng, seed, dtype, tuning):
     """Block shapes and flags set through cupydecode.Tuning (the A/B tool's override) build and
@@ -612,3 +613,18 @@ def test_tuned_block_shapes_agree_with_the_reference(cupy, rng, seed, dtype, tun
             if name in tuning:
                 assert getattr(plan.config, name) == tuning[name], (name, plan.config)
         case.check(*case.run(plan), f"{tuning} splits={splits}")
+
+
+def test_kv_groups_off_keeps_one_kv_head_a_block(cupy, rng, seed):
+    """Tuning(kv_groups=False) where the policy takes blocks of adjacent KV heads (the burst
+    groups of head_dim 80, long one-split streams at 128): one KV head a block, and the
+    reference's outputs. (The policy's grouped shapes are those of the H200's cost model.)"""
+    case = DecodeCase(rng, seed, 2, 8, 8, 80, 2000, "float16", [2000, 777])
+    assert case.plan().kv_per_block > 1, repr(case.plan())  # (H200 cost model)
+    plan = case.plan(tuning=cupydecode.Tuning(kv_groups=False))
+    assert plan.kv_per_block == 1, repr(plan)
+    case.check(*case.run(plan), "head_dim 80, kv_groups=False")
+    shape = (64, 32, 8, 128, 8192, "float16")
+    assert cupydecode.DecodePlan(*shape).kv_per_block > 1  # (H200 cost model)
+    off = cupydecode.DecodePlan(*shape, tuning=cupydecode.Tuning(kv_groups=False))
+    assert off.kv_per_block == 1, repr(off)

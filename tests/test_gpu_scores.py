@@ -239,3 +239,23 @@ def test_sinks_match_reference(cupy, rng, seed, dtype, layout):
     case.check(*case.flash_decode(num_splits=3), "flash_decode, device sinks, splits=3")
     _, lse = case.flash_decode(num_splits=1)
     assert np.allclose(lse[2].get(), sinks, atol=1e-5), case.ctx  # the empty sequence
+
+
+def test_host_values_outlive_their_launch(cupy, rng, seed):
+    """flash_decode copies host lengths, sinks and ALiBi slopes to the device; those copies stay
+    alive until the kernel that reads them is launched, so the outputs it allocates after them
+    (out, lse: the same sizes, the pool's next blocks) never take their memory. One split (the
+    split kernel's epilogue reads the sinks and writes lse), 3 and the policy's splits; every
+    call a miss (host values are checked each time)."""
+    heads = 12
+    sinks = rng.uniform(-2.0, 6.0, heads).astype(np.float32)
+    slopes = rng.uniform(0.01, 0.2, heads).astype(np.float32)
+    lengths = [900, 1, 0, 333]
+    case = DecodeCase(rng, seed, 4, heads, heads, 64, 900, "float16", lengths, sinks=sinks,
+                      alibi_slopes=slopes)
+    for splits in (1, 3, None):
+        for rnd in range(3):
+            out, lse = cupydecode.flash_decode(
+                case.q, case.k, case.v, lengths, sinks=list(sinks), alibi_slopes=list(slopes),
+                num_splits=splits, return_lse=True)
+            case.check(out, lse, f"splits={splits} round {rnd}")

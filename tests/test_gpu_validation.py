@@ -309,22 +309,27 @@ def test_layouts_in_turn_on_one_stream(cupy, good):
             assert_out_close(got, ref, OUT_TOL["float16"], f"{name}, round {rnd}")
 
 
-def test_first_call_computes_the_layout_key_once(cupy, good, monkeypatch):
-    """A layout's first flash_decode call derives its layout key once (the checks take the one
-    flash_decode computed); the next call is a cache hit, and both are correct."""
+def test_first_call_checks_once_and_takes_the_key_it_computed(cupy, good, monkeypatch):
+    """A layout's first flash_decode call runs the full checks once, on the layout part of the
+    call key it computed (no second derivation of the layout key); the next call is a hit that
+    runs no check; both are correct."""
     from cupydecode import _validate as V
     from cupydecode import decode as D
 
     (q, k, v), (hq, hk, hv) = good
-    calls = []
-    real = V.layout_key
-    monkeypatch.setattr(V, "layout_key", lambda *a: calls.append(1) or real(*a))
+    layouts, checks = [], []
+    real_layout, real_checks = V.layout_key, V._check_decode_inputs
+    monkeypatch.setattr(V, "layout_key", lambda *a: layouts.append(1) or real_layout(*a))
+    monkeypatch.setattr(V, "_check_decode_inputs",
+                        lambda *a: checks.append(1) or real_checks(*a))
     monkeypatch.setattr(D, "_EAGER", {})
     monkeypatch.setattr(V, "_VALIDATED", {})
     ref, _ = R.decode_attention(hq, hk, hv)
     for n in (1, 2):
         assert_out_close(cupydecode.flash_decode(q, k, v), ref, OUT_TOL["float16"], f"call {n}")
-        assert len(calls) == n, f"call {n}: layout_key computed {len(calls)} times in all"
+        assert (len(layouts), len(checks)) == (0, 1), f"call {n}: {len(layouts)} layout keys, " \
+            f"{len(checks)} full checks in all"
+    assert V.call_key(q, k, v, (None,) * 4, (None,) * 7)[0][:V.LAYOUT_PARTS] == real_layout(q, k, v)
 
 
 def test_new_token_errors(cupy, good):

@@ -195,7 +195,8 @@ def test_launch_structures_match_cuda_h():
 
 
 class _Arr:
-    """What DecodePlan._launch reads of an array: its pointer and item size."""
+    """What DecodePlan._prepare and the tests' launches read of an array: its pointer and item
+    size."""
 
     def __init__(self, ptr, itemsize=2):
         self.data = type("Mem", (), {"ptr": ptr})()
@@ -217,12 +218,16 @@ class _Recorder:
         self.record(stream, tuple(values) + tuple(tail_values))
 
 
+def _ptr(a) -> int:
+    return 0 if a is None else a.data.ptr
+
+
 def _launch(plan, q, k, v, seqlens, seqlen_all, scale, out, lse, strides, table=None, new=None):
     """What DecodePlan.run does after its checks: the call prepared for these inputs
     (DecodePlan._prepare), then launched with their pointers (DecodePlan._launch)."""
     call = plan._prepare(strides, seqlens, seqlen_all, scale, table, new)
-    plan._launch(call, _Stream(), q, k, v, seqlens, table, *(new[:2] if new else (None, None)),
-                 out, lse, None, None, None, None)
+    arrays = (q, k, v, seqlens, table, *(new[:2] if new else (None, None)))
+    plan._launch(call, _Stream(), [_ptr(a) for a in arrays], _ptr(out), _ptr(lse), 0, 0, 0, 0)
 
 
 def _fake_plan(paged: bool):
@@ -239,7 +244,6 @@ def _fake_plan(paged: bool):
     plan._window_arg = 4095 if paged else -1
     plan._scale, plan._score_default = 0.5, (0.72, 1, 0.0, 0.0)
     plan._split_launch = _Recorder(lambda stream, values: calls.append(("split", stream, values)))
-    plan._ndarray = _Arr
     return plan, calls
 
 
@@ -335,7 +339,7 @@ def test_append_values_write_the_reference_rows(layout, dtype):
     from cupydecode import _policy
     from cupydecode import _validate as V
     from cupydecode import reference as R
-    from cupydecode.decode import _LAUNCH_ORDER, DecodePlan
+    from cupydecode.decode import DecodePlan
 
     rng = np.random.default_rng(5)
     batch, hkv, heads, dim, page = 6, 2, 8, 64, 16
@@ -374,7 +378,6 @@ def test_append_values_write_the_reference_rows(layout, dtype):
     plan._scale, plan._score_default = 0.125, (0.125 * _policy.LOG2E, 0, 0.0, 0.0)
     split = []
     plan._split_launch = _Recorder(lambda stream, values: split.append(values))
-    plan._ndarray = _Arr
     from numpy.lib.array_utils import byte_bounds
 
     bt_sb = 0 if table is None else table.strides[0] // 4
@@ -426,8 +429,8 @@ def test_an_int_length_reaches_the_kernel_whatever_was_remembered():
     assert plan._with_length(call, 640, True) is call
     for n in (17, 0, 640):
         launch, tail = plan._with_length(call, n, True)
-        plan._launch((launch, tail), _Stream(), q, k, v, n, None, None, None, out, lse, None,
-                     None, None, None)
+        plan._launch((launch, tail), _Stream(), [_ptr(a) for a in (q, k, v)] + [0] * 4,
+                     _ptr(out), _ptr(lse), 0, 0, 0, 0)
     got = [dict(zip(_LAUNCH_ORDER, c[2])) for c in calls]
     assert [(g["seqlen_all"], g["seqlens"]) for g in got] == [(17, 0), (0, 0), (640, 0)]
     assert got[0]["max_seqlen"] == 640 and got[0]["k_sb"] == 8 * 81920

@@ -21,6 +21,23 @@ def test_ab_arms_are_public_tunings_and_plan_arguments():
     assert ab.parse_arm("") == (cupydecode.Tuning(), {})
     with pytest.raises(SystemExit, match="unknown field 'warps'"):
         ab.parse_arm("warps=8")
+    assert ab.parse_arm("kv_groups=false") == (cupydecode.Tuning(kv_groups=False), {})
+
+
+def test_ab_tree_arm_imports_another_version_beside_this_one(tmp_path):
+    """--tree: another checkout's package (here a copy of this one) under a name of its own,
+    its kernels found beside it; the shipped package is untouched."""
+    import shutil
+
+    ab = pytest.importorskip("ab")
+    shutil.copytree(ROOT / "cupydecode", tmp_path / "cupydecode")
+    shutil.copytree(ROOT / "kernels", tmp_path / "kernels")
+    other = ab.package_of(str(tmp_path), "copy-1")
+    assert other.__name__ == "cupydecode_copy_1" and other.DecodePlan is not cupydecode.DecodePlan
+    assert Path(other.__file__).parent == tmp_path / "cupydecode"
+    assert other._kernels.kernel_dir() == tmp_path / "kernels"
+    with pytest.raises(SystemExit, match="no cupydecode package"):
+        ab.package_of(str(tmp_path / "nowhere"), "none")
 
 
 @pytest.mark.parametrize("tool", ["ab.py", "profile_shape.py", "host_cost.py"])

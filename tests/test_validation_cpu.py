@@ -302,6 +302,7 @@ def _policy_config(**kw):
     (cupydecode.Tuning(num_warps=8.0), TypeError, r"tuning.num_warps: expected an int"),
     (cupydecode.Tuning(stages=True), TypeError, r"tuning.stages: expected an int"),
     (cupydecode.Tuning(l2_evict_first=1), TypeError, r"tuning.l2_evict_first: expected True"),
+    (cupydecode.Tuning(kv_groups="no"), TypeError, r"tuning.kv_groups: expected True"),
     (cupydecode.Tuning(num_warps=0), ValueError, r"tuning.num_warps: expected a multiple of 1.*got 0"),
     (cupydecode.Tuning(num_warps=64), ValueError, r"tuning.num_warps: .*got 64"),
     (cupydecode.Tuning(stages=1), ValueError, r"tuning.stages: expected 2 to 16, got 1"),

@@ -9,12 +9,16 @@ Usage:
                      [--protocol step|back-to-back] [--passes 2]
                      [--kv-dtype e4m3|e5m2] [--kv-scale tensor|head|token]
                      [--arm LABEL=FIELD=VALUE,...]... [--kernels LABEL=FOLDER]...
-                     [--sub 'LABEL|OLD|NEW']...
+                     [--tree LABEL=FOLDER]... [--sub 'LABEL|OLD|NEW']...
   --arm 'w8s2=num_warps=8,stages=2'   a plan with those Tuning fields (num_warps, stages,
-                                      l2_evict_first, warps_in_step; true/false for the flags),
-                                      and num_splits (the plan's split count)
+                                      l2_evict_first, warps_in_step, kv_groups; true/false for
+                                      the flags), and num_splits (the plan's split count)
   --kernels 'prev=/tmp/prev'          the kernels of a folder (files it lacks: the shipped
                                       ones), e.g. filled with `git show REV:kernels/FILE`
+  --tree 'v0=/tmp/v0'                 the DecodePlan of another version, library and kernels:
+                                      a folder holding its cupydecode/ and kernels/ (e.g.
+                                      `git archive REV cupydecode kernels | tar -x -C /tmp/v0`),
+                                      imported under a name of its own, with its own policy
   --sub 'nohint|L2::evict_first|L2::evict_normal'
                                       the shipped decode_split.cu with OLD replaced by NEW
   --kv-dtype e4m3 --kv-scale token   an fp8 cache (workloads.quantize_inputs: scales of that
@@ -28,6 +32,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import importlib.util
 import statistics
 import sys
 import tempfile
@@ -82,6 +87,21 @@ def parse_arm(text: str) -> tuple[cd.Tuning, dict]:
     return cd.Tuning(**values), plan
 
 
+def package_of(folder: str, label: str):
+    """The cupydecode package of another version in ``folder`` (its cupydecode/ beside its
+    kernels/), imported as a package of its own name so that both versions run in one process."""
+    root = Path(folder).resolve() / "cupydecode"
+    name = f"cupydecode_{label}".replace("-", "_")
+    if not (root / "__init__.py").is_file():
+        raise SystemExit(f"--tree: no cupydecode package in {folder}")
+    spec = importlib.util.spec_from_file_location(name, root / "__init__.py",
+                                                  submodule_search_locations=[str(root)])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
 @contextlib.contextmanager
 def kernels_of(folder: str | None, subs: tuple[str, str] | None):
     """Plans built inside use the kernels of ``folder``, or the shipped decode_split.cu with
@@ -108,16 +128,23 @@ def main(argv=None) -> int:
     ap.add_argument("--passes", type=int, default=2)
     ap.add_argument("--arm", action="append", default=[])
     ap.add_argument("--kernels", action="append", default=[])
+    ap.add_argument("--tree", action="append", default=[])
     ap.add_argument("--sub", action="append", default=[])
     ap.add_argument("--kv-dtype", choices=("e4m3", "e5m2"), default=None)
     ap.add_argument("--kv-scale", choices=("tensor", "head", "token"), default="tensor")
     args = ap.parse_args(argv)
 
-    # (label, Tuning, DecodePlan arguments, kernel folder, substitution)
-    arms = [("policy", None, {}, None, None)]
-    arms += [(a.partition("=")[0], *parse_arm(a.partition("=")[2]), None, None) for a in args.arm]
-    arms += [(k.partition("=")[0], None, {}, k.partition("=")[2], None) for k in args.kernels]
-    arms += [(s.split("|")[0], None, {}, None, tuple(s.split("|")[1:3])) for s in args.sub]
+    # (label, Tuning, DecodePlan arguments, kernel folder, substitution, DecodePlan class)
+    arms = [("policy", None, {}, None, None, cd.DecodePlan)]
+    arms += [(a.partition("=")[0], *parse_arm(a.partition("=")[2]), None, None, cd.DecodePlan)
+             for a in args.arm]
+    arms += [(k.partition("=")[0], None, {}, k.partition("=")[2], None, cd.DecodePlan)
+             for k in args.kernels]
+    arms += [(t.partition("=")[0], None, {}, None, None,
+              package_of(t.partition("=")[2], t.partition("=")[0]).DecodePlan)
+             for t in args.tree]
+    arms += [(s.split("|")[0], None, {}, None, tuple(s.split("|")[1:3]), cd.DecodePlan)
+             for s in args.sub]
     labels = [label for label, *_ in arms]
     if len(set(labels)) != len(labels):
         raise SystemExit(f"arm labels must differ (the first is 'policy'), got {labels}")
@@ -137,12 +164,16 @@ def main(argv=None) -> int:
         n_calls = max(10, len(sets))
         times = {label: [] for label, *_ in arms}
         plans = {}
-        for label, tuning, plan_args, folder, subs in arms:  # build (compile), check every arm
+        for label, tuning, plan_args, folder, subs, plan_class in arms:  # build, check each
+            if plan_class is not cd.DecodePlan:  # another version: its own arguments only
+                plan_args = dict(plan_args, **({"kv_dtype": args.kv_dtype} if args.kv_dtype
+                                               else {}))
+            else:
+                plan_args = dict(plan_args, kv_dtype=args.kv_dtype, tuning=tuning)
             try:
                 with kernels_of(folder, subs):
-                    made = [cd.DecodePlan(batch, heads, kv_heads, dim, seqlen, args.dtype,
-                                          kv_dtype=args.kv_dtype, tuning=tuning, **plan_args)
-                            for _ in sets]  # a workspace per set
+                    made = [plan_class(batch, heads, kv_heads, dim, seqlen, args.dtype,
+                                       **plan_args) for _ in sets]  # a workspace per set
             except (TypeError, ValueError) as e:  # a shape the kernel or the GPU cannot take
                 print(f"  {label} at {point}: refused ({e})", flush=True)
                 continue
