@@ -298,8 +298,8 @@ class DecodePlan:
                     self._counters_wait = cupy.cuda.Event(disable_timing=True)
                     self._counters_wait.record(stream)
         tokens = (self.q_len,) if self.q_len > 1 else ()  # one token: (batch, num_heads, …)
-        self.out = cupy.empty((self.batch, *tokens, self.num_heads, self.head_dim), self.dtype)
-        self.lse = cupy.empty((self.batch, *tokens, self.num_heads), cupy.float32)
+        self._out = cupy.empty((self.batch, *tokens, self.num_heads, self.head_dim), self.dtype)
+        self._lse = cupy.empty((self.batch, *tokens, self.num_heads), cupy.float32)
         self._grid = ((self.num_kv_heads // kpb) * self.head_tiles, self.num_splits, self.batch)
         # Kernel scalars that never change for this plan, packed once.
         self._static = (self.max_seqlen, self.num_heads, self.group, self.head_tiles,
@@ -354,6 +354,18 @@ class DecodePlan:
     def _score_args(self, scale: float) -> tuple:
         """``_score_values(scale)``, the default scale's computed once."""
         return self._score_default if scale == self._scale else self._score_values(scale)
+
+    @property
+    def out(self) -> cupy.ndarray:
+        """The plan's own output, (batch, [q_len,] num_heads, head_dim): where :meth:`run`
+        writes when it is given no ``out`` (read-only: its pointer is remembered)."""
+        return self._out
+
+    @property
+    def lse(self) -> cupy.ndarray:
+        """The plan's own log-sum-exp, (batch, [q_len,] num_heads) float32: where :meth:`run`
+        writes when it is given no ``lse`` (read-only, as ``out``)."""
+        return self._lse
 
     @property
     def workspace_bytes(self) -> int:

@@ -437,3 +437,13 @@ def test_an_int_length_reaches_the_kernel_whatever_was_remembered():
     for bad in (641, -1):
         with pytest.raises(ValueError, match="^cache_seqlens:"):
             plan._with_length(call, bad, True)
+
+
+def test_a_plans_own_outputs_are_read_only():
+    """run launches into the pointers of plan.out and plan.lse it remembered at construction,
+    so the attributes cannot be rebound to other arrays."""
+    from cupydecode.decode import DecodePlan
+
+    for name in ("out", "lse"):
+        attr = getattr(DecodePlan, name)
+        assert isinstance(attr, property) and attr.fset is None, name
