@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 import struct
 import threading
 from collections import OrderedDict
@@ -414,11 +415,12 @@ class DecodePlan:
         else:
             if type(cache_seqlens) is int:  # (its value is not in the key)
                 call = self._with_length(call, cache_seqlens, k_new is None and v_new is None)
-            if len(ptrs) == 7:  # none of rare given (call_key: their pointers left out)
+            if len(ptrs) == _INPUT_PTRS:  # none of rare given (call_key leaves their pointers out)
                 extra = self._own_outputs
-            else:  # rare's pointers: out, lse, (the scale), slopes, sinks, k and v scales
-                extra = (self._out_ptr if out is None else ptrs[7],
-                         self._lse_ptr if lse is None else ptrs[8], *ptrs[10:])
+            else:  # rare's pointers: out, lse, (the scale: none), slopes, sinks, k and v scales
+                extra = (self._out_ptr if out is None else ptrs[_INPUT_PTRS],
+                         self._lse_ptr if lse is None else ptrs[_INPUT_PTRS + 1],
+                         *ptrs[_INPUT_PTRS + 3:])
         self._launch(call, None, ptrs, *extra)
         del checked
         return (self.out if out is None else out), (self.lse if lse is None else lse)
@@ -596,6 +598,7 @@ def _scale_arrays(scales) -> tuple:
 
 
 _CALLS_SIZE = 64  # kinds of inputs a plan remembers (DecodePlan._calls)
+_INPUT_PTRS = 7  # call_key's pointers of q, k_cache, v_cache and the four args, always there
 
 
 # struct cd_decode_params of the split kernel, packed from its declaration in
@@ -793,7 +796,7 @@ def flash_decode(q: ArrayLike, k_cache: ArrayLike, v_cache: ArrayLike,
                 _EAGER.clear()
             _EAGER[key] = hit
     else:  # rare's pointers (call_key: all 0 where none of rare is given): slopes, sinks, scales
-        extra = _NO_EXTRA if len(ptrs) == 7 else (ptrs[13], ptrs[14], ptrs[16], ptrs[17])
+        extra = _NO_EXTRA if len(ptrs) == _INPUT_PTRS else _FLASH_EXTRA(ptrs)
     plan, call, out_shape, out_dtype = hit
     if checked is None and type(cache_seqlens) is int:  # remembered: its value is not in the key
         call = plan._with_length(call, cache_seqlens, k_new is None and v_new is None)
@@ -806,6 +809,10 @@ def flash_decode(q: ArrayLike, k_cache: ArrayLike, v_cache: ArrayLike,
 
 
 _NO_EXTRA = (0, 0, 0, 0)  # flash_decode's slopes, sinks and scales when none is given
+# their places among call_key's pointers: after the inputs', in flash_decode's rare order (out,
+# softmax_scale, logits_soft_cap, num_splits, split_size, window_left, alibi_slopes, sinks,
+# kv_dtype, k_scale, v_scale)
+_FLASH_EXTRA = operator.itemgetter(*(_INPUT_PTRS + i for i in (6, 7, 9, 10)))
 
 
 def _check_flash_decode(q, k_cache, v_cache, args: tuple, rare: tuple, layout, stream) -> tuple:
