@@ -317,18 +317,13 @@ _VALIDATED: dict = {}
 def layout_key(q, k_cache, v_cache):
     """Every property of q, k_cache and v_cache that :func:`check_decode_inputs` checks (shapes,
     strides, dtypes, pointer alignment, devices, and the current device), as a hashable key; None
-    unless all three are ``cupy.ndarray``. Equal keys pass or fail the checks alike. The first
-    :data:`LAYOUT_PARTS` items of a :func:`call_key` are this key."""
-    nd = _NDARRAY or _ndarray_type()
-    if type(q) is nd and type(k_cache) is nd and type(v_cache) is nd:
-        qd, kd, vd = q.data, k_cache.data, v_cache.data
-        return (q.shape, q.strides, q.dtype, k_cache.shape, k_cache.strides, k_cache.dtype,
-                v_cache.shape, v_cache.strides, v_cache.dtype, (qd.ptr | kd.ptr | vd.ptr) & 15,
-                qd.device_id, kd.device_id, vd.device_id, _GET_DEVICE())
-    return None
+    unless all three are ``cupy.ndarray``. Equal keys pass or fail the checks alike. It is the
+    first :data:`LAYOUT_PARTS` items of their :func:`call_key`."""
+    key = call_key(q, k_cache, v_cache, (None,) * 4, ())[0]
+    return None if key is None else key[:LAYOUT_PARTS]
 
 
-LAYOUT_PARTS = 14  # items of a layout_key (the start of a call_key)
+LAYOUT_PARTS = 14  # a call_key's items of q, k_cache and v_cache: its layout_key
 _KEY_SCALARS = (int, float, str, bool)  # host values a call key holds as (type, value)
 
 

@@ -683,7 +683,7 @@ def _cached_plan(shape: dict, dtype: str, num_splits, split_size, soft_cap, wind
 
 # flash_decode's lookups folded into one per call: (the inputs' _validate.call_key, stream,
 # return_lse, per-thread owner) → _check_flash_decode's entry (plan, prepared call, out's shape
-# and dtype, 4-d one-token q). An entry exists only for inputs that passed every check.
+# and dtype). An entry exists only for inputs that passed every check.
 _EAGER: dict = {}
 _EAGER_SIZE = 16
 

@@ -1,7 +1,8 @@
 """Where the host's time per call goes: DecodePlan.run and flash_decode against CuPy's own
 launch of an empty kernel (the yardstick of the host-cost targets), in one quiet process, and
 the parts a call is made of (the key of a seen kind of inputs, the stream, an output
-allocation); DecodePlan.run of a paged cache with the new token appended as well. Timed with cupydecode.bench's host timer (launches queued, no synchronise).
+allocation); DecodePlan.run of a paged cache with the new token appended as well. Timed with
+cupydecode.bench's host timer (launches queued, no synchronise).
 
 Usage: python tools/host_cost.py [--points 1x512,16x16384] [--layout 32/8/128]
 """
