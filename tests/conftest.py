@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -14,7 +15,29 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/helpers.py
 import helpers  # noqa: E402
 
 
+SHARD_ENV = "CUPYDECODE_TEST_SHARD"
+
+
+def _shard(config, items) -> None:
+    """With CUPYDECODE_TEST_SHARD=i/n, keep the i-th (0-based) of n equal runs of the collected
+    tests: n processes, each under its own compute-sanitizer (tools/sanitize_suite.sh), run the
+    whole suite between them. Runs, not every n-th test, so that the tests of one file, which
+    share compiled kernels, mostly fall into one process."""
+    spec = os.environ.get(SHARD_ENV)
+    if not spec:
+        return
+    try:
+        index, count = (int(x) for x in spec.split("/"))
+        assert 0 <= index < count
+    except (ValueError, AssertionError):
+        raise pytest.UsageError(f"{SHARD_ENV}: expected i/n with 0 <= i < n, got {spec!r}") from None
+    lo, hi = len(items) * index // count, len(items) * (index + 1) // count
+    config.hook.pytest_deselected(items=items[:lo] + items[hi:])
+    items[:] = items[lo:hi]
+
+
 def pytest_collection_modifyitems(config, items):
+    _shard(config, items)
     gpu_items = [item for item in items if item.get_closest_marker("gpu")]
     if not gpu_items:
         return

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# The whole GPU test suite under compute-sanitizer, one tool after another:
+#   bash tools/sanitize_suite.sh [OUTDIR] [TOOL...]     (default tools: memcheck racecheck
+#                                                        initcheck synccheck)
+# Each tool runs every GPU test file (tests/test_gpu_*.py, the CLI's and the examples' GPU tests)
+# as SHARDS plain pytest processes side by side, each under a compute-sanitizer of its own and
+# each taking one SHARDS-th of the tests (CUPYDECODE_TEST_SHARD, tests/conftest.py). (pytest-xdist's
+# workers under one sanitizer did not get through their start-up on the H200.) A tool's line in
+# OUTDIR/0_sanitize.txt: the tests passed and failed and the errors, summed over the shards;
+# OUTDIR/TOOL_reports.log holds the first reports in full.
+# Env: SHARDS (default 12), TIMEOUT (seconds per tool, default 540), FILTER (pytest -k),
+# FILES (default the whole GPU suite).
+set -u
+OUT_DIR=${1:-${OUT:-./sanitize_out}}
+shift || true
+TOOLS=${*:-"memcheck racecheck initcheck synccheck"}
+mkdir -p "$OUT_DIR"
+export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$(pwd) PYTHONUNBUFFERED=1
+PY=${PY:-python3}
+SHARDS=${SHARDS:-12}
+FILES=${FILES:-"tests/test_gpu_*.py tests/test_cli_gpu.py tests/test_examples_gpu.py"}
+summary="$OUT_DIR/0_sanitize.txt"
+for tool in $TOOLS; do
+  logs=$(mktemp -d)
+  start=$(date +%s)
+  for ((i = 0; i < SHARDS; i++)); do
+    # shellcheck disable=SC2086
+    CUPYDECODE_TEST_SHARD="$i/$SHARDS" timeout "${TIMEOUT:-540}" \
+      compute-sanitizer --tool "$tool" --error-exitcode 3 --print-limit 20 \
+      $PY -m pytest -q -p no:cacheprovider -p no:xdist --tb=line ${FILTER:+-k "$FILTER"} $FILES \
+      > "$logs/$i.log" 2>&1 &
+  done
+  wait
+  took=$(( $(date +%s) - start ))
+  passed=$(cat "$logs"/*.log | grep -E "^=*.*(passed|failed|error)" | grep -oE "[0-9]+ passed" \
+           | awk '{s += $1} END {print s + 0}')
+  failed=$(cat "$logs"/*.log | grep -E "^=*.*(passed|failed|error)" | grep -oE "[0-9]+ failed" \
+           | awk '{s += $1} END {print s + 0}')
+  # "ERROR SUMMARY: N errors" (racecheck: "RACECHECK SUMMARY: N hazards displayed …"), a shard each
+  errors=$(grep -hE "ERROR SUMMARY|RACECHECK SUMMARY" "$logs"/*.log \
+           | grep -oE "[0-9]+ (errors?|hazards?)" | awk '{s += $1} END {print s + 0}')
+  finished=$(grep -lE "ERROR SUMMARY|RACECHECK SUMMARY" "$logs"/*.log | wc -l)
+  grep -h -A14 -E "^========= [A-Z]" "$logs"/*.log | grep -v "SUMMARY" | head -n 300 \
+    > "$OUT_DIR/${tool}_reports.log"
+  grep -h -E "FAILED|Error|^E " "$logs"/*.log | head -n 100 > "$OUT_DIR/${tool}_failures.log"
+  line="$tool: ${took}s, $passed passed, $failed failed, $errors errors; $finished of $SHARDS shards finished"
+  echo "$line" | tee -a "$summary"
+  rm -rf "$logs"
+done
