@@ -77,6 +77,29 @@ def test_import_does_not_import_cupy():
     (dict(logits_soft_cap=-1.0), "logits_soft_cap"),
     (dict(logits_soft_cap=float("nan")), "logits_soft_cap"),
     (dict(logits_soft_cap="50"), "logits_soft_cap"),
+    (dict(num_heads=0), "num_heads"),
+    (dict(num_heads=8.0), "num_heads"),
+    (dict(num_kv_heads=0), "num_kv_heads"),
+    (dict(num_kv_heads=3), "num_kv_heads"),
+    (dict(head_dim=128.0), "head_dim"),
+    (dict(head_dim=0), "head_dim"),
+    (dict(head_dim=100), "head_dim"),
+    (dict(max_seqlen=64.0), "max_seqlen"),
+    (dict(dtype="int8"), "dtype"),
+    (dict(dtype=object()), "dtype"),
+    (dict(num_splits=2, split_size=256), "num_splits and split_size"),
+    (dict(merge="fast"), "merge"),
+    (dict(alibi=1), "alibi"),
+    (dict(window_left=-2), "window_left"),
+    (dict(page_size=0), "page_size"),
+    (dict(page_size=16.0), "page_size"),
+    (dict(page_size=2**31), "page_size"),
+    (dict(q_len=0), "q_len"),
+    (dict(q_len=65), "q_len"),
+    (dict(q_len=2.0), "q_len"),
+    (dict(kv_dtype="fp8"), "kv_dtype"),
+    (dict(kv_dtype="e4m3", dtype="float32"), "dtype"),
+    (dict(kv_dtype="e4m3", head_dim=40), "head_dim"),
 ])
 def test_plan_arguments_checked_before_any_gpu_use(cupy_importable, kwargs, name):
     """Token counts are int32 in the kernels: out-of-range plan arguments fail by name, early."""
@@ -85,6 +108,22 @@ def test_plan_arguments_checked_before_any_gpu_use(cupy_importable, kwargs, name
     args.update(kwargs)
     with pytest.raises((TypeError, ValueError), match=rf"^{name}: expected"):
         cupydecode.DecodePlan(**args)
+
+
+@pytest.mark.parametrize("value", ["no", 1, None, np.array(True)])
+def test_return_lse_is_true_or_false(cupy_importable, value):
+    """A truthy non-bool would silently change what flash_decode returns: refused by name,
+    before any other check."""
+    q, k, v = _decode_args()
+    with pytest.raises(TypeError, match=r"^return_lse: expected True or False, got "):
+        cupydecode.flash_decode(q, k, v, return_lse=value)
+
+
+def test_numpy_bools_are_flags(cupy_importable):
+    assert V.check_flag(np.True_, "return_lse") is True and V.check_flag(False, "alibi") is False
+    q, k, v = _decode_args()  # (past the flag, host q is refused as usual)
+    with pytest.raises(TypeError, match=r"^q: "):
+        cupydecode.flash_decode(q, k, v, return_lse=np.True_)
 
 
 class _Fake:
