@@ -381,3 +381,59 @@ def test_new_token_errors(cupy, good):
         f(q, k, v, lens, k_new=misaligned(cupy, kn.shape, cupy.float16), v_new=vn)
     with raises(ValueError, "v_new:", "a GPU array like k_new"):
         f(q, k, v, lens, k_new=kn)
+
+
+def test_rare_arguments_refused_by_name_then_a_valid_call(cupy, good):
+    """sinks, out, lse, alibi_slopes, k_scale and block_table, through flash_decode and
+    DecodePlan.run: each bad value is refused by name before any launch, and afterwards the
+    context is healthy (a valid call of each entry point matches the reference)."""
+    (q, k, v), (hq, hk, hv) = good
+    f = cupydecode.flash_decode
+    plan = cupydecode.DecodePlan(B, H, HKV, D, L, "float16")
+    run = plan.run
+    lengths = cupy.full((B,), L, cupy.int32)
+    page = 16
+    kp, vp = (x.reshape(B * L // page, page, HKV, D) for x in (k, v))
+    table = cupy.arange(B * L // page, dtype=cupy.int32).reshape(B, -1)
+    cases = [
+        (lambda: f(q, k, v, sinks=cupy.zeros(4, cupy.float32)), ValueError, "sinks:", "(8,)"),
+        (lambda: f(q, k, v, sinks=cupy.zeros(H, cupy.float16)), TypeError, "sinks:", "float32"),
+        (lambda: f(q, k, v, sinks=cupy.zeros(2 * H, cupy.float32)[::2]), ValueError, "sinks:",
+         "contiguous"),
+        (lambda: f(q, k, v, sinks=[0.0] * (H - 1) + [math.nan]), ValueError, "sinks:", "finite"),
+        (lambda: f(q, k, v, sinks=np.ones(H, bool)), TypeError, "sinks:", "real numbers"),
+        (lambda: run(q, k, v, lengths, sinks=np.zeros(H, np.float32)), TypeError, "sinks:"),
+        (lambda: run(q, k, v, lengths, sinks=cupy.zeros(4, cupy.float32)), ValueError, "sinks:",
+         "(8,)"),
+        (lambda: run(q, k, v, lengths, out=cupy.empty((B, H, D), cupy.float32)), TypeError,
+         "out:", "float16"),
+        (lambda: run(q, k, v, lengths, out=np.empty((B, H, D), np.float16)), TypeError, "out:"),
+        (lambda: run(q, k, v, lengths, lse=cupy.empty((B, H), cupy.float16)), TypeError, "lse:",
+         "float32"),
+        (lambda: run(q, k, v, lengths, lse=cupy.empty((B, 2 * H), cupy.float32)[:, ::2]),
+         ValueError, "lse:", "C-contiguous"),
+        (lambda: run(q, k, v, lengths, lse=np.empty((B, H), np.float32)), TypeError, "lse:"),
+        (lambda: run(q, k, v, lengths, k_scale=1.0), ValueError, "k_scale:", "without kv_dtype"),
+        (lambda: f(q, k, v, alibi_slopes=[math.nan] * H), ValueError, "alibi_slopes:", "finite"),
+        (lambda: run(q, k, v, lengths, alibi_slopes=cupy.ones(H, cupy.float32)), ValueError,
+         "alibi_slopes:", "alibi=True"),
+        (lambda: f(q, kp, vp, block_table=table[::-1]), ValueError, "block_table:",
+         "non-negative row stride"),
+        (lambda: f(q, kp, vp, block_table=np.zeros(table.shape)), TypeError, "block_table:",
+         "integers"),
+        (lambda: f(q, kp, vp, block_table=table.ravel()), ValueError, "block_table:", "shape"),
+        (lambda: f(q, kp, vp, block_table=table.astype(cupy.float32)), TypeError,
+         "block_table:", "int32 or int64"),
+    ]
+    for bad, exc, *fragments in cases:
+        with raises(exc, *fragments):
+            bad()
+    cupy.cuda.Device().synchronize()
+    ref_out, ref_lse = R.decode_attention(hq, hk, hv, [L, L])
+    out, lse = f(q, k, v, lengths, return_lse=True)
+    assert_out_close(out, ref_out, OUT_TOL["float16"], "flash_decode after the refusals")
+    got, _ = run(q, k, v, lengths)
+    assert_out_close(got, ref_out, OUT_TOL["float16"], "DecodePlan.run after the refusals")
+    assert_out_close(f(q, kp, vp, block_table=table), ref_out, OUT_TOL["float16"],
+                     "paged flash_decode after the refusals")
+    assert np.allclose(cupy.asnumpy(lse), ref_lse, atol=1e-3)
