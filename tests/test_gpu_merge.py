@@ -200,3 +200,8 @@ def test_merge_applies_sinks_once(cupy, rng, seed, shape):
     assert float(got_lse[0, 0].get()) == pytest.approx(float(sinks[0]), abs=1e-5), ctx
     with pytest.raises(ValueError, match="sinks: expected a shape that ends"):
         cupydecode.merge_states(to_device(o), to_device(lse), sinks=np.zeros(shape[2] + 1))
+    with pytest.raises(ValueError, match="sinks: expected a shape that ends"):  # on the device
+        cupydecode.merge_states(to_device(o), to_device(lse),
+                                sinks=to_device(np.zeros(shape[2] + 1, np.float32)))
+    with pytest.raises(TypeError, match="sinks: expected dtype float32"):
+        cupydecode.merge_states(to_device(o), to_device(lse), sinks=to_device(sinks.astype(np.float16)))
