@@ -36,12 +36,15 @@ for tool in $TOOLS; do
            | awk '{s += $1} END {print s + 0}')
   failed=$(cat "$logs"/*.log | grep -E "^=*.*(passed|failed|error)" | grep -oE "[0-9]+ failed" \
            | awk '{s += $1} END {print s + 0}')
-  # "ERROR SUMMARY: N errors" (racecheck: "RACECHECK SUMMARY: N hazards displayed …"), a shard each
-  errors=$(grep -hE "ERROR SUMMARY|RACECHECK SUMMARY" "$logs"/*.log \
-           | grep -oE "[0-9]+ (errors?|hazards?)" | awk '{s += $1} END {print s + 0}')
-  finished=$(grep -lE "ERROR SUMMARY|RACECHECK SUMMARY" "$logs"/*.log | wc -l)
-  grep -h -A14 -E "^========= [A-Z]" "$logs"/*.log | grep -v "SUMMARY" | head -n 300 \
-    > "$OUT_DIR/${tool}_reports.log"
+  # one summary a shard: "ERROR SUMMARY: N errors" (racecheck: "RACECHECK SUMMARY: N hazards
+  # displayed (…)"), N summed
+  tag="ERROR SUMMARY"
+  [ "$tool" = racecheck ] && tag="RACECHECK SUMMARY"
+  errors=$(grep -hoE "$tag: [0-9]+" "$logs"/*.log | awk '{s += $NF} END {print s + 0}')
+  finished=$(grep -l "$tag" "$logs"/*.log | wc -l)
+  # the reports themselves (the sanitizer's banner and summaries left out)
+  grep -h -A14 -E "^========= [A-Z]" "$logs"/*.log | grep -vE "SUMMARY|COMPUTE-SANITIZER" \
+    | head -n 300 > "$OUT_DIR/${tool}_reports.log"
   grep -h -E "FAILED|Error|^E " "$logs"/*.log | head -n 100 > "$OUT_DIR/${tool}_failures.log"
   line="$tool: ${took}s, $passed passed, $failed failed, $errors errors; $finished of $SHARDS shards finished"
   echo "$line" | tee -a "$summary"
