@@ -437,3 +437,36 @@ def test_rare_arguments_refused_by_name_then_a_valid_call(cupy, good):
     assert_out_close(f(q, kp, vp, block_table=table), ref_out, OUT_TOL["float16"],
                      "paged flash_decode after the refusals")
     assert np.allclose(cupy.asnumpy(lse), ref_lse, atol=1e-3)
+
+
+def test_arrays_on_another_gpu_refused_by_name(cupy, good):
+    """Each array argument on a GPU other than the current one is refused by name before any
+    launch (a kernel would fault on, or silently read through peer access, another device's
+    memory). Needs two GPUs."""
+    if cupy.cuda.runtime.getDeviceCount() < 2:
+        pytest.skip("needs two GPUs")
+    (q, k, v), _ = good  # on GPU 0, the current one
+    with cupy.cuda.Device(1):
+        q1, k1, v1 = (cupy.asarray(x.get()) for x in (q, k, v))
+        lengths1 = cupy.full((B,), L, cupy.int32)
+        heads1 = cupy.zeros(H, cupy.float32)
+        out1 = cupy.empty_like(q1)
+        new1 = cupy.zeros((B, 1, HKV, D), cupy.float16)
+    f = cupydecode.flash_decode
+    kv_len = cupy.full((B,), L - 1, cupy.int32)
+    cases = [
+        (lambda: f(q1, k, v), "q:"),
+        (lambda: f(q, k1, v), "k_cache:"),
+        (lambda: f(q, k, v1), "v_cache:"),
+        (lambda: f(q, k, v, lengths1), "cache_seqlens:"),
+        (lambda: f(q, k, v, sinks=heads1), "sinks:"),
+        (lambda: f(q, k, v, alibi_slopes=heads1), "alibi_slopes:"),
+        (lambda: f(q, k, v, out=out1), "out:"),
+        (lambda: f(q, k, v, kv_len, k_new=new1, v_new=new1), "k_new:"),
+        (lambda: cupydecode.DecodePlan(B, H, HKV, D, L, "float16").run(q, k, v, lengths1),
+         "cache_seqlens:"),
+    ]
+    for bad, name in cases:
+        with raises(ValueError, name, "GPU 1"):
+            bad()
+    cupy.cuda.Device().synchronize()
