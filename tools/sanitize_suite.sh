@@ -41,10 +41,10 @@ for tool in $TOOLS; do
   done
   wait
   took=$(( $(date +%s) - start ))
-  passed=$(cat "$logs"/*.log | grep -E "^=*.*(passed|failed|error)" | grep -oE "[0-9]+ passed" \
-           | awk '{s += $1} END {print s + 0}')
-  failed=$(cat "$logs"/*.log | grep -E "^=*.*(passed|failed|error)" | grep -oE "[0-9]+ failed" \
-           | awk '{s += $1} END {print s + 0}')
+  # the shards' pytest counts of WORD ("passed", "failed"), summed
+  count() { grep -hoE "[0-9]+ $1" "$logs"/*.log | awk '{s += $1} END {print s + 0}'; }
+  passed=$(count passed)
+  failed=$(count failed)
   # one summary a shard: "ERROR SUMMARY: N errors" (racecheck: "RACECHECK SUMMARY: N hazards
   # displayed (…)"), N summed
   tag="ERROR SUMMARY"
