@@ -133,6 +133,13 @@ def check_int(value, name: str, lo: int | None = None, hi: int | None = None) ->
     return value
 
 
+def check_flag(value, name: str) -> bool:
+    """A yes/no option: True or False (a NumPy bool too), never another truthy value."""
+    if not isinstance(value, (bool, np.bool_)):
+        fail(TypeError, name, "True or False", repr(value))
+    return bool(value)
+
+
 def check_splits(num_splits, split_size) -> tuple[int | None, int | None]:
     """``num_splits`` / ``split_size``: each None or an int in range, not both given."""
     if num_splits is not None and split_size is not None:

@@ -183,14 +183,10 @@ class DecodePlan:
         num_splits, split_size = V.check_splits(num_splits, split_size)
         if merge not in _policy.MERGE_MODES:
             V.fail(ValueError, "merge", " or ".join(map(repr, _policy.MERGE_MODES)), repr(merge))
-        if not isinstance(enable_pdl, bool):
-            V.fail(TypeError, "enable_pdl", "True or False", repr(enable_pdl))
-        self.enable_pdl = enable_pdl
+        self.enable_pdl = V.check_flag(enable_pdl, "enable_pdl")
         self.logits_soft_cap = V.check_soft_cap(logits_soft_cap)
         self.window_left = V.check_window(window_left)
-        if not isinstance(alibi, bool):
-            V.fail(TypeError, "alibi", "True or False", repr(alibi))
-        self.alibi = alibi
+        self.alibi = V.check_flag(alibi, "alibi")
         self.q_len = V.check_int(q_len, "q_len", 1, _policy.MAX_Q_LEN)
         # the tokens a sequence's attention reads at most: the splits are sized from these (a
         # window: the first query token's W + 1 and the q_len − 1 after it)
@@ -772,6 +768,8 @@ def flash_decode(q: ArrayLike, k_cache: ArrayLike, v_cache: ArrayLike,
         ImportError: CuPy is not installed (the message gives the install command).
     """
     cupy = _kernels.import_cupy()
+    if return_lse is not False and return_lse is not True:  # (two identity tests a call)
+        return_lse = V.check_flag(return_lse, "return_lse")
 
     args = (cache_seqlens, block_table, k_new, v_new)
     rare = (out, softmax_scale, logits_soft_cap, num_splits, split_size, window_left,

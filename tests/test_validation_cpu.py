@@ -110,6 +110,22 @@ def test_plan_arguments_checked_before_any_gpu_use(cupy_importable, kwargs, name
         cupydecode.DecodePlan(**args)
 
 
+@pytest.mark.parametrize("value", ["no", 1, None, np.array(True)])
+def test_return_lse_is_true_or_false(cupy_importable, value):
+    """A truthy non-bool would silently change what flash_decode returns: refused by name,
+    before any other check."""
+    q, k, v = _decode_args()
+    with pytest.raises(TypeError, match=r"^return_lse: expected True or False, got "):
+        cupydecode.flash_decode(q, k, v, return_lse=value)
+
+
+def test_numpy_bools_are_flags(cupy_importable):
+    assert V.check_flag(np.True_, "return_lse") is True and V.check_flag(False, "alibi") is False
+    q, k, v = _decode_args()  # (past the flag, host q is refused as usual)
+    with pytest.raises(TypeError, match=r"^q: "):
+        cupydecode.flash_decode(q, k, v, return_lse=np.True_)
+
+
 class _Fake:
     """A GPU-array look-alike whose DLPack and array-interface exports can be made to fail."""
 
