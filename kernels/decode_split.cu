@@ -788,6 +788,8 @@ cd_decode_split(const cd_decode_params p) {
         (void)v_tiles;
 #else
         auto tile_live = [&](int i) -> u32 { (void)i; return 0xffffu; };
+        // this lane's first K and V addresses of the next tile load_tile walks (tiles are loaded
+        // in order, each walked one slot stride after the last)
         const kv_t* k_lane = kbase + (long long)(tile_start(0) + r0) * k_ss + c0m * EPC;  // tile 0
         const kv_t* v_lane = vbase + (long long)(tile_start(0) + r0) * v_ss + c0m * EPC;
         auto load_tile = [&](int i, int stage) {
@@ -800,9 +802,9 @@ cd_decode_split(const cd_decode_params p) {
                             ((long long)b * max_seqlen + tok) * num_kv_heads + kv_head);
             }
             if (WALK && t0 + TILE_N <= chunk_end) {
-                const kv_t* kp = k_lane + i * k_tiles;
-                const kv_t* vp = v_lane + i * v_tiles;
-                walk_tile(kdst, vdst, kp, vp);
+                walk_tile(kdst, vdst, k_lane, v_lane);
+                k_lane += k_tiles;
+                v_lane += v_tiles;
                 return;
             }
 #pragma unroll
@@ -811,7 +813,7 @@ cd_decode_split(const cd_decode_params p) {
                 const int r = cid / CPR, c = cid % CPR;
                 const bool ok = t0 + r < chunk_end && CHUNK_IN_MEMORY(c);
                 const long long tok = ok ? t0 + r : chunk_start;  // valid address even if unused
-                const int so = ring_chunk(r, c) * 16, cm = ok ? c : 0;
+                const int so = ring_chunk(r, c) * 16, cm = CHUNK_IN_MEMORY(c) ? c : 0;
                 cp_async16_stream(kdst + so, kbase + tok * k_ss + cm * EPC, ok, policy);
                 cp_async16_stream(vdst + so, vbase + tok * v_ss + cm * EPC, ok, policy);
             }
