@@ -8,7 +8,9 @@
 # workers under one sanitizer did not get through their start-up on the H200.) A tool's line in
 # OUTDIR/0_sanitize.txt: the tests passed and failed and the errors, summed over the shards;
 # OUTDIR/TOOL_reports.log holds the first reports in full.
-# Env: SHARDS (default 12), TIMEOUT (seconds per tool, default 540), FILTER (pytest -k),
+# Env: SHARDS (default 12), ONLY (the shards to run, e.g. "0 1 2": a tool's run split across
+# calls; default all), TIMEOUT (seconds per tool, default 540: keep it inside the call's own
+# limit, or the summary is never written), FILTER (pytest -k),
 # FILES (default the whole GPU suite), WARM=1: first the same tests without a sanitizer in
 # pytest-xdist workers (OUTDIR/plain_pytest.log), which fills CuPy's kernel cache, so that the
 # shards do not each compile the kernels they share (on a fresh H200 that compiling kept 1 to 2
@@ -32,7 +34,7 @@ fi
 for tool in $TOOLS; do
   logs=$(mktemp -d)
   start=$(date +%s)
-  for ((i = 0; i < SHARDS; i++)); do
+  for i in ${ONLY:-$(seq 0 $((SHARDS - 1)))}; do
     # shellcheck disable=SC2086
     CUPYDECODE_TEST_SHARD="$i/$SHARDS" timeout "${TIMEOUT:-540}" \
       compute-sanitizer --tool "$tool" --error-exitcode 3 --print-limit 20 \
@@ -51,11 +53,13 @@ for tool in $TOOLS; do
   [ "$tool" = racecheck ] && tag="RACECHECK SUMMARY"
   errors=$(grep -hoE "$tag: [0-9]+" "$logs"/*.log | awk '{s += $NF} END {print s + 0}')
   finished=$(grep -l "$tag" "$logs"/*.log | wc -l)
-  # the reports themselves (the sanitizer's banner and summaries left out)
-  grep -h -A14 -E "^========= [A-Z]" "$logs"/*.log | grep -vE "SUMMARY|COMPUTE-SANITIZER" \
+  # the reports themselves: the sanitizer's lines ("========= " first), its banner, summaries
+  # and empty lines left out
+  grep -h -E "^========= " "$logs"/*.log | grep -vE "SUMMARY|COMPUTE-SANITIZER|^=+ *$" \
     | head -n 300 > "$OUT_DIR/${tool}_reports.log"
   grep -h -E "FAILED|Error|^E " "$logs"/*.log | head -n 100 > "$OUT_DIR/${tool}_failures.log"
-  line="$tool: ${took}s, $passed passed, $failed failed, $errors errors; $finished of $SHARDS shards finished"
+  ran=$(ls "$logs"/*.log | wc -l)
+  line="$tool: ${took}s, $passed passed, $failed failed, $errors errors; $finished of $ran shards finished (${ONLY:+shards $ONLY of }$SHARDS)"
   echo "$line" | tee -a "$summary"
   rm -rf "$logs"
 done
