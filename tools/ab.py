@@ -87,6 +87,14 @@ def parse_arm(text: str) -> tuple[cd.Tuning, dict]:
     return cd.Tuning(**values), plan
 
 
+def describe(plan) -> str:
+    """A plan's shape in a few words (attributes every version's DecodePlan has)."""
+    c = plan.config
+    return (f"{plan.num_splits} splits of {plan.chunk_tokens}, {plan.merge} merge, "
+            f"{c.num_warps}w{c.stages}s, m_tiles {plan.m_tiles}, kv/block {plan.kv_per_block}, "
+            f"L2 hint {int(getattr(c, 'l2_evict_first', True))}")
+
+
 def package_of(folder: str, label: str):
     """The cupydecode package of another version in ``folder`` (its cupydecode/ beside its
     kernels/), imported as a package of its own name so that both versions run in one process."""
@@ -201,6 +209,8 @@ def main(argv=None) -> int:
             us = statistics.median(times[label])
             cells.append(f"{us:8.2f} x{us / first:.3f}")
         print(f"{point:>12s}" + "".join(f"  {c:>14s}" for c in cells), flush=True)
+        for label, made in plans.items():  # what each arm ran, where the shapes differ
+            print(f"{'':>14s}{label}: {describe(made[0])}", flush=True)
         del sets, plans, before
         cupy.get_default_memory_pool().free_all_blocks()
     return 0
