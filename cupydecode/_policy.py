@@ -17,11 +17,16 @@ ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
 # that is a multiple of 8 from MIN_HEAD_DIM to MAX_HEAD_DIM runs in the next width up: its K/V
 # and Q rows are read as they are and zero-filled to the width in shared memory (REAL_DIM there),
 # so the bytes read are the data's; only the tile math and the ring's shared memory are the
-# width's. Each head_dim is its own build, compiled when first used.
-KERNEL_HEAD_DIMS = (64, 128, 256)
+# width's. Each head_dim is its own build, compiled when first used. WIDE_HEAD_DIM (512) is a
+# width of its own, for itself only, over 16-bit caches (WIDE_DTYPES): the heads-as-N path in
+# blocks of 8 query rows (as fp8 caches take it), its own block shape (WIDE_SHAPE).
+WIDE_HEAD_DIM = 512
+KERNEL_HEAD_DIMS = (64, 128, 256, WIDE_HEAD_DIM)
 MIN_HEAD_DIM, MAX_HEAD_DIM, HEAD_DIM_STEP = 32, 256, 8
-SUPPORTED_HEAD_DIMS = tuple(range(MIN_HEAD_DIM, MAX_HEAD_DIM + 1, HEAD_DIM_STEP))
-HEAD_DIMS_TEXT = f"a multiple of {HEAD_DIM_STEP} from {MIN_HEAD_DIM} to {MAX_HEAD_DIM}"
+SUPPORTED_HEAD_DIMS = (*range(MIN_HEAD_DIM, MAX_HEAD_DIM + 1, HEAD_DIM_STEP), WIDE_HEAD_DIM)
+HEAD_DIMS_TEXT = (f"a multiple of {HEAD_DIM_STEP} from {MIN_HEAD_DIM} to {MAX_HEAD_DIM}, "
+                  f"or {WIDE_HEAD_DIM}")
+WIDE_DTYPES = ("float16", "bfloat16")
 
 
 def kernel_head_dim(head_dim: int) -> int:
@@ -29,6 +34,19 @@ def kernel_head_dim(head_dim: int) -> int:
     if head_dim not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"unsupported head_dim {head_dim}: expected {HEAD_DIMS_TEXT}")
     return next(w for w in KERNEL_HEAD_DIMS if w >= head_dim)
+
+
+def width_takes(dtype: str, width: int, kv_dtype: str | None = None) -> bool:
+    """Whether the kernel has builds of ``width`` for ``dtype`` (and an fp8 cache of
+    ``kv_dtype``): every width but WIDE_HEAD_DIM takes every dtype; that one 16-bit q and caches."""
+    return width != WIDE_HEAD_DIM or (dtype in WIDE_DTYPES and kv_dtype is None)
+
+
+def eight_row_blocks(head_dim: int, kv_dtype: str | None = None) -> bool:
+    """Whether a plan's blocks hold 8 query rows (the heads-as-N mma's N) whatever the group,
+    several head tiles per KV head beyond 8 (``narrow_plan_shape``): fp8 caches and head_dim
+    WIDE_HEAD_DIM."""
+    return kv_dtype is not None or kernel_head_dim(head_dim) == WIDE_HEAD_DIM
 
 ROWS = 16     # query rows per M-tile (one mma M dimension) of the G query heads of a KV head
 TILE_N = 16   # tokens per warp tile
@@ -119,7 +137,7 @@ class SplitKernelConfig:
 
     @property
     def block_rows(self) -> int:
-        return FP8_BLOCK_ROWS if self.kv_dtype else ROWS * self.m_tiles
+        return EIGHT_ROWS if eight_row_blocks(self.head_dim, self.kv_dtype) else ROWS * self.m_tiles
 
     @property
     def smem_bytes(self) -> int:
@@ -166,15 +184,23 @@ class SplitKernelConfig:
         }
 
 
+# Blocks of 8 query rows (eight_row_blocks: fp8 caches, head_dim 512) take the heads-as-N path
+# whatever the group: G > 8 (or q_len · G > 8) takes several head tiles, each reading its KV
+# head's chunk (the siblings' reads of it meet in L2), one KV head a block.
+EIGHT_ROWS = 8
+# head_dim 512 (WIDE_HEAD_DIM): a K or V tile is 16 KB, so a block's ring holds 3 warps × 2
+# stages (192 KB; 96 KB in flight, twice what covers HBM latency at an SM's share of the
+# bandwidth, as the other widths' default shapes); with several query tokens the appended
+# rows' 32 KB (NEW_BYTES) leave room for 2 × 2.
+WIDE_SHAPE = (3, 2)
+WIDE_MULTI_Q_SHAPE = (2, 2)
+
 # fp8 KV caches (kernels/decode_split.cu, KV_FP8): the formats, in the kernel's order (1, 2).
-# Their blocks take the heads-as-N path whatever the group: 8 query rows a block (the mma's N),
-# so G > 8 (or q_len · G > 8) takes several head tiles, each reading its KV head's chunk (the
-# siblings' reads of it meet in L2), one KV head a block; head_dim a multiple of 16 (whole
+# Their blocks are of 8 query rows (EIGHT_ROWS); head_dim a multiple of 16 (whole
 # 16-byte chunks of codes per row). (warps, stages) per width: the ring bytes of the 16-bit
 # default shapes (128 KB), in tiles of half the bytes, over 8 warps (the decoding is
 # instructions the 16-bit path does not have: more warps to issue them).
 KV_DTYPES = ("e4m3", "e5m2")
-FP8_BLOCK_ROWS = 8
 FP8_HEAD_DIM_STEP = 16
 FP8_SHAPES = {64: (8, 8), 128: (8, 4), 256: (8, 2)}
 # Per-token scales (KV_SCALE_TOKEN): blocks that stream at least FP8_TOKEN_LONG_CHUNK tokens take
@@ -216,9 +242,10 @@ def m_tiles(dtype: str, head_dim: int, group: int) -> int:
     most M-tiles allow, their M-tiles spread evenly (e.g. G = 71 at head_dim 64: one block of 5).
     A plan falls back to 1 where its chunks are shorter than MTILE_MIN_CHUNK."""
     units = -(-group // ROWS)
-    if dtype == "float32" or units <= 1:
+    width = kernel_head_dim(head_dim)
+    if dtype == "float32" or units <= 1 or width not in MTILE_SHAPES:  # (512: blocks of 8 rows)
         return 1
-    most = MTILE_SHAPES[kernel_head_dim(head_dim)][1]
+    most = MTILE_SHAPES[width][1]
     return -(-units // -(-units // most))
 
 
@@ -268,6 +295,14 @@ def split_kernel_config(dtype: str, head_dim: int, chunk_tokens: int = 0,
     if dtype not in DTYPE_IDS:
         raise ValueError(f"unsupported dtype {dtype!r}")
     width = kernel_head_dim(head_dim)  # the shapes are the width's (they size shared memory)
+    if not width_takes(dtype, width, kv_dtype) or (width == WIDE_HEAD_DIM
+                                                   and (m_tiles > 1 or kv_per_block > 1)):
+        raise ValueError(f"no block shape for {dtype} head_dim {head_dim}"
+                         f"{f' over a {kv_dtype} cache' if kv_dtype else ''}, {m_tiles} M-tiles, "
+                         f"{kv_per_block} KV heads a block")
+    if width == WIDE_HEAD_DIM:  # its own shape, whatever the chunk
+        warps, stages = WIDE_SHAPE
+        return SplitKernelConfig(dtype, head_dim, num_warps=warps, stages=stages, heads_as_n=True)
     if kv_dtype is not None:  # an fp8 cache: its own shape (FP8_SHAPES), whatever the chunk
         if (kv_dtype not in KV_DTYPES or dtype == "float32" or m_tiles > 1 or kv_per_block > 1
                 or head_dim % FP8_HEAD_DIM_STEP):
@@ -371,14 +406,26 @@ def warps_in_step(config: SplitKernelConfig, chunk_tokens: int,
 
 def split_kernel_configs(dtype: str, head_dim: int) -> list[SplitKernelConfig]:
     """Every block shape a plan of this dtype and head_dim can use, with and without the L2
-    evict-first hint (for compile checks)."""
-    most = 1 if dtype == "float32" else MTILE_SHAPES[kernel_head_dim(head_dim)][1]
+    evict-first hint (for compile checks). (None for a dtype the width does not take.)"""
+    width = kernel_head_dim(head_dim)
+    if width == WIDE_HEAD_DIM:  # one shape
+        configs = [split_kernel_config(dtype, head_dim)] if width_takes(dtype, width) else []
+        return configs + [replace(c, l2_evict_first=False) for c in configs]
+    most = 1 if dtype == "float32" else MTILE_SHAPES[width][1]
     configs = [split_kernel_config(dtype, head_dim, c, m, g)
                for m in range(1, most + 1) for c in (0, LONG_CHUNK) for g in (None, 1)]
     if heads_as_n(dtype, 1) and head_dim in KV_GROUP_HEAD_DIMS:
         configs.append(split_kernel_config(dtype, head_dim, group=1, kv_per_block=KV_GROUP))
     configs += [replace(c, l2_evict_first=False) for c in configs if l2_hint_is_chosen(dtype)]
     return list(dict.fromkeys(configs))
+
+
+def multi_q_config(config: SplitKernelConfig) -> SplitKernelConfig:
+    """``config`` for several query tokens per sequence (MULTI_Q): at head_dim 512, in
+    WIDE_MULTI_Q_SHAPE (its appended rows' shared memory)."""
+    if config.width == WIDE_HEAD_DIM:
+        config = replace(config, num_warps=WIDE_MULTI_Q_SHAPE[0], stages=WIDE_MULTI_Q_SHAPE[1])
+    return replace(config, multi_q=True)
 
 
 def fp8_kernel_configs(dtype: str, head_dim: int, kv_dtype: str) -> list[SplitKernelConfig]:
@@ -419,13 +466,14 @@ def compile_check_configs() -> list[SplitKernelConfig]:
     # fp8 caches: float16 q over e4m3 at every width (each shape a plan can take), and the
     # scale modes of head_dims 80 and 96 between the widths, of e5m2 and of bfloat16 q (their
     # decoding differs by a few instructions; the hint by the copy instruction alone)
-    configs += [c for d in KERNEL_HEAD_DIMS for c in fp8_kernel_configs("float16", d, "e4m3")]
+    configs += [c for d in KERNEL_HEAD_DIMS if width_takes("float16", d, "e4m3")
+                for c in fp8_kernel_configs("float16", d, "e4m3")]
     configs += [c for dt, d, f in (("float16", 80, "e4m3"), ("float16", 96, "e4m3"),
                                    ("float16", 128, "e5m2"), ("bfloat16", 128, "e4m3"))
                 for c in fp8_kernel_configs(dt, d, f) if c.l2_evict_first]
-    return configs + [replace(c, soft_cap=True, alibi=True, paged=True,
-                              multi_q=c.kv_per_block == 1)
-                      for c in configs if c.l2_evict_first]
+    switched = [replace(c, soft_cap=True, alibi=True, paged=True)
+                for c in configs if c.l2_evict_first]
+    return configs + [multi_q_config(c) if c.kv_per_block == 1 else c for c in switched]
 
 
 # head_dims the compile checks build besides the widths: the smallest, and models' (StableLM and
@@ -531,34 +579,35 @@ def burst_kv_groups(dtype: str, head_dim: int, group: int, num_kv_heads: int) ->
 
 
 def block_rows(group: int, m_tiles: int = 1, kv_per_block: int = 1,
-               kv_dtype: str | None = None) -> int:
-    """Live query rows of one block: its M-tiles' rows of one KV head (at most the group; fp8
-    KV: at most FP8_BLOCK_ROWS), or all query heads of its KV heads."""
-    if kv_dtype:
-        return min(group, FP8_BLOCK_ROWS)
+               eight_rows: bool = False) -> int:
+    """Live query rows of one block: its M-tiles' rows of one KV head (at most the group; blocks
+    of ``eight_rows`` (eight_row_blocks): at most EIGHT_ROWS), or all query heads of its KV heads."""
+    if eight_rows:
+        return min(group, EIGHT_ROWS)
     return kv_per_block * group if kv_per_block > 1 else min(group, ROWS * m_tiles)
 
 
-def head_tiles(group: int, m_tiles: int = 1, kv_dtype: str | None = None) -> int:
-    """Blocks per KV head: one per ``m_tiles`` · 16 query heads of the group (fp8 KV: per 8)."""
-    return -(-group // (FP8_BLOCK_ROWS if kv_dtype else ROWS * m_tiles))
+def head_tiles(group: int, m_tiles: int = 1, eight_rows: bool = False) -> int:
+    """Blocks per KV head: one per ``m_tiles`` · 16 query heads of the group (blocks of
+    ``eight_rows``: per 8)."""
+    return -(-group // (EIGHT_ROWS if eight_rows else ROWS * m_tiles))
 
 
-def fp8_plan_shape(dtype: str, kv_dtype: str, head_dim: int, group: int, batch: int,
-                   num_kv_heads: int, max_seqlen: int, num_sms: int, blocks_per_sm,
-                   num_splits: int | None = None, split_size: int | None = None,
-                   merge: str = "auto", programmatic: bool = False) -> tuple[int, int]:
-    """``(num_splits, chunk_tokens)`` of a plan over an fp8 cache (one M-tile, one KV head a
-    block, head tiles of FP8_BLOCK_ROWS rows): forced, fixed by ``split_size``, or chosen by
-    :func:`choose_num_splits` for the fp8 block shape."""
+def narrow_plan_shape(dtype: str, kv_dtype: str | None, head_dim: int, group: int, batch: int,
+                      num_kv_heads: int, max_seqlen: int, num_sms: int, blocks_per_sm,
+                      num_splits: int | None = None, split_size: int | None = None,
+                      merge: str = "auto", programmatic: bool = False) -> tuple[int, int]:
+    """``(num_splits, chunk_tokens)`` of a plan of blocks of 8 query rows (eight_row_blocks: an
+    fp8 cache, head_dim 512; one M-tile, one KV head a block, head tiles of EIGHT_ROWS rows):
+    forced, fixed by ``split_size``, or chosen by :func:`choose_num_splits` for its block shape."""
     if num_splits is not None:
         return num_splits, chunk_for_splits(max_seqlen, num_splits)
     if split_size is not None:
         return fixed_split_size(max_seqlen, split_size)
     config = split_kernel_config(dtype, head_dim, group=group, kv_dtype=kv_dtype)
-    return choose_num_splits(batch * num_kv_heads * head_tiles(group, 1, kv_dtype), max_seqlen,
+    return choose_num_splits(batch * num_kv_heads * head_tiles(group, 1, True), max_seqlen,
                              num_sms, blocks_per_sm(config),
-                             rows_per_block=block_rows(group, kv_dtype=kv_dtype),
+                             rows_per_block=block_rows(group, eight_rows=True),
                              head_dim=head_dim, merge=merge, dtype=dtype, group=group,
                              programmatic=programmatic, kv_dtype=kv_dtype)
 

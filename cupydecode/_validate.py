@@ -11,10 +11,11 @@ import numbers
 
 import numpy as np
 
-from ._policy import (DTYPE_IDS, FP8_HEAD_DIM_STEP, HEAD_DIMS_TEXT, ITEMSIZE, KV_DTYPES, LOG2E,
-                      MAX_APPEND_Q_LEN, MAX_BATCH,
-                      MAX_Q_LEN, MAX_SPLITS, MAX_TOKENS, SPLIT_STATIC_SMEM_BYTES,
-                      SUPPORTED_HEAD_DIMS, Tuning, tuned)
+from ._policy import (DTYPE_IDS, FP8_HEAD_DIM_STEP, HEAD_DIM_STEP, HEAD_DIMS_TEXT, ITEMSIZE,
+                      KV_DTYPES, LOG2E, MAX_APPEND_Q_LEN, MAX_BATCH, MAX_HEAD_DIM, MAX_Q_LEN,
+                      MAX_SPLITS, MAX_TOKENS, MIN_HEAD_DIM, SPLIT_STATIC_SMEM_BYTES,
+                      SUPPORTED_HEAD_DIMS, WIDE_DTYPES, WIDE_HEAD_DIM, Tuning, kernel_head_dim,
+                      tuned, width_takes)
 
 
 _DTYPE_NAMES: dict = {}
@@ -434,6 +435,17 @@ def _codes_view(a):
     return a if a.dtype == np.uint8 else a.view(np.uint8)
 
 
+def check_head_dim(head_dim: int, dtype: str, head_dim_arg: str) -> None:
+    """A head_dim the kernels take for ``dtype`` (``head_dim_arg``: the argument that carries
+    it): SUPPORTED_HEAD_DIMS; WIDE_HEAD_DIM with 16-bit types only."""
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        fail(ValueError, head_dim_arg, f"head_dim {HEAD_DIMS_TEXT}", head_dim)
+    if not width_takes(dtype, kernel_head_dim(head_dim)):
+        fail(ValueError, head_dim_arg, f"head_dim a multiple of {HEAD_DIM_STEP} from "
+             f"{MIN_HEAD_DIM} to {MAX_HEAD_DIM} for {dtype} ({WIDE_HEAD_DIM} takes "
+             f"{' or '.join(WIDE_DTYPES)})", head_dim)
+
+
 def check_fp8_query(dtype: str, head_dim: int, kv_dtype: str, dtype_arg: str,
                     head_dim_arg: str) -> None:
     """q's dtype and head_dim over an fp8 cache: 16-bit, a multiple of FP8_HEAD_DIM_STEP
@@ -441,9 +453,10 @@ def check_fp8_query(dtype: str, head_dim: int, kv_dtype: str, dtype_arg: str,
     if dtype == "float32":
         fail(TypeError, dtype_arg, f"float16 or bfloat16 with kv_dtype={kv_dtype!r} (q and out "
              "stay 16-bit over an fp8 cache)", dtype)
-    if head_dim % FP8_HEAD_DIM_STEP:
-        fail(ValueError, head_dim_arg, f"head_dim a multiple of {FP8_HEAD_DIM_STEP} from 32 to "
-             f"256 with kv_dtype={kv_dtype!r} (whole 16-byte pieces of codes per row)", head_dim)
+    if head_dim % FP8_HEAD_DIM_STEP or head_dim > MAX_HEAD_DIM:
+        fail(ValueError, head_dim_arg, f"head_dim a multiple of {FP8_HEAD_DIM_STEP} from "
+             f"{MIN_HEAD_DIM} to {MAX_HEAD_DIM} with kv_dtype={kv_dtype!r} (whole 16-byte pieces "
+             f"of codes per row)", head_dim)
 
 
 def check_fp8_cache(a, name: str, kv_dtype: str) -> None:
@@ -478,8 +491,7 @@ def _check_decode_inputs(q, k_cache, v_cache, paged: bool = False, kv_dtype=None
                 fail(TypeError, name, f"the dtype of q ({dt})", dtype_name(a.dtype))
     if not 1 <= q_len <= MAX_Q_LEN:
         fail(ValueError, "q", f"q_len (its second axis of four) in [1, {MAX_Q_LEN}]", q_len)
-    if head_dim not in SUPPORTED_HEAD_DIMS:
-        fail(ValueError, "q", f"head_dim {HEAD_DIMS_TEXT}", head_dim)
+    check_head_dim(head_dim, dt, "q")
     kb, max_seqlen, num_kv_heads, kd = k.shape
     if paged:
         check_shape(k, "k_cache", (None, None, None, head_dim),

@@ -545,7 +545,7 @@ def _peer_column(torch, col: str, timed) -> tuple:
 # and 112 that timed it after ours stopped on an illegal memory access in their first point,
 # as FlashInfer's issue #4299 reports for its FA2 prefill kernels (its tensor-core decode) at
 # head_dims that are not multiples of 64.
-FLASHINFER_HEAD_DIMS = (64, 128, 256)
+FLASHINFER_HEAD_DIMS = (64, 128, 256, 512)
 
 
 def flashinfer_times(sets, w: Workload, scale: float, n_calls: int, check, before=None,

@@ -172,8 +172,7 @@ class DecodePlan:
             V.fail(TypeError, "dtype", "a NumPy dtype or dtype name", repr(dtype))
         if self.dtype not in _policy.DTYPE_IDS:
             V.fail(TypeError, "dtype", "one of (" + ", ".join(_policy.DTYPE_IDS) + ")", self.dtype)
-        if self.head_dim not in _policy.SUPPORTED_HEAD_DIMS:
-            V.fail(ValueError, "head_dim", _policy.HEAD_DIMS_TEXT, self.head_dim)
+        V.check_head_dim(self.head_dim, self.dtype, "head_dim")
         self.kv_dtype = None if kv_dtype is None else V.check_kv_dtype(kv_dtype)
         if self.kv_dtype is not None:
             V.check_fp8_query(self.dtype, self.head_dim, self.kv_dtype, "dtype", "head_dim")
@@ -210,7 +209,8 @@ class DecodePlan:
             raise RuntimeError(
                 f"cupydecode needs {smem_need} bytes of shared memory per block for "
                 f"{self.dtype} head_dim {self.head_dim}, but GPU {self.device_id} allows "
-                f"{smem_optin}: supported are GPUs with >= 160 KB per block (A100, H100, H200, B200)")
+                f"{smem_optin}: supported are GPUs with >= 160 KB per block (A100, H100, H200, "
+                f"B200; head_dim {_policy.WIDE_HEAD_DIM}: >= 224 KB, H100, H200, B200)")
         if (split_size is not None
                 and _policy.fixed_split_size(self.span, split_size)[0] > _policy.MAX_SPLITS):
             what = ("max_seqlen" if self.window_left is None
@@ -221,26 +221,27 @@ class DecodePlan:
         # where the GPU allows, the merge kernel is launched as a programmatic dependent of the
         # split kernel: its blocks are then resident and waiting when the split kernel ends
         programmatic = _kernels.programmatic_launch_supported(self.device_id)
-        if self.kv_dtype is None:
+        eight_rows = _policy.eight_row_blocks(self.head_dim, self.kv_dtype)
+        if not eight_rows:
             self.m_tiles, self.num_splits, self.chunk_tokens, self.kv_per_block = _policy.plan_shape(
                 self.dtype, self.head_dim, rows_g, self.batch, self.num_kv_heads, self.span,
                 _sm_count(self.device_id), lambda cfg: _blocks_per_sm(cfg, self.device_id),
                 num_splits, split_size, merge, programmatic,
                 kv_groups=self.q_len == 1 and (tuning is None or tuning.kv_groups is not False))
-        else:  # an fp8 cache: one M-tile and one KV head a block (_policy.FP8_SHAPES)
+        else:  # an fp8 cache, head_dim 512: one M-tile and one KV head a block of 8 rows
             self.m_tiles, self.kv_per_block = 1, 1
-            self.num_splits, self.chunk_tokens = _policy.fp8_plan_shape(
+            self.num_splits, self.chunk_tokens = _policy.narrow_plan_shape(
                 self.dtype, self.kv_dtype, self.head_dim, rows_g, self.batch, self.num_kv_heads,
                 self.span, _sm_count(self.device_id),
                 lambda cfg: _blocks_per_sm(cfg, self.device_id), num_splits, split_size, merge,
                 programmatic)
-        self.head_tiles = _policy.head_tiles(rows_g, self.m_tiles, self.kv_dtype)
+        self.head_tiles = _policy.head_tiles(rows_g, self.m_tiles, eight_rows)
         kpb = self.kv_per_block  # KV heads per block (1, KV_GROUP, or a BURST_KV_GROUPS size)
         # a block of several KV heads takes all of their query heads (one head tile), and the
         # grid below has one block per kpb KV heads: anything else would leave heads unwritten
         assert kpb == 1 or (self.num_kv_heads % kpb == 0 and self.head_tiles == 1), (
             kpb, self.num_kv_heads, self.head_tiles)
-        rows_per_block = _policy.block_rows(rows_g, self.m_tiles, kpb, self.kv_dtype)
+        rows_per_block = _policy.block_rows(rows_g, self.m_tiles, kpb, eight_rows)
         # The block shape depends on how long each block streams.
         self.config = _policy.split_kernel_config(self.dtype, self.head_dim, self.chunk_tokens,
                                                   self.m_tiles, rows_g, kpb, self.kv_dtype)
@@ -255,7 +256,7 @@ class DecodePlan:
         if self.page_size is not None:
             self.config = dataclasses.replace(self.config, paged=True)
         if self.q_len > 1:
-            self.config = dataclasses.replace(self.config, multi_q=True)
+            self.config = _policy.multi_q_config(self.config)
         # per-token fp8 scales: the same kernel with KV_SCALE_TOKEN in its own shape, built at
         # the first run that passes such scales
         token = None if self.kv_dtype is None else _policy.fp8_token_config(self.config,

@@ -229,7 +229,8 @@ def gpu_partials(wk: Walk) -> dict:
     from .decode import DecodePlan
 
     D = wk.head_dim
-    padded = next((d for d in _policy.SUPPORTED_HEAD_DIMS if d >= D), None)
+    padded = next((d for d in _policy.SUPPORTED_HEAD_DIMS if D <= d <= _policy.MAX_HEAD_DIM),
+                  None)  # (float32: up to 256)
     if padded is None:
         raise ValueError(f"head_dim: expected at most {_policy.MAX_HEAD_DIM} for --gpu, got {D}")
     n = wk.tokens

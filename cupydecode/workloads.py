@@ -426,7 +426,7 @@ OVERFLOW_Q_SCALE = 2400.0
 def default_check_matrix() -> list[Workload]:
     """The built-in list run by ``cupydecode check``.
 
-    Covers fp16 / bf16 / fp32; head_dim 64, 128, 256 and between (32 to 192); 1 to 16 query
+    Covers fp16 / bf16 / fp32; head_dim 64, 128, 256 and between (32 to 192), and 512; 1 to 16 query
     tokens per sequence; GQA groups 1 (MHA), 2, 4, 7, 8 and MQA
     (71 or 48 query heads on one KV head, also with blocks of several M-tiles); lengths 1, 17, 255, 257, 4097 and 65536; variable lengths
     with an empty sequence; forced 1 and 3 splits and automatic splits; logits of ±1e4; the
@@ -580,6 +580,19 @@ def default_check_matrix() -> list[Workload]:
           page_size=16, append=True),
         W(2, 3000, 32, 32, 80, "bfloat16", None, (3000, 17), name="head_dim 80, window, alibi, sinks",
           window_left=500, alibi=True, sinks=True),
+    ]
+    # head_dim 512 (its own width: blocks of 8 query rows): G 4, G 16 (two head tiles), the
+    # merge kernel's plans, varlen with an empty sequence, paged and appended, the score options,
+    # several query tokens
+    m += [
+        W(3, 4097, 32, 8, 512, "float16", None, (4097, 0, 300), name="head_dim 512, varlen"),
+        W(2, 2000, 32, 2, 512, "bfloat16", 3, name="head_dim 512, G 16"),
+        W(4, 300, 16, 4, 512, "float16", None, (299, 15, 16, 0),
+          name="head_dim 512, append, paged 16", page_size=16, append=True),
+        W(2, 3000, 16, 2, 512, "bfloat16", None, (3000, 17), q_scale=8.0,
+          name="head_dim 512, soft-cap, window, alibi, sinks", logits_soft_cap=50.0,
+          window_left=700, alibi=True, sinks=True),
+        W(2, 2000, 8, 2, 512, "float16", None, (2000, 3), name="head_dim 512, q_len 4", q_len=4),
     ]
     # several query tokens per sequence (draft tokens, each causal to its own position): heads
     # as N (G 4 × 2 tokens fill its 8 columns), the 16-row path, M-tiles, CUDA cores; sequences

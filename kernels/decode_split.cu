@@ -110,8 +110,13 @@ static_assert(sizeof(q_t) == sizeof(kv_t), "the tile math multiplies q and K/V o
 #endif
 #define RINGS (NUM_WARPS / MTILES)          // K/V rings: one per token slot and KV head
 #define SLOTS (RINGS / KV_PER_BLOCK)        // token slots
-// query rows of one block: its M-tiles' (fp8 KV: the 8 of the heads-as-N path's N)
-#define BLOCK_ROWS (KV_FP8 ? 8 : ROWS * MTILES)
+// WIDE: head_dim 512, the widest width. Its rows take the heads-as-N path with blocks of 8 query
+// rows, the mma's N (more query heads per KV head: several head tiles, as with fp8 KV), and Qᵀ's
+// fragments are read from shared memory per pair of k steps instead of held in registers (they
+// would take 64 registers beside the 128 of the accumulators).
+#define WIDE (HEAD_DIM > 256)
+// query rows of one block: its M-tiles' (fp8 KV and WIDE: the 8 of the heads-as-N path's N)
+#define BLOCK_ROWS ((KV_FP8 || WIDE) ? 8 : ROWS * MTILES)
 // Query rows held in shared memory: BLOCK_ROWS, or 8 (the mma's N) per KV head of the block
 #define Q_ROWS (KV_PER_BLOCK > 1 ? KV_PER_BLOCK * 8 : BLOCK_ROWS)
 #define ES ((int)sizeof(kv_t))
@@ -185,6 +190,9 @@ static_assert(sizeof(q_t) == sizeof(kv_t), "the tile math multiplies q and K/V o
 #endif
 #if KV_SCALE_TOKEN && !KV_FP8
 #error "KV_SCALE_TOKEN: scales of an fp8 cache"
+#endif
+#if WIDE && (HEAD_DIM != 512 || !HEADS_AS_N || KV_PER_BLOCK != 1 || KV_FP8)
+#error "HEAD_DIM 512 is a heads-as-N path of one KV head per block over a 16-bit cache"
 #endif
 
 // Rows of 128+ bytes put every row's chunk c in the same banks; XOR-ing the chunk index with
@@ -687,13 +695,15 @@ cd_decode_split(const cd_decode_params p) {
         auto tile_start = [&](int i) { return chunk_start + (slot + i * SLOTS) * TILE_N; };
         const unsigned long long policy = l2_evict_first_policy();
         // Each lane copies the same slots of every tile: rows r0, r0 + RSTEP, … of 16-byte column
-        // c0. A whole tile is then one 64-bit pointer step per copy, with no per-row index math or
-        // masks (that math was half of the loop's instructions; the performance log, v10); only a
-        // chunk's partial last tile takes the masked path below. (Rows of more than 32 chunks,
-        // float32 head_dim 256, always take the masked path.)
-        constexpr bool WALK = CPR <= 32;
-        constexpr int RSTEP = WALK ? 32 / CPR : 1;
-        static_assert(!WALK || (32 % CPR == 0 && TILE_N % RSTEP == 0),
+        // c0 (WIDE rows, 64 chunks: columns c0 and c0 + 32 of every row). A whole tile is then one
+        // 64-bit pointer step per copy, with no per-row index math or masks (that math was half of
+        // the loop's instructions; the performance log, v10); only a chunk's partial last tile
+        // takes the masked path below. (float32 head_dim 256, 64 chunks a row, always takes the
+        // masked path: walking, it spills 16 more bytes at its 255 registers.)
+        constexpr bool WALK = CPR <= 32 || WIDE;
+        constexpr int RSTEP = CPR <= 32 ? 32 / CPR : 1;  // rows apart of a lane's copies
+        constexpr int LCOLS = CPR <= 32 ? 1 : CPR / 32;  // a lane's columns per row
+        static_assert(!WALK || ((32 % CPR == 0 || CPR % 32 == 0) && TILE_N % RSTEP == 0),
                       "the walking copy needs whole rows per 32 lanes and whole steps per tile");
         const int r0 = lane / CPR, c0 = lane % CPR;
         // this lane's column is in memory; one that is not copies zeros (from a valid address)
@@ -702,13 +712,20 @@ cd_decode_split(const cd_decode_params p) {
         const long long k_rows = (long long)RSTEP * k_ss, v_rows = (long long)RSTEP * v_ss;
         const long long k_tiles = (long long)SLOTS * TILE_N * k_ss;  // from a slot's tile to its next
         const long long v_tiles = (long long)SLOTS * TILE_N * v_ss;
-        // The walking copy of one whole tile whose lane's first K and V addresses are kp, vp.
+        // The walking copy of one whole tile whose lane's first K and V addresses are kp, vp
+        // (column c0's; column c0 + 32u, u > 0, is 32u chunks on, or zeros read from column 0).
         auto walk_tile = [&](u32 kdst, u32 vdst, const kv_t* kp, const kv_t* vp) {
 #pragma unroll
             for (int j = 0; j < TILE_N / RSTEP; ++j) {
-                const int so = ring_chunk(r0 + j * RSTEP, c0) * 16;
-                cp_async16_stream(kdst + so, kp, c0_live, policy);
-                cp_async16_stream(vdst + so, vp, c0_live, policy);
+#pragma unroll
+                for (int u = 0; u < LCOLS; ++u) {
+                    const int cu = c0 + 32 * u;
+                    const bool live = CHUNK_IN_MEMORY(cu);
+                    const int at = u == 0 ? 0 : ((live ? cu : 0) - c0m) * EPC;
+                    const int so = ring_chunk(r0 + j * RSTEP, cu) * 16;
+                    cp_async16_stream(kdst + so, kp + at, live, policy);
+                    cp_async16_stream(vdst + so, vp + at, live, policy);
+                }
                 kp += k_rows;
                 vp += v_rows;
             }
@@ -1095,7 +1112,15 @@ cd_decode_split(const cd_decode_params p) {
         // Qᵀ as B operands (k = head dims, n = query heads 0..7), in registers for the whole chunk:
         // qb[kk] holds Q[g][16kk + 2t, +1] and Q[g][16kk + 8 + 2t, +1]. One ldmatrix.x4 reads the
         // 16-byte chunks 4kk2 .. 4kk2 + 3 of query rows 0..7 (lanes 8j..8j+7 address chunk j).
+        // (WIDE: the same loads, inside the tile loop; q_frags.)
+#if !WIDE
         u32 qb[HEAD_DIM / 16][2];
+#endif
+#if !KV_FP8
+        auto q_frags = [&](u32 (&qw)[4], int kk2) {
+            ldsm_x4(qw[0], qw[1], qw[2], qw[3], sq_u32 + swz(8 * kh + (lane & 7), 4 * kk2 + (lane >> 3)) * 16);
+        };
+#endif
 #if KV_FP8
         // fp8 KV: the K·Qᵀ step takes each lane's K codes as whole 16-byte chunks (below), which
         // orders the head dims differently: k step 4·grp + j (grp a 64-dim group) pairs logical
@@ -1116,11 +1141,16 @@ cd_decode_split(const cd_decode_params p) {
         const float k_mul = (p.k_scale ? p.k_scale[kv_head] : 1.f) * p.k_scale_all;
         const float v_mul = (p.v_scale ? p.v_scale[kv_head] : 1.f) * p.v_scale_all;
 #endif
-#else
+#elif !WIDE
 #pragma unroll
-        for (int kk2 = 0; kk2 < HEAD_DIM / 32; ++kk2)
-            ldsm_x4(qb[2 * kk2][0], qb[2 * kk2][1], qb[2 * kk2 + 1][0], qb[2 * kk2 + 1][1],
-                    sq_u32 + swz(8 * kh + (lane & 7), 4 * kk2 + (lane >> 3)) * 16);
+        for (int kk2 = 0; kk2 < HEAD_DIM / 32; ++kk2) {
+            u32 qw[4];
+            q_frags(qw, kk2);
+            qb[2 * kk2][0] = qw[0];
+            qb[2 * kk2][1] = qw[1];
+            qb[2 * kk2 + 1][0] = qw[2];
+            qb[2 * kk2 + 1][1] = qw[3];
+        }
 #endif
 
         // The state of query heads 2t, 2t + 1; Oᵀ accumulators: st.acc[d][e] is head dim
@@ -1177,13 +1207,21 @@ cd_decode_split(const cd_decode_params p) {
 #endif
 #define KV_SCORE_MUL(e) * kmul[(e) >> 1]
 #else
+            u32 qw[4];  // WIDE: Qᵀ's fragments of k steps kk, kk + 1 (kk even)
 #pragma unroll
             for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
                 u32 a[4];
                 ldsm_x4(a[0], a[1], a[2], a[3], ks + swz(rowA, 2 * kk + offA) * 16);
-                if (kk % 2) mma16816(s_odd, a, qb[kk][0], qb[kk][1]);
-                else        mma16816(s, a, qb[kk][0], qb[kk][1]);
+#if WIDE
+                if (kk % 2 == 0) q_frags(qw, kk / 2);
+                const u32 q0 = qw[2 * (kk % 2)], q1 = qw[2 * (kk % 2) + 1];
+#else
+                const u32 q0 = qb[kk][0], q1 = qb[kk][1];
+#endif
+                if (kk % 2) mma16816(s_odd, a, q0, q1);
+                else        mma16816(s, a, q0, q1);
             }
+            (void)qw;
 #define KV_SCORE_MUL(e)
 #endif
             // Online softmax per head, one max and one rescale per tile: the head's 16 tokens are

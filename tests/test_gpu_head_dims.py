@@ -1,6 +1,8 @@
-"""head_dims between the kernel widths (64, 128, 256) on the GPU, against the float64 reference.
+"""head_dims between the kernel widths (64, 128, 256), and 512, on the GPU, against the float64
+reference.
 
-Such a head_dim runs in the next width up, its rows zero-filled in shared memory. q, K and V are
+Such a head_dim runs in the next width up, its rows zero-filled in shared memory; 512 is a width
+of its own (blocks of 8 query rows, Qᵀ read from shared memory per pair of k steps). q, K and V are
 views of wider arrays whose extra columns are NaN, so a kernel that reads one element past
 head_dim turns its output NaN; out is followed in memory by NaN that must stay NaN (nothing is
 written past the last row's head_dim). Outputs are NaN-poisoned; the cache is NaN past each
@@ -24,9 +26,11 @@ LAYOUTS = [(32, 8), (32, 2), (48, 1), (16, 16)]
 MODES = [{"num_splits": 1}, {"num_splits": 3, "merge": "fused"},
          {"num_splits": 3, "merge": "kernel"}, {}]
 # (dtype, head_dim): float16 from the smallest through each width's range (widths 64, 128,
-# 256), bfloat16 and float32 (the CUDA-core path) at a few
+# 256), bfloat16 and float32 (the CUDA-core path) at a few; 512 in both 16-bit types (with
+# LAYOUTS: one, two and six head tiles of 8 rows, and MHA)
 CASES = ([("float16", d) for d in (32, 80, 96, 112, 136, 192, 248)]
-         + [("bfloat16", d) for d in (40, 96, 192)] + [("float32", d) for d in (40, 96, 136)])
+         + [("bfloat16", d) for d in (40, 96, 192)] + [("float32", d) for d in (40, 96, 136)]
+         + [("float16", 512), ("bfloat16", 512)])
 WIDER = 8  # extra NaN columns of the arrays q, K and V are views of
 
 
@@ -85,7 +89,7 @@ def test_head_dim_matches_reference(cupy, rng, seed, dtype, head_dim, layout):
     assert o.tail_untouched(cupy), f"flash_decode wrote past out {ctx}"
 
 
-@pytest.mark.parametrize("head_dim", [80, 96, 192])
+@pytest.mark.parametrize("head_dim", [80, 96, 192, 512])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_head_dim_paged_with_append(cupy, rng, seed, dtype, head_dim):
     """Paged caches (pages of 16, random order) with the new token appended: attended, and
@@ -119,10 +123,21 @@ def test_head_dim_paged_with_append(cupy, rng, seed, dtype, head_dim):
 def test_head_dims_outside_the_range_are_refused(cupy):
     q = cupy.zeros((1, 4, 100), cupy.float16)
     k = cupy.zeros((1, 16, 4, 100), cupy.float16)
-    with pytest.raises(ValueError, match="head_dim.*multiple of 8 from 32 to 256.*100"):
+    with pytest.raises(ValueError, match="head_dim.*multiple of 8 from 32 to 256, or 512.*100"):
         cupydecode.flash_decode(q, k, k, cupy.asarray([16], cupy.int32))
-    with pytest.raises(ValueError, match="head_dim.*multiple of 8 from 32 to 256.*264"):
+    with pytest.raises(ValueError, match="head_dim.*multiple of 8 from 32 to 256, or 512.*264"):
         cupydecode.DecodePlan(1, 4, 4, 264, 16, "float16")
+    # 512 takes 16-bit types only; the context is healthy afterwards
+    q32 = cupy.ones((1, 4, 512), cupy.float32)
+    k32 = cupy.ones((1, 16, 4, 512), cupy.float32)
+    with pytest.raises(ValueError, match=r"^q: expected .* for float32 \(512 takes float16 or "
+                                         r"bfloat16\), got 512$"):
+        cupydecode.flash_decode(q32, k32, k32, cupy.asarray([16], cupy.int32))
+    with pytest.raises(ValueError, match=r"^head_dim: expected .*512 takes float16"):
+        cupydecode.DecodePlan(1, 4, 4, 512, 16, "float32")
+    out = cupydecode.flash_decode(q32[..., :256], k32[..., :256], k32[..., :256],
+                                  cupy.asarray([16], cupy.int32))
+    assert bool(cupy.allclose(out, 1.0))  # every value 1: the mean of ones
 
 
 # head_dims whose KV head's row piece is not whole 64-byte bursts, and the policy's blocks of
@@ -167,3 +182,66 @@ def test_burst_groups_match_reference(cupy, rng, seed, dtype, head_dim, layout, 
                    block_table=cupy.asarray(table), k_new=to_device(k_new), v_new=to_device(v_new))
     _check(cupy, got, ref, dtype, [n + 1 for n in short], f"paged append {ctx}")
     assert o.tail_untouched(cupy), ctx
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_head_dim_512_with_score_options(cupy, rng, seed, dtype):
+    """head_dim 512 with a window, ALiBi, sinks and the soft-cap, alone and together (large
+    logits: q scaled by 4), through the automatic plan, one split and the merge kernel; its plans
+    tile the query heads by 8."""
+    from cupydecode.workloads import alibi_slopes, sink_logits
+
+    heads, kv_heads, cap = 24, 2, 2000  # G 12: two head tiles of 8 rows
+    lens = [2000, 300, 1, 0]
+    q, k, v = decode_inputs(rng, 4, heads, kv_heads, 512, cap, dtype, q_scale=4.0)
+    k, v = nan_tail(k, lens), nan_tail(v, lens)
+    dq, dk, dv = to_device(q), to_device(k), to_device(v)
+    seqlens = cupy.asarray(np.asarray(lens, np.int32))
+    slopes, sinks = alibi_slopes(heads), sink_logits(heads, seed)
+    for options in ({"window_left": 99}, {"alibi_slopes": slopes}, {"sinks": sinks},
+                    {"logits_soft_cap": 30.0},
+                    {"window_left": 517, "alibi_slopes": slopes, "sinks": sinks,
+                     "logits_soft_cap": 30.0}):
+        ref = R.decode_attention(q, k, v, lens, **options)
+        dev = {n: cupy.asarray(x) if isinstance(x, np.ndarray) else x for n, x in options.items()}
+        ctx = context(seed, dtype=dtype, options=sorted(options), lens=lens)
+        for kw in ({}, {"num_splits": 1}, {"num_splits": 5}):
+            o = _Out(cupy, q.shape, dk.dtype)
+            got = cupydecode.flash_decode(dq, dk, dv, seqlens, out=o.out, return_lse=True,
+                                          **dev, **kw)
+            _check(cupy, got, ref, dtype, lens, f"{kw} {ctx}")
+            assert o.tail_untouched(cupy), ctx
+    plan = cupydecode.DecodePlan(4, heads, kv_heads, 512, cap, dtype, num_splits=5, merge="kernel")
+    assert plan.head_tiles == 2 and plan.config.width == 512 and plan.config.heads_as_n, plan
+    ref = R.decode_attention(q, k, v, lens)
+    o = _Out(cupy, q.shape, dk.dtype)
+    _check(cupy, plan.run(dq, dk, dv, seqlens, out=o.out, lse=o.lse), ref, dtype, lens,
+           f"merge kernel {context(seed, dtype=dtype)}")
+
+
+@pytest.mark.parametrize("q_len", [3, 16])
+def test_head_dim_512_multi_token_append(cupy, rng, seed, q_len):
+    """Several query tokens at head_dim 512 (its smaller shape), appending them: attended, each
+    causal to its own position, and written into the cache bit for bit."""
+    heads, kv_heads, cap = 8, 2, 400
+    lens = [250, cap - q_len, 0, 40]
+    q = randn(rng, (4, q_len, heads, 512), "bfloat16")
+    k = nan_tail(randn(rng, (4, cap, kv_heads, 512), "bfloat16"), lens)
+    v = nan_tail(randn(rng, (4, cap, kv_heads, 512), "bfloat16"), lens)
+    k_new = randn(rng, (4, q_len, kv_heads, 512), "bfloat16")
+    v_new = randn(rng, (4, q_len, kv_heads, 512), "bfloat16")
+    ref = R.decode_attention(q, k, v, lens, k_new=k_new, v_new=v_new)
+    exp = R.append_kv(k, v, lens, k_new, v_new)
+    ctx = context(seed, q_len=q_len, lens=lens)
+    for mode in ({"num_splits": 1}, {"num_splits": 3, "merge": "fused"}, {}):
+        kc, vc = to_device(k), to_device(v)
+        plan = cupydecode.DecodePlan(4, heads, kv_heads, 512, cap, "bfloat16", q_len=q_len, **mode)
+        assert plan.config.multi_q and plan.config.num_warps == 2, plan.config
+        out = cupy.full(q.shape, np.nan, kc.dtype)
+        lse = cupy.full(q.shape[:3], np.nan, cupy.float32)
+        plan.run(to_device(q), kc, vc, cupy.asarray(np.asarray(lens, np.int32)), out=out,
+                 lse=lse, k_new=to_device(k_new), v_new=to_device(v_new))
+        assert_out_close(out, ref[0], OUT_TOL["bfloat16"], f"{mode} {ctx}")
+        assert_lse_close(lse, ref[1], LSE_TOL["bfloat16"], f"{mode} {ctx}")
+        for got, want in ((kc, exp[0]), (vc, exp[1])):
+            assert np.array_equal(got.get().view(np.uint16), want.view(np.uint16)), (mode, ctx)

@@ -10,6 +10,8 @@ import pytest
 from cupydecode import _policy as P
 
 SMEM_PER_BLOCK_MAX = 227 * 1024  # sm_80 / sm_90 opt-in limit per block
+# the multiple-of-8 family of head_dims (the three narrower widths); 512 has tests of its own
+RANGE_HEAD_DIMS = [d for d in P.SUPPORTED_HEAD_DIMS if d != P.WIDE_HEAD_DIM]
 
 
 def test_worked_example_two_blocks_per_sm():
@@ -108,7 +110,7 @@ def test_head_tiles():
 
 
 @pytest.mark.parametrize("dtype", list(P.DTYPE_IDS))
-@pytest.mark.parametrize("head_dim", P.SUPPORTED_HEAD_DIMS)
+@pytest.mark.parametrize("head_dim", RANGE_HEAD_DIMS)
 def test_m_tiles(dtype, head_dim):
     """G > 16: the fewest blocks per KV head the most M-tiles allow, the M-tiles spread evenly
     over them, every query head in exactly one; float32 keeps one M-tile per block."""
@@ -247,7 +249,7 @@ def test_kv_group_config():
 
 
 @pytest.mark.parametrize("dtype", list(P.DTYPE_IDS))
-@pytest.mark.parametrize("head_dim", P.SUPPORTED_HEAD_DIMS)
+@pytest.mark.parametrize("head_dim", RANGE_HEAD_DIMS)
 def test_split_kernel_config(dtype, head_dim):
     cfg = P.split_kernel_config(dtype, head_dim)
     assert cfg.dtype == dtype and cfg.head_dim == head_dim
@@ -273,7 +275,7 @@ def test_split_kernel_config(dtype, head_dim):
 
 
 @pytest.mark.parametrize("dtype", list(P.DTYPE_IDS))
-@pytest.mark.parametrize("head_dim", P.SUPPORTED_HEAD_DIMS)
+@pytest.mark.parametrize("head_dim", RANGE_HEAD_DIMS)
 def test_long_chunk_config(dtype, head_dim):
     """Long streams may take another shape with the same K/V ring (so the same occupancy the
     split count was costed with), never one of a single stage."""
@@ -296,7 +298,7 @@ def test_long_chunk_config(dtype, head_dim):
 
 
 @pytest.mark.parametrize("dtype", list(P.DTYPE_IDS))
-@pytest.mark.parametrize("head_dim", P.SUPPORTED_HEAD_DIMS)
+@pytest.mark.parametrize("head_dim", RANGE_HEAD_DIMS)
 def test_heads_as_n_only_for_small_groups(dtype, head_dim):
     """The heads-as-N path takes 16-bit blocks of one M-tile with G ≤ 8 (the mma's N); G > 8,
     float32 and M-tile blocks keep the 16-row path. Its blocks take the long-chunk shape from
@@ -330,7 +332,8 @@ def test_heads_as_n_only_for_small_groups(dtype, head_dim):
 
 @pytest.mark.parametrize("dtype,head_dim", [("float64", 128), ("int32", 128), ("bf16", 128),
                                             ("float16", 100), ("float16", 24), ("float16", 0),
-                                            ("float16", 264), ("float32", 512)])
+                                            ("float16", 264), ("float32", 512),
+                                            ("float16", 384), ("float16", 520)])
 def test_split_kernel_config_rejects(dtype, head_dim):
     with pytest.raises(ValueError):
         P.split_kernel_config(dtype, head_dim)
@@ -531,3 +534,66 @@ def test_fp8_per_token_scales_take_more_warps_on_long_chunks():
     assert long in P.fp8_kernel_configs("float16", 128, "e4m3")  # (compile-checked)
     tuned = V.check_tuning(P.Tuning(num_warps=8, stages=4), long, 0)
     assert (tuned.num_warps, tuned.stages, tuned.kv_scale_token) == (8, 4, True)
+
+
+def test_head_dim_512_family():
+    """head_dim 512 is a width of its own, for itself only (264 … 504 and 520 are refused),
+    16-bit q and cache only."""
+    assert P.WIDE_HEAD_DIM == 512 and P.KERNEL_HEAD_DIMS[-1] == 512
+    assert 512 in P.SUPPORTED_HEAD_DIMS and P.kernel_head_dim(512) == 512
+    assert [d for d in P.SUPPORTED_HEAD_DIMS if d > P.MAX_HEAD_DIM] == [512]
+    for d in (264, 384, 504, 520, 1024):
+        with pytest.raises(ValueError, match="or 512"):
+            P.kernel_head_dim(d)
+    assert P.width_takes("float16", 512) and P.width_takes("bfloat16", 512)
+    assert not P.width_takes("float32", 512) and not P.width_takes("float16", 512, "e4m3")
+    assert all(P.width_takes(dt, w, kv) for dt in P.DTYPE_IDS for w in (64, 128, 256)
+               for kv in (None,))
+    assert P.split_kernel_configs("float32", 512) == []
+    with pytest.raises(ValueError):
+        P.split_kernel_config("float16", 512, kv_dtype="e4m3")
+
+
+@pytest.mark.parametrize("dtype", P.WIDE_DTYPES)
+def test_head_dim_512_shape(dtype):
+    """One heads-as-N shape whatever the chunk or group (blocks of 8 query rows), with and
+    without the L2 hint; several query tokens take the smaller shape (the appended rows' shared
+    memory); every switch on fits the opt-in shared memory."""
+    cfg = P.split_kernel_config(dtype, 512)
+    assert (cfg.num_warps, cfg.stages) == P.WIDE_SHAPE and cfg.heads_as_n
+    assert cfg.block_rows == P.EIGHT_ROWS and cfg.m_tiles == 1 and cfg.kv_per_block == 1
+    for chunk, g in itertools.product((0, P.LONG_CHUNK, 1 << 20), (None, 1, 4, 8, 16, 64)):
+        assert P.split_kernel_config(dtype, 512, chunk, 1, g) == cfg
+    for mt, kpb in ((2, 1), (1, 2)):
+        with pytest.raises(ValueError):
+            P.split_kernel_config(dtype, 512, m_tiles=mt, group=1, kv_per_block=kpb)
+    assert P.split_kernel_configs(dtype, 512) == [cfg, dataclasses.replace(cfg, l2_evict_first=False)]
+    assert P.m_tiles(dtype, 512, 64) == 1
+    mq = P.multi_q_config(dataclasses.replace(cfg, paged=True, soft_cap=True, alibi=True))
+    assert mq.multi_q and (mq.num_warps, mq.stages) == P.WIDE_MULTI_Q_SHAPE
+    assert P.multi_q_config(P.split_kernel_config(dtype, 128)).num_warps == (
+        P.split_kernel_config(dtype, 128).num_warps)  # other widths keep their shape
+    for c in (cfg, dataclasses.replace(cfg, paged=True, soft_cap=True, alibi=True), mq):
+        assert c.smem_bytes + P.SPLIT_STATIC_SMEM_BYTES <= SMEM_PER_BLOCK_MAX, c
+        d = c.defines()
+        assert d["HEAD_DIM"] == 512 and "REAL_DIM" not in d and d["HEADS_AS_N"] == 1
+    wide = [c for c in P.compile_check_configs() if c.width == 512]
+    assert cfg in wide or dtype == "bfloat16"  # (float16's shapes are built by the compile checks)
+
+
+def test_head_dim_512_plan():
+    """Plans of head_dim 512 tile the query rows by 8 (one KV head a block), like fp8 caches:
+    every query head in exactly one block, the split count chosen for that grid."""
+    one = lambda cfg: 1  # noqa: E731
+    assert P.eight_row_blocks(512) and P.eight_row_blocks(128, "e4m3")
+    assert not P.eight_row_blocks(256) and not P.eight_row_blocks(128)
+    for g in (1, 4, 7, 8, 9, 16, 64):
+        tiles = P.head_tiles(g, 1, True)
+        assert (tiles - 1) * 8 < g <= tiles * 8
+        assert P.block_rows(g, eight_rows=True) == min(g, 8)
+    splits, chunk = P.narrow_plan_shape("float16", None, 512, 4, 1, 8, 16384, 132, one)
+    assert splits * chunk >= 16384 and 8 * splits <= 132 * 2  # one KV head a block: about a wave
+    assert P.narrow_plan_shape("float16", None, 512, 4, 1, 8, 16384, 132, one, num_splits=3) == (
+        3, P.chunk_for_splits(16384, 3))
+    assert P.narrow_plan_shape("float16", None, 512, 4, 1, 8, 16384, 132, one,
+                               split_size=4096) == (4, 4096)

@@ -84,6 +84,10 @@ def test_import_does_not_import_cupy():
     (dict(head_dim=128.0), "head_dim"),
     (dict(head_dim=0), "head_dim"),
     (dict(head_dim=100), "head_dim"),
+    (dict(head_dim=384), "head_dim"),
+    (dict(head_dim=520), "head_dim"),
+    (dict(head_dim=512, dtype="float32"), "head_dim"),
+    (dict(head_dim=512, kv_dtype="e4m3"), "head_dim"),
     (dict(max_seqlen=64.0), "max_seqlen"),
     (dict(dtype="int8"), "dtype"),
     (dict(dtype=object()), "dtype"),
@@ -377,7 +381,8 @@ def test_tuning_accepts_every_policy_shape_and_refuses_what_cannot_build():
 
     for cfg in _policy.compile_check_configs():
         for paged in (False, True):
-            cc = dataclasses.replace(cfg, paged=paged, multi_q=cfg.kv_per_block == 1)
+            cc = dataclasses.replace(cfg, paged=paged)
+            cc = _policy.multi_q_config(cc) if cfg.kv_per_block == 1 else cc  # (its own shape)
             assert V.check_tuning(cupydecode.Tuning(), cc, 232448) == cc
     f32 = _policy.split_kernel_config("float32", 256)
     with pytest.raises(ValueError, match=r"tuning.num_warps: expected at least 2 for float32"):
@@ -423,3 +428,18 @@ def test_kv_scale_modes_for_host_values():
     assert V.check_kv_scale(None, "scale", (2, 5), 8, allow_none=True) == (0, None, 1.0)
     assert V.check_kv_scale(0.25, "scale", (2, 5), 8) == (1, None, 0.25)
     assert V.check_kv_scale(np.float32(2), "scale", (2, 5), 8) == (1, None, 2.0)
+
+
+def test_head_dim_messages():
+    """What head_dims exist is said in the message: the range, 512, and 512's dtypes."""
+    with pytest.raises(ValueError, match=r"^head_dim: expected head_dim a multiple of 8 from 32 "
+                                         r"to 256, or 512, got 520$"):
+        V.check_head_dim(520, "float16", "head_dim")
+    with pytest.raises(ValueError, match=r"^q: expected .* for float32 \(512 takes float16 or "
+                                         r"bfloat16\), got 512$"):
+        V.check_head_dim(512, "float32", "q")
+    for d in (32, 80, 256, 512):
+        V.check_head_dim(d, "bfloat16", "q")
+    with pytest.raises(ValueError, match=r"^head_dim: expected head_dim a multiple of 16 from 32 "
+                                         r"to 256 with kv_dtype='e4m3'"):
+        V.check_fp8_query("float16", 512, "e4m3", "dtype", "head_dim")
