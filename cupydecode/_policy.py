@@ -473,7 +473,10 @@ def compile_check_configs() -> list[SplitKernelConfig]:
                 for c in fp8_kernel_configs(dt, d, f) if c.l2_evict_first]
     switched = [replace(c, soft_cap=True, alibi=True, paged=True)
                 for c in configs if c.l2_evict_first]
-    return configs + [multi_q_config(c) if c.kv_per_block == 1 else c for c in switched]
+    # (several query tokens where a block holds one KV head; at head_dim 512 also without them:
+    # its own shape, the single-token plans' paged shape)
+    return configs + [multi_q_config(c) if c.kv_per_block == 1 else c for c in switched] + [
+        c for c in switched if c.width == WIDE_HEAD_DIM]
 
 
 # head_dims the compile checks build besides the widths: the smallest, and models' (StableLM and

@@ -453,10 +453,12 @@ def check_fp8_query(dtype: str, head_dim: int, kv_dtype: str, dtype_arg: str,
     if dtype == "float32":
         fail(TypeError, dtype_arg, f"float16 or bfloat16 with kv_dtype={kv_dtype!r} (q and out "
              "stay 16-bit over an fp8 cache)", dtype)
-    if head_dim % FP8_HEAD_DIM_STEP or head_dim > MAX_HEAD_DIM:
-        fail(ValueError, head_dim_arg, f"head_dim a multiple of {FP8_HEAD_DIM_STEP} from "
-             f"{MIN_HEAD_DIM} to {MAX_HEAD_DIM} with kv_dtype={kv_dtype!r} (whole 16-byte pieces "
-             f"of codes per row)", head_dim)
+    if head_dim > MAX_HEAD_DIM:
+        fail(ValueError, head_dim_arg, f"head_dim at most {MAX_HEAD_DIM} with kv_dtype={kv_dtype!r} "
+             f"({WIDE_HEAD_DIM} takes 16-bit caches only)", head_dim)
+    if head_dim % FP8_HEAD_DIM_STEP:
+        fail(ValueError, head_dim_arg, f"head_dim a multiple of {FP8_HEAD_DIM_STEP} from 32 to "
+             f"256 with kv_dtype={kv_dtype!r} (whole 16-byte pieces of codes per row)", head_dim)
 
 
 def check_fp8_cache(a, name: str, kv_dtype: str) -> None:

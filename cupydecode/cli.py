@@ -901,14 +901,16 @@ def info(ctx, compile_all):
 
 def _compile_all() -> None:
     """Build the split kernels (every block shape a plan can pick) and the merge kernel that
-    a split plan uses, for every dtype × kernel width (64, 128, 256; the head_dims between them
-    are builds of their own, compiled when first used)."""
+    a split plan uses, for every dtype × kernel width it takes (64, 128, 256, and 512 for 16-bit
+    types; the head_dims between them are builds of their own, compiled when first used)."""
     from . import _policy
     from .decode import _merge_function, _split_function
 
 
     for dt in DTYPES:
         for d in KERNEL_HEAD_DIMS:
+            if not _policy.width_takes(dt, d):
+                continue
             t0 = time.perf_counter()
             for cfg in _policy.split_kernel_configs(dt, d):
                 _split_function(cfg)
@@ -931,6 +933,8 @@ def _compile_all_nvrtc(arch: str = "sm_90") -> None:
     t0, count, worst = time.perf_counter(), 0, 0
     for dt in DTYPES:
         for d in KERNEL_HEAD_DIMS:
+            if not _policy.width_takes(dt, d):
+                continue
             builds = [("decode_split.cu", c.defines()) for c in _policy.split_kernel_configs(dt, d)]
             builds.append(("merge_states.cu", {"IN_DTYPE": _policy.DTYPE_IDS["float32"],
                                                "OUT_DTYPE": _policy.DTYPE_IDS[dt],

@@ -210,7 +210,7 @@ class DecodePlan:
                 f"cupydecode needs {smem_need} bytes of shared memory per block for "
                 f"{self.dtype} head_dim {self.head_dim}, but GPU {self.device_id} allows "
                 f"{smem_optin}: supported are GPUs with >= 160 KB per block (A100, H100, H200, "
-                f"B200; head_dim {_policy.WIDE_HEAD_DIM}: >= 224 KB, H100, H200, B200)")
+                f"B200; head_dim {_policy.WIDE_HEAD_DIM}: >= 204 KB, H100, H200, B200)")
         if (split_size is not None
                 and _policy.fixed_split_size(self.span, split_size)[0] > _policy.MAX_SPLITS):
             what = ("max_seqlen" if self.window_left is None

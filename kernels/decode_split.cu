@@ -58,7 +58,7 @@
 //   partials only (`counters` null): merge_states.cu runs next as a second kernel.
 //
 // Compile-time constants (prepended by cupydecode/_kernels.py, chosen by cupydecode/_policy.py):
-//   DTYPE_ID (0 f16, 1 bf16, 2 f32), HEAD_DIM (64, 128 or 256: the width computed in), REAL_DIM
+//   DTYPE_ID (0 f16, 1 bf16, 2 f32), HEAD_DIM (64, 128, 256 or 512: the width computed in), REAL_DIM
 //   (the data's head_dim, ≤ HEAD_DIM, below), NUM_WARPS, STAGES, ROWS (16), TILE_N (16), MTILES,
 //   HEADS_AS_N (0 or 1), KV_PER_BLOCK (1, or a divisor of NUM_WARPS for HEADS_AS_N: below),
 //   L2_EVICT_FIRST (1: K/V copies hint L2 evict-first; 0: plain copies), SOFT_CAP (0 or 1:
@@ -125,7 +125,7 @@ static_assert(sizeof(q_t) == sizeof(kv_t), "the tile math multiplies q and K/V o
 #define QCPR (HEAD_DIM * QES / 16)          // 16-byte chunks per Q row (and k_new/v_new's, fp8)
 #define QEPC (16 / QES)
 // REAL_DIM: the head_dim of q, the cache and out, a multiple of 8 up to HEAD_DIM, the width the
-// kernel computes in (the host rounds REAL_DIM up to 64, 128 or 256). Every copy into shared
+// kernel computes in (the host rounds REAL_DIM up to 64, 128 or 256; 512 only for itself). Every copy into shared
 // memory zero-fills a row's chunks past REAL_DIM, which leaves the scores and the first REAL_DIM
 // output dims as they are, and only those are read from or written to memory.
 #ifndef REAL_DIM

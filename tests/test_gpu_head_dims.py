@@ -103,7 +103,7 @@ def test_head_dim_paged_with_append(cupy, rng, seed, dtype, head_dim):
     grown = [n + 1 for n in lens]
     kp, vp, table = to_paged(rng, k, v, 16)
     dkp, dvp = to_device(kp), to_device(vp)
-    before_k = dkp.copy()
+    before_k, before_v = dkp.copy(), dvp.copy()
     seqlens = cupy.asarray(np.asarray(lens, np.int32))
     ctx = context(seed, dtype=dtype, head_dim=head_dim, lens=lens)
     plan = cupydecode.DecodePlan(4, 32, 8, head_dim, 300, dtype, page_size=16)
@@ -113,11 +113,12 @@ def test_head_dim_paged_with_append(cupy, rng, seed, dtype, head_dim):
                    v_new=to_device(v_new))
     _check(cupy, got, ref, dtype, grown, ctx)
     assert o.tail_untouched(cupy), ctx
-    # the cache now holds each new row at its length, and nothing else changed
-    expected = before_k.copy()
-    for b, n in enumerate(lens):
-        expected[int(table[b, n // 16]), n % 16] = to_device(k_new[b, 0])
-    assert bool(cupy.all(dkp.view(cupy.uint16) == expected.view(cupy.uint16))), ctx  # bitwise
+    # the caches now hold each new row at its length, and nothing else changed (bit for bit)
+    for cache, before, new in ((dkp, before_k, k_new), (dvp, before_v, v_new)):
+        expected = before.copy()
+        for b, n in enumerate(lens):
+            expected[int(table[b, n // 16]), n % 16] = to_device(new[b, 0])
+        assert bool(cupy.all(cache.view(cupy.uint16) == expected.view(cupy.uint16))), ctx
 
 
 def test_head_dims_outside_the_range_are_refused(cupy):
@@ -127,7 +128,7 @@ def test_head_dims_outside_the_range_are_refused(cupy):
         cupydecode.flash_decode(q, k, k, cupy.asarray([16], cupy.int32))
     with pytest.raises(ValueError, match="head_dim.*multiple of 8 from 32 to 256, or 512.*264"):
         cupydecode.DecodePlan(1, 4, 4, 264, 16, "float16")
-    # 512 takes 16-bit types only; the context is healthy afterwards
+    # 512 takes 16-bit types only (refused on the host); a valid call after the refusals
     q32 = cupy.ones((1, 4, 512), cupy.float32)
     k32 = cupy.ones((1, 16, 4, 512), cupy.float32)
     with pytest.raises(ValueError, match=r"^q: expected .* for float32 \(512 takes float16 or "
@@ -211,12 +212,16 @@ def test_head_dim_512_with_score_options(cupy, rng, seed, dtype):
                                           **dev, **kw)
             _check(cupy, got, ref, dtype, lens, f"{kw} {ctx}")
             assert o.tail_untouched(cupy), ctx
-    plan = cupydecode.DecodePlan(4, heads, kv_heads, 512, cap, dtype, num_splits=5, merge="kernel")
-    assert plan.head_tiles == 2 and plan.config.width == 512 and plan.config.heads_as_n, plan
-    ref = R.decode_attention(q, k, v, lens)
+    # the fused merge (the automatic plans at 512 take the merge kernel), every option at once
+    plan = cupydecode.DecodePlan(4, heads, kv_heads, 512, cap, dtype, num_splits=5, merge="fused",
+                                 window_left=517, alibi=True, logits_soft_cap=30.0)
+    assert plan.head_tiles == 2 and plan.config.width == 512 and plan.merge == "fused", plan
+    ref = R.decode_attention(q, k, v, lens, window_left=517, alibi_slopes=slopes, sinks=sinks,
+                             logits_soft_cap=30.0)
     o = _Out(cupy, q.shape, dk.dtype)
-    _check(cupy, plan.run(dq, dk, dv, seqlens, out=o.out, lse=o.lse), ref, dtype, lens,
-           f"merge kernel {context(seed, dtype=dtype)}")
+    _check(cupy, plan.run(dq, dk, dv, seqlens, out=o.out, lse=o.lse,
+                          alibi_slopes=cupy.asarray(slopes), sinks=cupy.asarray(sinks)),
+           ref, dtype, lens, f"fused merge {context(seed, dtype=dtype)}")
 
 
 @pytest.mark.parametrize("q_len", [3, 16])
@@ -245,3 +250,55 @@ def test_head_dim_512_multi_token_append(cupy, rng, seed, q_len):
         assert_lse_close(lse, ref[1], LSE_TOL["bfloat16"], f"{mode} {ctx}")
         for got, want in ((kc, exp[0]), (vc, exp[1])):
             assert np.array_equal(got.get().view(np.uint16), want.view(np.uint16)), (mode, ctx)
+
+
+def test_head_dim_512_append_over_head_tiles(cupy, rng, seed):
+    """One new token appended into a contiguous cache at head_dim 512 with G = 12 (two head
+    tiles: only tile 0's blocks write the cache, every tile patches its ring): attended, and
+    written bit for bit, K and V; a sequence at full capacity appends nothing."""
+    heads, kv_heads, cap = 24, 2, 700
+    lens = [300, cap, 0, 699]
+    q, k, v = decode_inputs(rng, 4, heads, kv_heads, 512, cap, "float16")
+    k, v = nan_tail(k, lens), nan_tail(v, lens)
+    k_new = randn(rng, (4, 1, kv_heads, 512), "float16")
+    v_new = randn(rng, (4, 1, kv_heads, 512), "float16")
+    ref = R.decode_attention(q, k, v, lens, k_new=k_new, v_new=v_new)
+    exp = R.append_kv(k, v, lens, k_new, v_new)
+    ctx = context(seed, lens=lens)
+    for mode in ({"num_splits": 1}, {"num_splits": 4, "merge": "fused"}, {}):
+        dk, dv = to_device(k), to_device(v)
+        plan = cupydecode.DecodePlan(4, heads, kv_heads, 512, cap, "float16", **mode)
+        assert plan.head_tiles == 2, plan
+        o = _Out(cupy, q.shape, dk.dtype)
+        got = plan.run(to_device(q), dk, dv, cupy.asarray(np.asarray(lens, np.int32)), out=o.out,
+                       lse=o.lse, k_new=to_device(k_new), v_new=to_device(v_new))
+        _check(cupy, got, ref, "float16", [min(n + 1, cap) for n in lens], f"{mode} {ctx}")
+        for cache, want in ((dk, exp[0]), (dv, exp[1])):
+            assert np.array_equal(cache.get().view(np.uint16), want.view(np.uint16)), (mode, ctx)
+
+
+def test_head_dim_512_long_chunk_warps_in_step(cupy, rng, seed):
+    """A chunk long enough for the policy to keep the warps in step (9216 tokens, 576 tiles: a
+    multiple of the 3 warps), and a paged cache of several query tokens without an append."""
+    q, k, v = decode_inputs(rng, 1, 8, 2, 512, 9216, "bfloat16")
+    plan = cupydecode.DecodePlan(1, 8, 2, 512, 9216, "bfloat16", num_splits=1)
+    assert plan._in_step, plan
+    ref = R.decode_attention(q, k, v, [9216])
+    o = _Out(cupy, q.shape, to_device(k).dtype)
+    _check(cupy, plan.run(to_device(q), to_device(k), to_device(v), 9216, out=o.out, lse=o.lse),
+           ref, "bfloat16", [9216], context(seed))
+    # several query tokens over pages of 16 (no append): its smaller shape, paged
+    lens = [1000, 3, 0]
+    q4 = randn(rng, (3, 4, 8, 512), "float16")
+    k4 = nan_tail(randn(rng, (3, 1000, 2, 512), "float16"), lens)
+    v4 = nan_tail(randn(rng, (3, 1000, 2, 512), "float16"), lens)
+    ref = R.decode_attention(q4, k4, v4, lens)
+    kp, vp, table = to_paged(rng, k4, v4, 16)
+    plan = cupydecode.DecodePlan(3, 8, 2, 512, 1000, "float16", q_len=4, page_size=16)
+    assert plan.config.multi_q and plan.config.paged and plan.config.num_warps == 2, plan.config
+    out = cupy.full(q4.shape, np.nan, cupy.float16)
+    lse = cupy.full(q4.shape[:3], np.nan, cupy.float32)
+    plan.run(to_device(q4), to_device(kp), to_device(vp), cupy.asarray(np.asarray(lens, np.int32)),
+             out=out, lse=lse, block_table=cupy.asarray(table))
+    assert_out_close(out, ref[0], OUT_TOL["float16"], context(seed, q_len=4))
+    assert_lse_close(lse, ref[1], LSE_TOL["float16"], context(seed, q_len=4))

@@ -578,7 +578,8 @@ def test_head_dim_512_shape(dtype):
         d = c.defines()
         assert d["HEAD_DIM"] == 512 and "REAL_DIM" not in d and d["HEADS_AS_N"] == 1
     wide = [c for c in P.compile_check_configs() if c.width == 512]
-    assert cfg in wide or dtype == "bfloat16"  # (float16's shapes are built by the compile checks)
+    assert cfg in wide and mq in wide  # the compile checks build both shapes, every switch on
+    assert dataclasses.replace(cfg, paged=True, soft_cap=True, alibi=True) in wide
 
 
 def test_head_dim_512_plan():
