@@ -63,7 +63,7 @@ def _run_ranks(group, fn):
         except Exception as exc:  # noqa: BLE001  (checked by the caller)
             errors[r] = exc
 
-    threads = [threading.Thread(target=body, args=(r,)) for r in range(group.size)]
+    threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(group.size)]
     for t in threads:
         t.start()
     for t in threads:
@@ -106,3 +106,52 @@ def test_thread_group_size_checked(bad):
 def test_thread_group_rank_checked():
     with pytest.raises(ValueError, match=r"^rank: expected"):
         D.ThreadGroup(2).communicator(2)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+@pytest.mark.parametrize("rows_shape", [(1, 1), (3, 5), (2, 8)])
+def test_pieces_round_trip(dtype, rows_shape):
+    """Each rank's piece (header, LSEs, outputs) packed, gathered and unpacked in rank order,
+    bit for bit, for row counts whose LSEs do not fill 16 bytes; a failed rank's piece carries
+    only its header."""
+    import ml_dtypes
+
+    npdt = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32}[dtype]
+    rng = np.random.default_rng(3)
+    rows, dim = int(np.prod(rows_shape)), 24
+    nbytes = D.piece_layout(rows, dim, np.dtype(npdt).itemsize)[2]
+    assert D.piece_layout(rows, dim, 2)[1] % 16 == 0
+    lses = [rng.standard_normal(rows_shape).astype(np.float32) for _ in range(3)]
+    outs = [rng.standard_normal((*rows_shape, dim)).astype(npdt) for _ in range(3)]
+    pieces = []
+    for r in range(3):
+        send = np.zeros(nbytes, np.uint8)
+        if r == 2:
+            D.pack_piece(send, D.FAILED, r, 7)
+        else:
+            D.pack_piece(send, D.OK, r, 7, lses[r], outs[r])
+        pieces.append(send)
+    headers, lse, out = D.unpack_pieces(np.stack(pieces), rows_shape, dim, npdt)
+    np.testing.assert_array_equal(headers, [[0, 0, 7, 0], [0, 1, 7, 0], [1, 2, 7, 0]])
+    for r in range(2):
+        assert np.array_equal(lse[r].view(np.uint32), lses[r].view(np.uint32))
+        assert np.array_equal(out[r].view(np.uint8), outs[r].view(np.uint8))
+    with pytest.raises(RuntimeError, match=r"^rank 0: ranks \[2\] failed this step"):
+        D.check_headers(headers, 0, 7)
+    with pytest.raises(ValueError, match=r"^recv: expected pieces of"):
+        D.unpack_pieces(np.stack(pieces)[:, :-1], rows_shape, dim, npdt)
+
+
+def test_headers_of_another_step_are_refused():
+    ok = np.asarray([[0, 0, 4, 0], [0, 1, 5, 0], [0, 2, 4, 0]], np.int32)
+    with pytest.raises(RuntimeError, match=r"^rank 2: ranks \[1\] sent steps \[5\] to step 4"):
+        D.check_headers(ok, 2, 4)
+    D.check_headers(ok[[0, 2]], 0, 4)
+
+
+def test_broken_thread_group_says_so():
+    group = D.ThreadGroup(2, timeout=0.2)
+    _, errors = _run_ranks(group, lambda c: c.all_gather(np.zeros(1, np.uint8)) if c.rank else None)
+    assert isinstance(errors[1], RuntimeError)
+    with pytest.raises(RuntimeError, match="broken by an earlier failure"):
+        group.communicator(0).all_gather(np.zeros(1, np.uint8))

@@ -24,6 +24,7 @@ def _ranks(size, fn, timeout=30.0):
     """fn(rank, comm) on ``size`` threads of one ThreadGroup; (results, errors) by rank."""
     import cupy
 
+    cupy.cuda.Device().synchronize()  # the inputs the caller made on its stream are written
     group = D.ThreadGroup(size, timeout=timeout)
     results, errors = [None] * size, [None] * size
 
@@ -35,7 +36,7 @@ def _ranks(size, fn, timeout=30.0):
         except Exception as exc:  # noqa: BLE001  (checked by the callers)
             errors[r] = exc
 
-    threads = [threading.Thread(target=body, args=(r,)) for r in range(size)]
+    threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(size)]
     for t in threads:
         t.start()
     for t in threads:
@@ -111,9 +112,10 @@ def test_root_only_and_paged_shards(cupy, rng, seed):
 
 
 def test_a_rank_with_bad_inputs_fails_the_step_everywhere(cupy, rng):
-    """Rank 1's lengths are int64 host values of the wrong shape: it raises its own error, the
+    """Rank 1's lengths are a device array of the wrong shape: it raises its own error, the
     others a RuntimeError naming it; nothing is merged and no rank hangs; the next step of the
-    same plans, with good inputs, works."""
+    same plans (and their group), with good inputs, works; then a rank whose call fails with
+    another error (a RuntimeError inside its plan) fails the step everywhere too."""
     batch, heads, kv_heads, dim, cap = 2, 8, 2, 64, 100
     q = to_device(randn(rng, (batch, heads, dim), "float16"))
     k = to_device(randn(rng, (batch, cap, kv_heads, dim), "float16"))
@@ -129,17 +131,57 @@ def test_a_rank_with_bad_inputs_fails_the_step_everywhere(cupy, rng):
     assert isinstance(errors[1], ValueError) and str(errors[1]).startswith("cache_seqlens")
     for r in (0, 2):
         assert isinstance(errors[r], RuntimeError) and "ranks [1] failed" in str(errors[r]), errors
-    results, errors = _ranks(3, lambda r, c: step(r, c, False))  # (the same plans)
+    results, errors = _ranks(3, lambda r, c: step(r, c, False))  # (the plans' own group)
     assert errors == [None] * 3, errors
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("the kernel of rank 2 could not be built")
+
+    plans[2].plan.run = broken
+    results, errors = _ranks(3, lambda r, c: step(r, c, False))
+    assert str(errors[2]) == "the kernel of rank 2 could not be built"
+    for r in (0, 1):
+        assert isinstance(errors[r], RuntimeError) and "ranks [2] failed" in str(errors[r]), errors
+
+
+def test_a_rank_a_step_ahead_is_refused_everywhere(cupy, rng):
+    """A rank whose plan counts another step (it skipped or retried one): every rank raises,
+    nothing is merged."""
+    q = to_device(randn(rng, (2, 8, 64), "float16"))
+    k = to_device(randn(rng, (2, 100, 2, 64), "float16"))
+    plans = {}
+
+    def step(r, comm):
+        plans[r] = D.ShardedDecodePlan(comm, 2, 8, 2, 64, 100, "float16")
+        plans[r].step += r == 1
+        return plans[r].run(q, k, k, 50)
+
+    _, errors = _ranks(2, step)
+    for r in range(2):
+        assert isinstance(errors[r], RuntimeError) and "sent steps" in str(errors[r]), errors
 
 
 def test_plans_that_differ_are_refused_on_every_rank(cupy):
-    def build(r, comm):
-        return D.ShardedDecodePlan(comm, 2, 8, 2, 64 if r else 128, 100, "float16")
+    """A different head_dim, soft-cap value or kv_dtype on one rank, or a rank whose plan
+    fails to build: every rank raises."""
+    for other in ({"head_dim": 64}, {"logits_soft_cap": 20.0}, {"kv_dtype": "e4m3"}):
+        def build(r, comm, other=other):
+            args = dict(batch=2, num_heads=8, num_kv_heads=2, head_dim=128, max_seqlen=100,
+                        dtype="float16", logits_soft_cap=30.0)
+            return D.ShardedDecodePlan(comm, **dict(args, **(other if r else {})))
 
-    _, errors = _ranks(2, build)
-    for r in range(2):
-        assert isinstance(errors[r], ValueError) and "differs from ranks" in str(errors[r])
+        _, errors = _ranks(2, build)
+        for r in range(2):
+            assert isinstance(errors[r], ValueError) and "differs from ranks" in str(errors[r]), (
+                other, errors)
+
+    def bad(r, comm):
+        return D.ShardedDecodePlan(comm, 2, 8, 3 if r == 1 else 2, 128, 100, "float16")
+
+    _, errors = _ranks(3, bad)
+    assert isinstance(errors[1], ValueError) and str(errors[1]).startswith("num_kv_heads")
+    for r in (0, 2):
+        assert isinstance(errors[r], RuntimeError) and "ranks [1] failed" in str(errors[r]), errors
 
 
 def test_unsupported_options_refused_by_name(cupy):
