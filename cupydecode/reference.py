@@ -434,6 +434,20 @@ def merge_states(o_parts, lse_parts, sinks=None) -> tuple[np.ndarray, np.ndarray
     return merged, out_lse
 
 
+def shard_lse(lse, alibi_slopes, tokens_after, xp=np):
+    """A shard's LSE with ALiBi's distance counted from the sequence's last token, not the
+    shard's (sequence parallelism, :mod:`cupydecode.distributed`): a shard whose last key has
+    ``tokens_after[b]`` more tokens of sequence b after it scores each key
+    slope_h · tokens_after[b] lower than a decode over the shard alone, a constant per row, which
+    moves the row's LSE and leaves its normalised output as it is. ``lse`` (batch, num_heads),
+    ``alibi_slopes`` (num_heads,) or None (no change), ``tokens_after`` (batch,)."""
+    if alibi_slopes is None:
+        return lse
+    slopes = xp.asarray(alibi_slopes, dtype=xp.float64 if xp is np else lse.dtype)
+    after = xp.asarray(tokens_after).astype(slopes.dtype)
+    return lse - (after[:, None] * slopes[None, :]).astype(lse.dtype)
+
+
 def relative_error(x, ref) -> float:
     """‖x − ref‖₂ / ‖ref‖₂ (absolute ‖x‖ when ref is all zeros); NaN anywhere gives inf."""
     x = to_float64(x)

@@ -212,3 +212,21 @@ def to_paged(rng, k: np.ndarray, v: np.ndarray, page_size: int, extra_pages: int
                 p[table[b, j], :len(rows)] = rows
         pages.append(p)
     return pages[0], pages[1], table
+
+
+def shard(k, v, lens, cuts):
+    """Per rank r, each sequence's tokens [cuts[b][r], cuts[b][r + 1]) at the front of a cache of
+    its own: (k_r, v_r, lens_r, tokens_after_r) for every rank."""
+    ranks = len(cuts[0]) - 1
+    out = []
+    for r in range(ranks):
+        lo = np.asarray([c[r] for c in cuts])
+        hi = np.asarray([c[r + 1] for c in cuts])
+        n = hi - lo
+        kr = np.full((k.shape[0], max(1, int(n.max())), *k.shape[2:]), np.nan, k.dtype)
+        vr = kr.copy()
+        for b in range(k.shape[0]):
+            kr[b, :n[b]] = k[b, lo[b]:hi[b]]
+            vr[b, :n[b]] = v[b, lo[b]:hi[b]]
+        out.append((kr, vr, n, np.asarray(lens) - hi))
+    return out

@@ -77,7 +77,7 @@ def test_wheel_metadata(wheel_path):
     text = zf.read(meta).decode()
     assert f"Version: {cupydecode.__version__}" in text
     assert "Requires-Python: >=3.10" in text
-    for extra in ("cuda12", "cuda13", "test", "plot"):
+    for extra in ("cuda12", "cuda13", "nccl12", "nccl13", "test", "plot"):
         assert f"Provides-Extra: {extra}" in text, text
     entry = next(n for n in zf.namelist() if n.endswith(".dist-info/entry_points.txt"))
     assert "cupydecode = cupydecode.cli:main" in zf.read(entry).decode()

@@ -1,0 +1,384 @@
+"""Sequence-parallel decode over several GPUs: each rank holds a shard of every sequence's cache.
+
+A long context outgrows one GPU. Split each sequence's tokens across N ranks (contiguous ranges
+or pages, any sizes, a rank may hold none of a sequence): each rank attends its own keys and
+returns its partial state (Õ_r, LSE_r), and the merge through the LSEs is exact — the split
+kernel's own algorithm one level up (docs/DESIGN.md). One collective per step moves
+B · H · (D · itemsize + 4) bytes per rank, whatever the context length.
+
+    group = ThreadGroup(2)                      # or NcclCommunicator per process (below)
+    plan = ShardedDecodePlan(group.communicator(rank), batch, num_heads, num_kv_heads,
+                             head_dim, shard_capacity, "float16", alibi=True)
+    out, lse = plan.run(q, k_shard, v_shard, shard_lengths, tokens_after,
+                        alibi_slopes=slopes, sinks=sinks)
+
+Every rank passes the same q (the step's query tokens) and its own shard; ``tokens_after[b]``
+is how many of sequence b's tokens come after this rank's last one (0 on the rank holding the
+sequence's end). ALiBi counts distances from the sequence's last token: a shard's scores are
+the local ones shifted by a constant per row, applied to its LSE (reference.shard_lse). Sinks
+join once, in the merge. Supported: one query token per sequence; softmax_scale, the soft-cap,
+ALiBi, sinks, paged shards, every dtype and head_dim of :class:`DecodePlan`. Sliding windows
+and several query tokens would need each shard's global positions inside the kernel: refused
+by name.
+
+Failure: a rank whose inputs fail their checks still takes part in the step's collective, with
+a status word saying so, and then every rank raises (the failing one its own error, the others
+a RuntimeError naming it) — no rank merges a partial result. A rank that never arrives (dead or
+hung) makes the others raise after ``timeout`` seconds (NCCL: the communicator is aborted).
+
+Communicators: :class:`ThreadGroup` (ranks as threads of one process on one GPU: tests, and
+use without NCCL), :class:`NcclCommunicator` (one process per GPU, NCCL
+through CuPy, e.g. started by :func:`spawn` or mpirun). Anything with ``rank``, ``size`` and
+``all_gather(send) -> (size, n)`` works. NCCL is optional: nothing here is imported by
+``import cupydecode``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+
+from . import _kernels
+from . import _validate as V
+from . import reference as R
+from ._policy import DTYPE_IDS
+
+# Each rank's piece of a step's collective: a header of 4 int32 (status: 0 ok, 1 this rank
+# failed; the rank; the step; 0), the LSEs (float32, padded to 16 bytes), the outputs
+HEADER_BYTES = 16
+OK, FAILED = 0, 1
+
+
+def piece_layout(rows: int, head_dim: int, itemsize: int) -> tuple[int, int, int]:
+    """(LSE offset, output offset, bytes) of one rank's piece for ``rows`` query rows."""
+    out_at = HEADER_BYTES + -(-4 * rows // 16) * 16
+    return HEADER_BYTES, out_at, out_at + rows * head_dim * itemsize
+
+
+def pack_piece(send, status: int, rank: int, step: int, lse=None, out=None) -> None:
+    """Write one rank's piece into ``send`` (uint8, piece_layout's bytes; NumPy or CuPy):
+    the header, and where ``status`` is OK its LSEs and outputs (rows in order)."""
+    xp = _array_module(send)
+    send[:HEADER_BYTES].view(xp.int32)[:] = xp.asarray([status, rank, step, 0], xp.int32)
+    if status == OK:
+        lse_at, out_at, _ = piece_layout(lse.size, out.size // lse.size, out.dtype.itemsize)
+        send[lse_at:lse_at + 4 * lse.size].view(xp.float32)[:] = lse.ravel()
+        send[out_at:].view(out.dtype)[:] = out.ravel()
+
+
+def unpack_pieces(recv, rows_shape: tuple, head_dim: int, dtype):
+    """Every rank's (headers (size, 4) int32 on the host, LSEs (size, *rows_shape) float32,
+    outputs (size, *rows_shape, head_dim)) from the gathered pieces ``recv`` (size, bytes)."""
+    xp = _array_module(recv)
+    rows = int(np.prod(rows_shape))
+    lse_at, out_at, nbytes = piece_layout(rows, head_dim, np.dtype(dtype).itemsize)
+    if recv.shape[1:] != (nbytes,):
+        raise ValueError(f"recv: expected pieces of {nbytes} bytes, got shape {recv.shape}")
+    n = recv.shape[0]
+    headers = _host(xp.ascontiguousarray(recv[:, :HEADER_BYTES]).view(xp.int32))
+    lse = xp.ascontiguousarray(recv[:, lse_at:lse_at + 4 * rows]).view(xp.float32)
+    out = xp.ascontiguousarray(recv[:, out_at:]).view(dtype)
+    return headers, lse.reshape(n, *rows_shape), out.reshape(n, *rows_shape, head_dim)
+
+
+def check_headers(headers: np.ndarray, rank: int, step: int) -> None:
+    """Every rank reported OK for the same step, or RuntimeError naming the ranks that did not."""
+    failed = [int(r) for r in np.flatnonzero(headers[:, 0] != OK)]
+    if failed:
+        raise RuntimeError(f"rank {rank}: ranks {failed} failed this step (their own errors say "
+                           "why); nothing was merged")
+    astray = [int(r) for r in np.flatnonzero(headers[:, 2] != step)]
+    if astray:
+        raise RuntimeError(f"rank {rank}: ranks {astray} sent steps {headers[astray, 2].tolist()} "
+                           f"to step {step} (a rank retried or skipped a step); nothing was merged")
+
+
+class ThreadGroup:
+    """``size`` ranks as threads of one process, on the current GPU: ``communicator(rank)``
+    gives each thread its communicator (tests, and shards of one GPU's memory). A collective
+    waits at most ``timeout`` seconds for the other ranks."""
+
+    def __init__(self, size: int, timeout: float = 60.0):
+        self.size = V.check_int(size, "size", 1)
+        self.timeout = float(timeout)
+        self._barrier = threading.Barrier(self.size)
+        self._slots: list = [None] * self.size
+
+    def communicator(self, rank: int) -> _ThreadCommunicator:
+        return _ThreadCommunicator(self, V.check_int(rank, "rank", 0, self.size - 1))
+
+
+class _ThreadCommunicator:
+    def __init__(self, group: ThreadGroup, rank: int):
+        self.group, self.rank, self.size = group, rank, group.size
+
+    def _meet(self, what: str) -> None:
+        if self.group._barrier.broken:
+            raise RuntimeError(f"rank {self.rank}: this ThreadGroup was broken by an earlier "
+                               "failure or abort; make a new one")
+        try:
+            self.group._barrier.wait(self.group.timeout)
+        except threading.BrokenBarrierError:
+            raise RuntimeError(f"rank {self.rank}: a rank did not reach the {what} within "
+                               f"{self.group.timeout} s (it failed or hangs); step abandoned") from None
+
+    def all_gather(self, send):
+        """(size, n): every rank's ``send`` (1-D, the same n everywhere), in rank order."""
+        xp = _array_module(send)
+        if xp is not np:
+            xp.cuda.get_current_stream().synchronize()  # this rank's piece is written
+        self.group._slots[self.rank] = send
+        self._meet("collective")
+        recv = xp.stack([xp.asarray(x) for x in self.group._slots])
+        if xp is not np:
+            xp.cuda.get_current_stream().synchronize()
+        self._meet("end of the collective")  # every rank has copied: the slots may be reused
+        return recv
+
+    def abort(self) -> None:
+        self.group._barrier.abort()
+
+
+class NcclCommunicator:
+    """One rank of an NCCL communicator of ``size`` ranks (one process per GPU; ``unique_id``
+    from :func:`nccl_unique_id` on one process, shared with the others). Collectives run on the
+    current CuPy stream; one that has not finished after ``timeout`` seconds, or that NCCL
+    reports failed, aborts the communicator and raises. (Making the communicator waits for every
+    rank without a timeout of its own: NCCL's.)"""
+
+    def __init__(self, size: int, unique_id, rank: int, timeout: float = 60.0):
+        nccl = _nccl()
+        self.size = V.check_int(size, "size", 1)
+        self.rank = V.check_int(rank, "rank", 0, self.size - 1)
+        self.timeout = float(timeout)
+        self._uint8 = nccl.NCCL_UINT8
+        self._comm = nccl.NcclCommunicator(self.size, unique_id, self.rank)
+        self._done = None  # one event, recorded after each collective
+
+    def all_gather(self, send):
+        """(size, n) uint8: every rank's ``send`` (1-D uint8, the same n everywhere)."""
+        cupy = _kernels.import_cupy()
+        if send.dtype != cupy.uint8 or send.ndim != 1:
+            V.fail(TypeError, "send", "a 1-D uint8 array", f"{send.ndim}-D {send.dtype}")
+        recv = cupy.empty((self.size, send.size), cupy.uint8)
+        stream = cupy.cuda.get_current_stream()
+        if self._done is None:
+            self._done = cupy.cuda.Event(disable_timing=True)
+        try:
+            self._comm.allGather(send.data.ptr, recv.data.ptr, send.size, self._uint8, stream.ptr)
+            self._done.record(stream)
+            deadline = time.monotonic() + self.timeout
+            while not self._done.done:
+                self._comm.check_async_error()
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the collective did not finish within {self.timeout} s "
+                                       "(a rank failed or hangs)")
+                time.sleep(0)
+        except Exception as exc:
+            self._comm.abort()
+            raise RuntimeError(f"rank {self.rank}: NCCL all-gather failed, communicator aborted "
+                               f"({type(exc).__name__}: {exc})") from exc
+        return recv
+
+    def abort(self) -> None:
+        self._comm.abort()
+
+
+def _nccl():
+    """CuPy's NCCL module, or ImportError naming the extra that brings NCCL."""
+    try:
+        from cupy.cuda import nccl
+    except ImportError as exc:
+        raise ImportError("cupydecode.distributed: CuPy has no NCCL here: install the extra "
+                          "'cupydecode[nccl12]' or 'cupydecode[nccl13]' (beside cuda12/cuda13)") from exc
+    if not getattr(nccl, "available", True):
+        raise ImportError("cupydecode.distributed: CuPy found no NCCL library: install the extra "
+                          "'cupydecode[nccl12]' or 'cupydecode[nccl13]' (beside cuda12/cuda13)")
+    return nccl
+
+
+def nccl_unique_id():
+    """A new NCCL unique id: make it on one process, give it to every rank's NcclCommunicator."""
+    return _nccl().get_unique_id()
+
+
+def _spawned(fn, size, uid, rank, timeout, args, results):
+    import pickle
+    import traceback
+
+    try:
+        import cupy
+
+        cupy.cuda.Device(rank).use()
+        comm = NcclCommunicator(size, uid, rank, timeout)
+        results.put((rank, True, pickle.dumps(fn(comm, *args))))  # (pickled here: errors caught)
+    except BaseException:  # reported to the parent, which raises
+        results.put((rank, False, traceback.format_exc()))
+
+
+def spawn(fn, size: int, *args, timeout: float = 600.0, collective_timeout: float = 60.0) -> list:
+    """Run ``fn(comm, *args)`` in ``size`` new processes, rank r on GPU r, each with its
+    NcclCommunicator (collectives time out after ``collective_timeout`` s); returns their
+    results in rank order. Raises RuntimeError naming every rank that failed (with its
+    traceback), died, or had not finished after ``timeout`` s; once one rank fails, the others
+    get ``collective_timeout`` s to finish before they are stopped. ``fn``, ``args`` and the
+    results must be picklable (e.g. a module-level function, host arrays)."""
+    import multiprocessing as mp
+    import pickle
+    import queue
+
+    size = V.check_int(size, "size", 1)
+    cupy = _kernels.import_cupy()
+    gpus = cupy.cuda.runtime.getDeviceCount()
+    if size > gpus:
+        V.fail(ValueError, "size", f"at most the {gpus} GPUs here (one rank per GPU)", size)
+    ctx = mp.get_context("spawn")
+    uid = nccl_unique_id()
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_spawned, args=(fn, size, uid, r, collective_timeout, args, results))
+             for r in range(size)]
+    for p in procs:
+        p.start()
+    got, deadline = {}, time.monotonic() + timeout
+    try:
+        while len(got) < size and time.monotonic() < deadline:
+            try:
+                rank, ok, value = results.get(timeout=0.2)
+                got[rank] = (ok, value)
+                if not ok:  # the others may wait on it in a collective: a grace period
+                    deadline = min(deadline, time.monotonic() + collective_timeout)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)
+                        and r not in got]
+                for r in dead:
+                    got[r] = (False, f"died with exit code {procs[r].exitcode}")
+    finally:
+        for p in procs:
+            p.join(timeout=1.0)
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=5.0)
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+    failed = {r: v for r, (ok, v) in got.items() if not ok}
+    missing = [r for r in range(size) if r not in got]
+    if failed or missing:
+        raise RuntimeError("spawn: " + "; ".join(
+            [f"rank {r} failed: {v}" for r, v in sorted(failed.items())]
+            + [f"rank {r} had not finished (stopped)" for r in missing]))
+    return [pickle.loads(got[r][1]) for r in range(size)]
+
+
+def _array_module(x):
+    return np if isinstance(x, np.ndarray) else _kernels.import_cupy()
+
+
+class ShardedDecodePlan:
+    """A :class:`DecodePlan` for this rank's shard (its capacity ``max_seqlen``: the most
+    tokens of one sequence this rank holds) and the step's merge across ranks: ``run`` returns
+    the attention over every rank's keys, on every rank (``root`` None) or on ``root`` only
+    (the others get None; every rank still receives every piece). Every rank builds the plan
+    with the same arguments but ``max_seqlen`` and ``page_size`` (checked once, collectively: a
+    mismatch, or a rank whose plan fails, raises on every rank). ``num_splits``, ``split_size``,
+    ``merge``, ``page_size``, ``logits_soft_cap``, ``alibi``, ``kv_dtype``, ``tuning`` go to
+    the rank's DecodePlan. The host reads each step's headers, so a step cannot be captured in
+    a CUDA graph."""
+
+    def __init__(self, comm, batch: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                 max_seqlen: int, dtype="float16", *, root: int | None = None,
+                 window_left: int | None = None, q_len: int = 1, **plan_options):
+        from .decode import DecodePlan
+
+        cupy = _kernels.import_cupy()
+        self.comm, self.root, self.step = comm, root, 0
+        error, sig = None, np.zeros(8, np.float64)
+        try:
+            if root is not None:
+                V.check_int(root, "root", 0, comm.size - 1)
+            if window_left is not None and window_left != -1:
+                V.fail(ValueError, "window_left", "None across shards (a window needs each "
+                       "shard's global positions in the kernel; not supported yet)", window_left)
+            if q_len != 1:
+                V.fail(ValueError, "q_len", "1 across shards (several query tokens need each "
+                       "shard's global positions in the kernel; not supported yet)", q_len)
+            self.plan = DecodePlan(batch, num_heads, num_kv_heads, head_dim, max_seqlen, dtype,
+                                   **plan_options)
+            cap = plan_options.get("logits_soft_cap")
+            kv = plan_options.get("kv_dtype")
+            sig[:] = [OK, batch, num_heads, num_kv_heads, head_dim,
+                      DTYPE_IDS[self.plan.dtype] + 8 * (0 if kv is None else 1 + ("e4m3", "e5m2").index(kv)),
+                      (-1 if root is None else root) + 16 * int(bool(plan_options.get("alibi"))),
+                      np.nan if cap is None else float(cap)]
+        except Exception as exc:  # the others learn of it in the collective below
+            error, sig[0] = exc, FAILED
+        # every rank's plan alike: one collective now
+        got = _host(comm.all_gather(cupy.asarray(sig.view(np.uint8)))).view(np.float64)
+        sigs = got.reshape(comm.size, -1)
+        if error is not None:
+            raise error
+        failed = [r for r in range(comm.size) if sigs[r, 0] != OK]
+        if failed:
+            raise RuntimeError(f"ShardedDecodePlan: rank {comm.rank}: ranks {failed} failed to "
+                               "build their plans (their own errors say why)")
+        same = lambda a, b: np.array_equal(a, b, equal_nan=True)  # noqa: E731
+        differ = [r for r in range(comm.size) if not same(sigs[r], sig)]
+        if differ:
+            raise ValueError(f"ShardedDecodePlan: rank {comm.rank}'s plan (status, batch, "
+                             f"num_heads, num_kv_heads, head_dim, dtype, root/alibi, soft-cap) "
+                             f"{sig.tolist()} differs from ranks {differ}: "
+                             f"{[sigs[r].tolist() for r in differ]}")
+        self.rows_shape = (self.plan.batch, self.plan.num_heads)
+        self.dtype = self.plan.out.dtype
+        self.nbytes = piece_layout(self.plan.batch * self.plan.num_heads, self.plan.head_dim,
+                                   self.dtype.itemsize)[2]
+        self._send = cupy.zeros(self.nbytes, cupy.uint8)
+
+    def run(self, q, k_cache, v_cache, cache_seqlens, tokens_after=None, *,
+            softmax_scale: float | None = None, alibi_slopes=None, sinks=None,
+            block_table=None, k_scale=None, v_scale=None):
+        """This step's attention over every rank's shard: ``(out, lse)`` (out like q, lse
+        (batch, num_heads) float32), or None on a rank other than ``root``. ``cache_seqlens``:
+        this rank's tokens of each sequence (int, or an int32 device array); ``tokens_after``:
+        (batch,) int32 device array, each sequence's tokens after this rank's shard (needed with
+        ALiBi; None: 0). ``sinks`` (num_heads,) join once, after the merge. Any error on a rank
+        fails the step on every rank (that rank raises its own, the others RuntimeError)."""
+        cupy = _kernels.import_cupy()
+        plan, send, step = self.plan, self._send, self.step
+        self.step += 1
+        error = None
+        try:
+            if tokens_after is not None:
+                tokens_after = V.as_device_array(tokens_after, "tokens_after")
+                V.check_shape(tokens_after, "tokens_after", (plan.batch,), f"({plan.batch},)")
+                if tokens_after.dtype != cupy.int32:
+                    V.fail(TypeError, "tokens_after", "int32", V.dtype_name(tokens_after.dtype))
+            elif alibi_slopes is not None:
+                V.fail(ValueError, "tokens_after", "each sequence's tokens after this shard "
+                       "(ALiBi counts distances from the sequence's last token)", None)
+            V.check_merge_sinks(sinks, self.rows_shape)  # here, where it fails this rank alone
+            out, lse = plan.run(q, k_cache, v_cache, cache_seqlens, softmax_scale=softmax_scale,
+                                alibi_slopes=alibi_slopes, block_table=block_table,
+                                k_scale=k_scale, v_scale=v_scale)
+            pack_piece(send, OK, self.comm.rank, step,
+                       R.shard_lse(lse, alibi_slopes, tokens_after, xp=cupy), out)
+        except Exception as exc:  # the others learn of it in the collective below
+            error = exc
+            pack_piece(send, FAILED, self.comm.rank, step)
+        recv = self.comm.all_gather(send)
+        headers, lse_parts, o_parts = unpack_pieces(recv, self.rows_shape, plan.head_dim,
+                                                    self.dtype)
+        if error is not None:
+            raise error
+        check_headers(headers, self.comm.rank, step)
+        if self.root is not None and self.comm.rank != self.root:
+            return None
+        from .decode import merge_states
+
+        return merge_states(o_parts, lse_parts, sinks=sinks)
+
+
+def _host(x) -> np.ndarray:
+    return x if isinstance(x, np.ndarray) else x.get()

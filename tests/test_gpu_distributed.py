@@ -1,0 +1,220 @@
+"""Sequence parallelism on one GPU: ranks as threads (distributed.ThreadGroup), each holding a
+shard of every sequence, against single-GPU flash_decode on the whole cache and the float64
+reference; a rank with bad inputs fails the step on every rank; NCCL with one rank where NCCL
+is installed."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+import cupydecode
+from cupydecode import distributed as D
+from cupydecode import reference as R
+from cupydecode.workloads import alibi_slopes, sink_logits
+from helpers import (LSE_TOL, OUT_TOL, assert_lse_close, assert_out_close, context, nan_tail,
+                     randn, shard, to_device, to_paged)
+
+pytestmark = pytest.mark.gpu
+
+
+def _ranks(size, fn, timeout=30.0):
+    """fn(rank, comm) on ``size`` threads of one ThreadGroup; (results, errors) by rank."""
+    import cupy
+
+    cupy.cuda.Device().synchronize()  # the inputs the caller made on its stream are written
+    group = D.ThreadGroup(size, timeout=timeout)
+    results, errors = [None] * size, [None] * size
+
+    def body(r):
+        try:
+            with cupy.cuda.Stream(non_blocking=True):  # each rank on its own stream
+                results[r] = fn(r, group.communicator(r))
+                cupy.cuda.get_current_stream().synchronize()
+        except Exception as exc:  # noqa: BLE001  (checked by the callers)
+            errors[r] = exc
+
+    threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout + 30)
+    assert not any(t.is_alive() for t in threads), "a rank hangs"
+    return results, errors
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 3, 4])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_shards_equal_the_whole(cupy, rng, seed, dtype, ranks):
+    """Random cuts of each sequence (empty shards too), ALiBi from the sequence's end, sinks
+    after the merge, the soft-cap; every rank gets the result; against flash_decode on the whole
+    cache and float64."""
+    batch, heads, kv_heads, dim, cap = 4, 16, 4, 128, 3000
+    lens = [3000, 1, 0, 1234]
+    q = randn(rng, (batch, heads, dim), dtype, 3.0)
+    k = nan_tail(randn(rng, (batch, cap, kv_heads, dim), dtype), lens)
+    v = nan_tail(randn(rng, (batch, cap, kv_heads, dim), dtype), lens)
+    cuts = [sorted([0, n, *rng.integers(0, n + 1, ranks - 1)]) for n in lens]
+    slopes, sinks = alibi_slopes(heads), sink_logits(heads, seed)
+    ref = R.decode_attention(q, k, v, lens, logits_soft_cap=30.0, alibi_slopes=slopes, sinks=sinks)
+    whole = cupydecode.flash_decode(to_device(q), to_device(k), to_device(v),
+                                    cupy.asarray(np.asarray(lens, np.int32)), return_lse=True,
+                                    logits_soft_cap=30.0, alibi_slopes=cupy.asarray(slopes),
+                                    sinks=cupy.asarray(sinks))
+    shards = shard(k, v, lens, cuts)
+    ctx = context(seed, dtype=dtype, ranks=ranks, cuts=cuts)
+
+    def step(r, comm):
+        kr, vr, n, after = shards[r]
+        plan = D.ShardedDecodePlan(comm, batch, heads, kv_heads, dim, kr.shape[1], dtype,
+                                   alibi=True, logits_soft_cap=30.0)
+        return [plan.run(to_device(q), to_device(kr), to_device(vr),
+                         cupy.asarray(n.astype(np.int32)), cupy.asarray(after.astype(np.int32)),
+                         alibi_slopes=cupy.asarray(slopes), sinks=cupy.asarray(sinks))
+                for _ in range(2)]  # two steps through the same plan
+
+    results, errors = _ranks(ranks, step)
+    assert errors == [None] * ranks, (errors, ctx)
+    for r, steps in enumerate(results):
+        for out, lse in steps:
+            assert_out_close(out, ref[0], OUT_TOL[dtype], f"rank {r} {ctx}")
+            assert_lse_close(lse, ref[1], LSE_TOL[dtype], f"rank {r} {ctx}")
+            assert_out_close(out, whole[0].get(), 2 * OUT_TOL[dtype], f"rank {r} vs whole {ctx}")
+
+
+def test_root_only_and_paged_shards(cupy, rng, seed):
+    """root=1: only rank 1 gets the result; shards in paged caches (pages of 16, random order)."""
+    batch, heads, kv_heads, dim, cap, ranks = 3, 32, 8, 128, 2000, 3
+    lens = [2000, 700, 5]
+    q = randn(rng, (batch, heads, dim), "float16")
+    k = nan_tail(randn(rng, (batch, cap, kv_heads, dim), "float16"), lens)
+    v = nan_tail(randn(rng, (batch, cap, kv_heads, dim), "float16"), lens)
+    cuts = [[0, n // 3, 2 * n // 3, n] for n in lens]
+    ref = R.decode_attention(q, k, v, lens)
+    shards = shard(k, v, lens, cuts)
+
+    def step(r, comm):
+        kr, vr, n, _ = shards[r]
+        kp, vp, table = to_paged(np.random.default_rng(seed + r), kr, vr, 16)
+        plan = D.ShardedDecodePlan(comm, batch, heads, kv_heads, dim, kr.shape[1], "float16",
+                                   root=1, page_size=16)
+        return plan.run(to_device(q), to_device(kp), to_device(vp),
+                        cupy.asarray(n.astype(np.int32)), block_table=cupy.asarray(table))
+
+    results, errors = _ranks(ranks, step)
+    assert errors == [None] * ranks, errors
+    assert results[0] is None and results[2] is None
+    out, lse = results[1]
+    assert_out_close(out, ref[0], OUT_TOL["float16"], context(seed))
+    assert_lse_close(lse, ref[1], LSE_TOL["float16"], context(seed))
+
+
+def test_a_rank_with_bad_inputs_fails_the_step_everywhere(cupy, rng):
+    """Rank 1's lengths are a device array of the wrong shape: it raises its own error, the
+    others a RuntimeError naming it; nothing is merged and no rank hangs; the next step of the
+    same plans (and their group), with good inputs, works; then a rank whose call fails with
+    another error (a RuntimeError inside its plan) fails the step everywhere too."""
+    batch, heads, kv_heads, dim, cap = 2, 8, 2, 64, 100
+    q = to_device(randn(rng, (batch, heads, dim), "float16"))
+    k = to_device(randn(rng, (batch, cap, kv_heads, dim), "float16"))
+    plans = {}
+
+    def step(r, comm, bad):
+        if r not in plans:
+            plans[r] = D.ShardedDecodePlan(comm, batch, heads, kv_heads, dim, cap, "float16")
+        lens = cupy.asarray([1, 2, 3], cupy.int32) if bad and r == 1 else 50
+        return plans[r].run(q, k, k, lens)
+
+    results, errors = _ranks(3, lambda r, c: step(r, c, True))
+    assert isinstance(errors[1], ValueError) and str(errors[1]).startswith("cache_seqlens")
+    for r in (0, 2):
+        assert isinstance(errors[r], RuntimeError) and "ranks [1] failed" in str(errors[r]), errors
+    results, errors = _ranks(3, lambda r, c: step(r, c, False))  # (the plans' own group)
+    assert errors == [None] * 3, errors
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("the kernel of rank 2 could not be built")
+
+    plans[2].plan.run = broken
+    results, errors = _ranks(3, lambda r, c: step(r, c, False))
+    assert str(errors[2]) == "the kernel of rank 2 could not be built"
+    for r in (0, 1):
+        assert isinstance(errors[r], RuntimeError) and "ranks [2] failed" in str(errors[r]), errors
+
+
+def test_a_rank_a_step_ahead_is_refused_everywhere(cupy, rng):
+    """A rank whose plan counts another step (it skipped or retried one): every rank raises,
+    nothing is merged."""
+    q = to_device(randn(rng, (2, 8, 64), "float16"))
+    k = to_device(randn(rng, (2, 100, 2, 64), "float16"))
+    plans = {}
+
+    def step(r, comm):
+        plans[r] = D.ShardedDecodePlan(comm, 2, 8, 2, 64, 100, "float16")
+        plans[r].step += r == 1
+        return plans[r].run(q, k, k, 50)
+
+    _, errors = _ranks(2, step)
+    for r in range(2):
+        assert isinstance(errors[r], RuntimeError) and "sent steps" in str(errors[r]), errors
+
+
+def test_plans_that_differ_are_refused_on_every_rank(cupy):
+    """A different head_dim, soft-cap value or kv_dtype on one rank, or a rank whose plan
+    fails to build: every rank raises."""
+    for other in ({"head_dim": 64}, {"logits_soft_cap": 20.0}, {"kv_dtype": "e4m3"}):
+        def build(r, comm, other=other):
+            args = dict(batch=2, num_heads=8, num_kv_heads=2, head_dim=128, max_seqlen=100,
+                        dtype="float16", logits_soft_cap=30.0)
+            return D.ShardedDecodePlan(comm, **dict(args, **(other if r else {})))
+
+        _, errors = _ranks(2, build)
+        for r in range(2):
+            assert isinstance(errors[r], ValueError) and "differs from ranks" in str(errors[r]), (
+                other, errors)
+
+    def bad(r, comm):
+        return D.ShardedDecodePlan(comm, 2, 8, 3 if r == 1 else 2, 128, 100, "float16")
+
+    _, errors = _ranks(3, bad)
+    assert isinstance(errors[1], ValueError) and str(errors[1]).startswith("num_kv_heads")
+    for r in (0, 2):
+        assert isinstance(errors[r], RuntimeError) and "ranks [1] failed" in str(errors[r]), errors
+
+
+def test_unsupported_options_refused_by_name(cupy):
+    group = D.ThreadGroup(1)
+    with pytest.raises(ValueError, match=r"^window_left: expected None across shards"):
+        D.ShardedDecodePlan(group.communicator(0), 1, 8, 2, 64, 100, window_left=10)
+    with pytest.raises(ValueError, match=r"^q_len: expected 1 across shards"):
+        D.ShardedDecodePlan(group.communicator(0), 1, 8, 2, 64, 100, q_len=2)
+    plan = D.ShardedDecodePlan(group.communicator(0), 1, 8, 2, 64, 100, alibi=True)
+    q = cupy.ones((1, 8, 64), cupy.float16)
+    k = cupy.ones((1, 100, 2, 64), cupy.float16)
+    with pytest.raises(ValueError, match=r"^tokens_after: expected each sequence's tokens"):
+        plan.run(q, k, k, 10, alibi_slopes=cupy.ones(8, cupy.float32))
+    with pytest.raises(TypeError, match=r"^tokens_after: expected int32"):
+        plan.run(q, k, k, 10, cupy.zeros(1, cupy.int64), alibi_slopes=cupy.ones(8, cupy.float32))
+
+
+def test_nccl_one_rank(cupy, rng, seed):
+    """The NCCL communicator with one rank (a one-GPU machine): the plan's result is the
+    single-GPU one."""
+    try:
+        from cupy.cuda import nccl  # noqa: F401
+
+        uid = D.nccl_unique_id()
+    except Exception as exc:  # noqa: BLE001
+        pytest.skip(f"NCCL is not available through CuPy here ({type(exc).__name__}: {exc})")
+    comm = D.NcclCommunicator(1, uid, 0, timeout=30)
+    q = randn(rng, (2, 8, 128), "float16")
+    k = randn(rng, (2, 500, 2, 128), "float16")
+    v = randn(rng, (2, 500, 2, 128), "float16")
+    ref = R.decode_attention(q, k, v, [500, 77])
+    plan = D.ShardedDecodePlan(comm, 2, 8, 2, 128, 500, "float16")
+    out, lse = plan.run(to_device(q), to_device(k), to_device(v),
+                        cupy.asarray([500, 77], cupy.int32))
+    assert_out_close(out, ref[0], OUT_TOL["float16"], context(seed))
+    assert_lse_close(lse, ref[1], LSE_TOL["float16"], context(seed))
