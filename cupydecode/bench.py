@@ -1080,3 +1080,119 @@ def plot_rows(rows: list[dict], path: str, title: str = "") -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+# ---------------------------------------------------------------------------- several GPUs
+
+def gpu_counts(most: int) -> list[int]:
+    """The rank counts of a scaling table up to ``most``: 1, the powers of two below, ``most``."""
+    return sorted({1, most} | {1 << i for i in range(most.bit_length()) if 1 << i <= most})
+
+
+def _shard_inputs(spec: dict, ranks: int, rank: int):
+    """Rank ``rank``'s piece of a sharded decode step: q (the same on every rank), its contiguous
+    shard of each sequence's tokens ([r·S, (r+1)·S) ∩ [0, seqlen), S = ceil(seqlen / ranks)),
+    the shard's lengths and the tokens after it (device arrays, fresh random values)."""
+    import cupy
+
+    b, n, h, hk, d = (spec[x] for x in ("batch", "seqlen", "num_heads", "num_kv_heads",
+                                         "head_dim"))
+    per = -(-n // ranks)
+    lo, hi = min(n, rank * per), min(n, (rank + 1) * per)
+    rs = cupy.random.RandomState(spec["seed"])
+    q = rs.standard_normal((b, h, d), cupy.float32).astype(spec["dtype"])
+    rs = cupy.random.RandomState(spec["seed"] + 1 + rank)
+    k = rs.standard_normal((b, max(1, per), hk, d), cupy.float32).astype(spec["dtype"])
+    v = rs.standard_normal((b, max(1, per), hk, d), cupy.float32).astype(spec["dtype"])
+    lens = cupy.full(b, hi - lo, cupy.int32)
+    after = cupy.full(b, n - hi, cupy.int32)
+    return q, k, v, lens, after
+
+
+class _TimedComm:
+    """A communicator that adds each all-gather's wall time (host to completion) to ``spent``."""
+
+    def __init__(self, comm):
+        self.comm, self.rank, self.size, self.spent = comm, comm.rank, comm.size, []
+
+    def all_gather(self, send):
+        t0 = time.perf_counter()
+        recv = self.comm.all_gather(send)
+        self.spent.append(time.perf_counter() - t0)
+        return recv
+
+
+def sharded_rank_times(comm, spec: dict, steps: int) -> dict:
+    """One rank of a scaling point (run by distributed.spawn): µs per decode step of a
+    ShardedDecodePlan over this rank's shard (host to completion, median over ``steps``), of its
+    collective, and the step's output (rank 0: on the host, for the check)."""
+    import cupy
+
+    from .distributed import ShardedDecodePlan
+
+    timed = _TimedComm(comm)
+    q, k, v, lens, after = _shard_inputs(spec, comm.size, comm.rank)
+    plan = ShardedDecodePlan(timed, spec["batch"], spec["num_heads"], spec["num_kv_heads"],
+                             spec["head_dim"], k.shape[1], spec["dtype"])
+    total = []
+    for i in range(steps + 3):  # 3 to warm up
+        cupy.cuda.Device().synchronize()
+        t0 = time.perf_counter()
+        out, _ = plan.run(q, k, v, lens, after)
+        cupy.cuda.Device().synchronize()
+        total.append(time.perf_counter() - t0)
+    return {"step_us": statistics.median(total[3:]) * 1e6,
+            "collective_us": statistics.median(timed.spent[4:]) * 1e6,  # (1: the plan's own)
+            "out": cupy.asnumpy(out.astype(cupy.float32)) if comm.rank == 0 else None}
+
+
+def single_gpu_step(spec: dict, steps: int) -> tuple[float, object]:
+    """µs per step (host to completion, median) of one DecodePlan over every rank's shards
+    concatenated on this GPU, and its output (float32, host): the scaling table's yardstick."""
+    import cupy
+
+    from .decode import DecodePlan
+
+    ranks = spec["ranks"]
+    parts = [_shard_inputs(spec, ranks, r) for r in range(ranks)]
+    q = parts[0][0]
+    n = spec["seqlen"]
+    k = cupy.concatenate([p[1][:, :int(p[3][0])] for p in parts], axis=1)[:, :n]
+    v = cupy.concatenate([p[2][:, :int(p[3][0])] for p in parts], axis=1)[:, :n]
+    del parts
+    plan = DecodePlan(spec["batch"], spec["num_heads"], spec["num_kv_heads"], spec["head_dim"],
+                      n, spec["dtype"])
+    times = []
+    for _ in range(steps + 3):
+        cupy.cuda.Device().synchronize()
+        t0 = time.perf_counter()
+        out, _ = plan.run(q, k, v, n)
+        cupy.cuda.Device().synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[3:]) * 1e6, cupy.asnumpy(out.astype(cupy.float32))
+
+
+def scaling_rows(spec: dict, most: int, steps: int = 20) -> list[dict]:
+    """The scaling table of one (batch, seqlen) point: per rank count n, the step's µs (the
+    slowest rank's), the collective's µs and share, and one GPU holding the n shards together
+    (None where they do not fit): its µs, the ratio, and the merged output's relative error
+    against its output."""
+    from . import distributed as Dist
+    from .reference import relative_error
+
+    rows = []
+    for n in gpu_counts(most):
+        try:
+            single_us, single_out = single_gpu_step(dict(spec, ranks=n), steps)
+        except Exception:  # noqa: BLE001  (out of memory on one GPU: the row says so)
+            single_us, single_out = None, None
+        got = Dist.spawn(sharded_rank_times, n, dict(spec, ranks=n), steps)
+        step = max(g["step_us"] for g in got)
+        coll = max(g["collective_us"] for g in got)
+        rows.append({"gpus": n, "tokens_per_gpu": -(-spec["seqlen"] // n), "step_us": step,
+                     "collective_us": coll, "collective_share": coll / step,
+                     "single_gpu_us": single_us,
+                     "speedup": None if single_us is None else single_us / step,
+                     "rel_err": None if single_out is None
+                     else relative_error(got[0]["out"], single_out)})
+    return rows

@@ -639,10 +639,15 @@ def _forwarded_bench_args(model, dtype, seqlens, batches, splits, protocols, bas
               help="Write the rows (and device facts) to this JSON file.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), callback=_output_path,
               help="Plot µs and % of floor vs seqlen to this PNG (needs matplotlib).")
+@click.option("--gpus", type=click.IntRange(1, 64), default=None,
+              help="Sequence parallelism instead: for 1, 2, 4, … GPUS ranks (one process per "
+                   "GPU, NCCL: the nccl12/nccl13 extra), each holding a contiguous shard of every "
+                   "sequence, µs per decode step, the collective's share, and one GPU holding "
+                   "the shards together.")
 @click.pass_context
 def bench(ctx, model, head_dim, dtype, seqlens, batches, splits, protocols, processes, soft_cap,
           page_sizes, append, window, alibi, sinks, q_len, kv_dtype, kv_scale, baselines,
-          csv_path, json_path, plot_path):
+          csv_path, json_path, plot_path, gpus):
     """Time flash_decode against the HBM read floor and against baselines.
 
     Per point: floor = bytes(K+V) / read ceiling measured in this run; GPU µs per call from a
@@ -666,6 +671,7 @@ def bench(ctx, model, head_dim, dtype, seqlens, batches, splits, protocols, proc
       cupydecode bench --seqlens 131072 --batch 1,16 --window 4095 --baseline flashinfer
       cupydecode bench --kv-dtype e4m3 --baseline flashinfer        (fp8 cache, per-tensor scales)
       cupydecode bench --protocol step,back-to-back:2,back-to-back:10 --processes 3
+      cupydecode bench --gpus 8 --seqlens 1048576 --batch 1      (sequence parallelism)
     """
     from . import bench as B
 
@@ -688,6 +694,9 @@ def bench(ctx, model, head_dim, dtype, seqlens, batches, splits, protocols, proc
     p = MODELS[model]
     if head_dim is not None:
         p = dataclasses.replace(p, head_dim=head_dim)
+    if gpus is not None:
+        _bench_gpus(ctx, p, model, dtype, seqlens, batches, gpus)
+        return
     if processes > 1:
         click.echo(f"{model}: {p.num_heads} query heads, {p.num_kv_heads} KV heads, head_dim "
                    f"{p.head_dim}, {dtype}, splits {splits}; {processes} processes, protocols "
@@ -897,6 +906,41 @@ def info(ctx, compile_all):
     click.echo(f"specialisations compiled in this process: {len(specs)}")
     for s in specs:
         click.echo(f"  {s}")
+
+
+def _bench_gpus(ctx, p, model: str, dtype: str, seqlens, batches, gpus: int) -> None:
+    """bench --gpus: the scaling table of sequence parallelism at every (batch, seqlen)."""
+    from . import bench as B
+    from . import distributed as Dist
+
+    import cupy
+
+    have = cupy.cuda.runtime.getDeviceCount()
+    if gpus > have:
+        click.echo(f"error: --gpus {gpus}: this machine has {have} GPU(s)", err=True)
+        ctx.exit(EXIT_USAGE)
+    try:
+        Dist.nccl_unique_id()
+    except ImportError as exc:
+        click.echo(f"error: --gpus: {exc}", err=True)
+        ctx.exit(EXIT_USAGE)
+    click.echo(f"{model}: {p.num_heads} query heads, {p.num_kv_heads} KV heads, head_dim "
+               f"{p.head_dim}, {dtype}; sequence parallelism over 1 to {gpus} GPUs (contiguous "
+               "shards, one all-gather per step); µs per step from the host to completion")
+    click.echo(f"{'point':>14s} {'GPUs':>5s} {'tokens/GPU':>11s} {'step µs':>9s} "
+               f"{'collective µs':>14s} {'1 GPU µs':>9s} {'speedup':>8s} {'rel err':>9s}")
+    for b in batches:
+        for n in seqlens:
+            spec = dict(batch=b, seqlen=n, num_heads=p.num_heads, num_kv_heads=p.num_kv_heads,
+                        head_dim=p.head_dim, dtype=dtype, seed=fresh_seed())
+            for row in B.scaling_rows(spec, gpus):
+                single = "—" if row["single_gpu_us"] is None else f"{row['single_gpu_us']:.1f}"
+                speed = "—" if row["speedup"] is None else f"{row['speedup']:.2f}×"
+                err = "—" if row["rel_err"] is None else f"{row['rel_err']:.1e}"
+                click.echo(f"{f'{b} × {n}':>14s} {row['gpus']:>5d} {row['tokens_per_gpu']:>11d} "
+                           f"{row['step_us']:>9.1f} {row['collective_us']:>8.1f} "
+                           f"({100 * row['collective_share']:>3.0f}%) {single:>9s} {speed:>8s} "
+                           f"{err:>9s}")
 
 
 def _compile_all() -> None:

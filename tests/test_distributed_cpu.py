@@ -155,3 +155,19 @@ def test_broken_thread_group_says_so():
     assert isinstance(errors[1], RuntimeError)
     with pytest.raises(RuntimeError, match="broken by an earlier failure"):
         group.communicator(0).all_gather(np.zeros(1, np.uint8))
+
+
+def test_gpu_counts_of_a_scaling_table():
+    from cupydecode.bench import gpu_counts
+
+    assert gpu_counts(1) == [1] and gpu_counts(2) == [1, 2]
+    assert gpu_counts(8) == [1, 2, 4, 8] and gpu_counts(6) == [1, 2, 4, 6]
+
+
+def test_bench_gpus_is_checked_before_any_gpu_use():
+    from click.testing import CliRunner
+
+    from cupydecode.cli import main
+
+    result = CliRunner().invoke(main, ["bench", "--gpus", "0"])
+    assert result.exit_code == 2 and "--gpus" in result.output

@@ -218,3 +218,20 @@ def test_nccl_one_rank(cupy, rng, seed):
                         cupy.asarray([500, 77], cupy.int32))
     assert_out_close(out, ref[0], OUT_TOL["float16"], context(seed))
     assert_lse_close(lse, ref[1], LSE_TOL["float16"], context(seed))
+
+
+def test_bench_gpus_one_rank(cupy):
+    """`bench --gpus 1` on one GPU: the scaling table's row (NCCL with one rank), its output
+    against the single GPU's."""
+    try:
+        D.nccl_unique_id()
+    except Exception as exc:  # noqa: BLE001
+        pytest.skip(f"NCCL is not available through CuPy here ({type(exc).__name__}: {exc})")
+    from cupydecode.bench import scaling_rows
+
+    rows = scaling_rows(dict(batch=2, seqlen=4096, num_heads=32, num_kv_heads=8, head_dim=128,
+                             dtype="float16", seed=5), 1, steps=5)
+    assert [r["gpus"] for r in rows] == [1], rows
+    row = rows[0]
+    assert row["step_us"] > 0 and 0 < row["collective_share"] < 1, row
+    assert row["rel_err"] is not None and row["rel_err"] < 2e-3, row
