@@ -21,14 +21,16 @@ ALiBi, sinks, paged shards, every dtype and head_dim of :class:`DecodePlan`. Sli
 and several query tokens would need each shard's global positions inside the kernel: refused
 by name.
 
-Failure: a rank whose inputs fail their checks still takes part in the step's collective, with
-a status word saying so, and then every rank raises (the failing one its own error, the others
-a RuntimeError naming it) — no rank merges a partial result. A rank that never arrives (dead or
-hung) makes the others raise after ``timeout`` seconds (NCCL: the communicator is aborted).
+Failure: a rank whose step fails before the collective (a refused input, or any other error)
+still takes part in it, its header saying so, and then every rank raises (the failing one its
+own error, the others a RuntimeError naming it) — no rank merges a partial result. Headers
+carry the step's number too, so ranks that fell out of step fail alike. A rank that never
+arrives (dead or hung) makes the others raise after ``timeout`` seconds (NCCL: the
+communicator is aborted).
 
 Communicators: :class:`ThreadGroup` (ranks as threads of one process on one GPU: tests, and
-use without NCCL), :class:`NcclCommunicator` (one process per GPU, NCCL
-through CuPy, e.g. started by :func:`spawn` or mpirun). Anything with ``rank``, ``size`` and
+use without NCCL), :class:`NcclCommunicator` (one process per GPU, NCCL through CuPy, e.g.
+started by :func:`spawn` or mpirun). Anything with ``rank``, ``size`` and
 ``all_gather(send) -> (size, n)`` works. NCCL is optional: nothing here is imported by
 ``import cupydecode``.
 """
