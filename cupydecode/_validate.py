@@ -293,6 +293,28 @@ def check_head_values(x, name: str, num_heads: int, allow_host_array: bool = Tru
     return arr
 
 
+def check_tokens_after(tokens_after, batch: int, appending: bool):
+    """DecodePlan.run's ``tokens_after`` (a shard of each sequence: the tokens after it): a
+    (batch,) contiguous int32 device array on the current device, never read on the host (the
+    kernel clamps each value to [0, 2³⁰]); not with appended tokens (``appending``), which belong
+    at the sequence's end."""
+    if appending:
+        fail(ValueError, "tokens_after", "None with k_new/v_new (new tokens are appended at the "
+             "sequence's end, on the shard that holds it)", "an array")
+    if isinstance(tokens_after, (list, tuple, np.ndarray, int)):
+        fail(TypeError, "tokens_after", "a (batch,) int32 device array (it may change between "
+             "graph replays, so it is never copied from the host)", type(tokens_after).__name__)
+    arr = as_device_array(tokens_after, "tokens_after")
+    if dtype_name(arr.dtype) != "int32":
+        fail(TypeError, "tokens_after", "dtype int32", dtype_name(arr.dtype))
+    if arr.shape != (batch,):
+        fail(ValueError, "tokens_after", f"shape ({batch},)", tuple(arr.shape))
+    if batch > 1 and arr.strides[0] != 4:
+        fail(ValueError, "tokens_after", "a contiguous array", f"stride {arr.strides[0]} bytes")
+    check_same_device({"tokens_after": arr})
+    return arr
+
+
 def check_alibi_slopes(alibi_slopes, alibi: bool, num_heads: int, allow_host_array: bool = True):
     """``alibi_slopes`` (:func:`check_head_values`) against the plan: required where it was built
     with ``alibi=True``, refused otherwise."""

@@ -310,7 +310,7 @@ class DecodePlan:
                            else (self.o_part.data.ptr, self.lse_part.data.ptr))
         self._out_ptr, self._lse_ptr = self.out.data.ptr, self.lse.data.ptr
         # _launch's pointers after the inputs' when run is given none of its rare arguments
-        self._own_outputs = (self._out_ptr, self._lse_ptr, 0, 0, 0, 0)
+        self._own_outputs = (self._out_ptr, self._lse_ptr, 0, 0, 0, 0, 0)
         self._counter_ptr = 0 if self._counters is None else self._counters.data.ptr
         self._calls: dict = {}  # call_key of inputs that passed run's checks -> _prepare(...)
         self._get_stream = cupy.cuda.get_current_stream
@@ -376,7 +376,8 @@ class DecodePlan:
             block_table: ArrayLike | None = None, k_new: ArrayLike | None = None,
             v_new: ArrayLike | None = None, alibi_slopes: ArrayLike | None = None,
             sinks: ArrayLike | None = None, k_scale: float | ArrayLike | None = None,
-            v_scale: float | ArrayLike | None = None) -> tuple[cupy.ndarray, cupy.ndarray]:
+            v_scale: float | ArrayLike | None = None,
+            tokens_after: ArrayLike | None = None) -> tuple[cupy.ndarray, cupy.ndarray]:
         """Decode attention for this plan's shape; returns ``(out, lse)`` (the plan's own
         buffers unless ``out``/``lse`` are given). ``cache_seqlens``: None, an int or an int32
         device array (a plan never copies from the host). A plan built with ``page_size`` takes
@@ -391,14 +392,19 @@ class DecodePlan:
         float32 device array of sink logits (gpt-oss), any plan. A plan built with ``kv_dtype``
         takes caches of fp8 codes and their ``k_scale``, ``v_scale`` (each a float, a
         (num_kv_heads,) float32 device array, or one of the cache's leading shape +
-        (num_kv_heads,): per token, the two together; :func:`flash_decode`).
+        (num_kv_heads,): per token, the two together; :func:`flash_decode`). ``tokens_after``:
+        a (batch,) int32 device array where the cache holds one shard of each sequence
+        (sequence parallelism, :mod:`cupydecode.distributed`): sequence b has tokens_after[b]
+        more tokens after this cache's last one, which the query tokens' positions count (the
+        causal limit of several query tokens, the window, ALiBi's distances); the keys attended
+        are this cache's. Not with ``k_new``/``v_new``.
 
         Raises:
             TypeError, ValueError: inputs that do not match the plan (shape, dtype, device) or
                 are invalid, named in the message, before any launch.
         """
         args = (cache_seqlens, block_table, k_new, v_new)
-        rare = (out, lse, softmax_scale, alibi_slopes, sinks, k_scale, v_scale)
+        rare = (out, lse, softmax_scale, alibi_slopes, sinks, k_scale, v_scale, tokens_after)
         key, ptrs = V.call_key(q, k_cache, v_cache, args, rare)
         call = self._calls.get(key)  # (never stored under None: uncacheable inputs)
         checked = None  # (the checked arrays, held until launched: as in flash_decode)
@@ -414,7 +420,8 @@ class DecodePlan:
                 call = self._with_length(call, cache_seqlens, k_new is None and v_new is None)
             if len(ptrs) == _INPUT_PTRS:  # none of rare given (call_key leaves their pointers out)
                 extra = self._own_outputs
-            else:  # rare's pointers: out, lse, (the scale: none), slopes, sinks, k and v scales
+            else:  # rare's pointers: out, lse, (the scale: none), slopes, sinks, k and v scales,
+                # tokens_after
                 extra = (self._out_ptr if out is None else ptrs[_INPUT_PTRS],
                          self._lse_ptr if lse is None else ptrs[_INPUT_PTRS + 1],
                          *ptrs[_INPUT_PTRS + 3:])
@@ -426,12 +433,13 @@ class DecodePlan:
         """run's checks of its inputs (every one, in order): ``(call, pointers, extra, out,
         lse, checked)``, the call :meth:`_prepare`'s and :meth:`_launch`'s pointers of the
         arrays as the kernel takes them (q, k, v, the device lengths, the block table, k_new,
-        v_new; then ``extra``: out, lse, alibi slopes, sinks, k and v scales; 0 for none), the
+        v_new; then ``extra``: out, lse, alibi slopes, sinks, k and v scales, tokens_after; 0
+        for none), the
         checked out and lse (None: the plan's), and ``checked``, those arrays, for the caller to
         hold until they are launched; ``layout``: the inputs' ``_validate.layout_key`` where
         known."""
         cache_seqlens, block_table, k_new, v_new = args
-        out, lse, softmax_scale, alibi_slopes, sinks, k_scale, v_scale = rare
+        out, lse, softmax_scale, alibi_slopes, sinks, k_scale, v_scale, tokens_after = rare
         q, k_cache, v_cache, block_table, strides = self._check_layout(
             q, k_cache, v_cache, block_table, layout)
         if self.q_len > 1:
@@ -451,10 +459,12 @@ class DecodePlan:
             sinks = V.check_head_values(sinks, "sinks", self.num_heads, allow_host_array=False)
         scales = V.check_attention_scales(self.kv_dtype, k_scale, v_scale, k_cache,
                                           self.num_kv_heads)
+        if tokens_after is not None:
+            tokens_after = V.check_tokens_after(tokens_after, self.batch, new is not None)
         call = self._prepare(strides, seqlens, seqlen_all, scale, block_table, new, scales)
         (k_new, v_new), (k_sc, v_sc) = new[:2] if new else (None, None), _scale_arrays(scales)
         arrays = (q, k_cache, v_cache, seqlens, block_table, k_new, v_new, slopes, sinks, k_sc,
-                  v_sc)
+                  v_sc, tokens_after)
         return (call, _pointers(*arrays[:7]),
                 (self._out_ptr if out is None else out.data.ptr,
                  self._lse_ptr if lse is None else lse.data.ptr, *_pointers(*arrays[7:])),
@@ -553,13 +563,14 @@ class DecodePlan:
         return launch, (*tail[:_SEQLEN_ALL], length, *tail[_SEQLEN_ALL + 1:])
 
     def _launch(self, call, stream, ptrs, out: int, lse: int, slopes: int, sinks: int,
-                k_scale: int, v_scale: int) -> None:
+                k_scale: int, v_scale: int, tokens_after: int = 0) -> None:
         """Everything after the checks: the split kernel (which appends k_new/v_new's tokens),
         then (if split) the merge kernel, on ``stream`` (None: the current stream). ``call``:
         :meth:`_prepare`'s for inputs of this kind; ``ptrs``: the device pointers of q, k, v,
         the lengths, the block table, k_new and v_new (its first 7 items, as
         ``_validate.call_key`` gives them); the rest: the pointers of out, lse, the ALiBi slopes,
-        the sinks and the k and v scales. A pointer of 0: none (``lse``: not written)."""
+        the sinks, the k and v scales and tokens_after. A pointer of 0: none (``lse``: not
+        written)."""
         if self.batch == 0:
             return
         if stream is None:
@@ -577,7 +588,7 @@ class DecodePlan:
         launch.launch_with_tail(
             stream.ptr, (ptrs[0], ptrs[1], ptrs[2], ptrs[3], part_o, part_lse, out, lse,
                          self._counter_ptr, ptrs[4], ptrs[5], ptrs[6], slopes, sinks, k_scale,
-                         v_scale), call, tail)
+                         v_scale, tokens_after), call, tail)
         if self._merge_call is not None:
             self._merge_call(stream.ptr, part_o, part_lse, out, lse, *self._merge_static, sinks,
                              self.num_heads)
@@ -614,7 +625,8 @@ _NUM_PTRS = next((i for i, (kind, _) in enumerate(_PARAM_LIST) if kind != "PTR")
 _PARAMS_HEAD = struct.Struct("<" + "Q" * _NUM_PTRS)
 _PARAMS_TAIL = struct.Struct("<" + _PARAMS.format.lstrip("<")[_NUM_PTRS:])
 _LAUNCH_ORDER = ("q", "k", "v", "seqlens", "o_part", "lse_part", "out", "lse_out", "counters",
-                 "block_table", "k_new", "v_new", "alibi_slopes", "sinks", "k_scale", "v_scale", "q_sb", "q_sh", "k_sb", "k_ss", "k_sh", "v_sb",
+                 "block_table", "k_new", "v_new", "alibi_slopes", "sinks", "k_scale", "v_scale",
+                 "tokens_after", "q_sb", "q_sh", "k_sb", "k_ss", "k_sh", "v_sb",
                  "v_ss", "v_sh", "out_sb", "out_sh", "bt_sb", "kn_sb", "kn_ss", "kn_sh", "vn_sb",
                  "vn_ss", "vn_sh", "q_st", "out_st", "num_pages", "seqlen_all", "max_seqlen",
                  "num_heads", "group", "head_tiles", "chunk_tokens", "page_size", "scale_log2",

@@ -14,12 +14,10 @@ B · H · (D · itemsize + 4) bytes per rank, whatever the context length.
 
 Every rank passes the same q (the step's query tokens) and its own shard; ``tokens_after[b]``
 is how many of sequence b's tokens come after this rank's last one (0 on the rank holding the
-sequence's end). ALiBi counts distances from the sequence's last token: a shard's scores are
-the local ones shifted by a constant per row, applied to its LSE (reference.shard_lse). Sinks
-join once, in the merge. Supported: one query token per sequence; softmax_scale, the soft-cap,
-ALiBi, sinks, paged shards, every dtype and head_dim of :class:`DecodePlan`. Sliding windows
-and several query tokens would need each shard's global positions inside the kernel: refused
-by name.
+sequence's end). The kernel places the query tokens there (DecodePlan.run's ``tokens_after``),
+so their causal limits (several query tokens), the window and ALiBi's distances are the
+sequence's own. Sinks join once, in the merge. Every option of :class:`DecodePlan` works but
+appending (k_new, v_new: append on the rank that holds the sequence's end, before the step).
 
 Failure: a rank whose step fails before the collective (a refused input, or any other error)
 still takes part in it, its header saying so, and then every rank raises (the failing one its
@@ -44,7 +42,6 @@ import numpy as np
 
 from . import _kernels
 from . import _validate as V
-from . import reference as R
 from ._policy import DTYPE_IDS
 
 # Each rank's piece of a step's collective: a header of 4 int32 (status: 0 ok, 1 this rank
@@ -285,13 +282,12 @@ class ShardedDecodePlan:
     (the others get None; every rank still receives every piece). Every rank builds the plan
     with the same arguments but ``max_seqlen`` and ``page_size`` (checked once, collectively: a
     mismatch, or a rank whose plan fails, raises on every rank). ``num_splits``, ``split_size``,
-    ``merge``, ``page_size``, ``logits_soft_cap``, ``alibi``, ``kv_dtype``, ``tuning`` go to
-    the rank's DecodePlan. The host reads each step's headers, so a step cannot be captured in
+    ``merge``, ``page_size``, ``logits_soft_cap``, ``window_left``, ``alibi``, ``q_len``,
+    ``kv_dtype``, ``tuning`` go to the rank's DecodePlan. The host reads each step's headers, so a step cannot be captured in
     a CUDA graph."""
 
     def __init__(self, comm, batch: int, num_heads: int, num_kv_heads: int, head_dim: int,
-                 max_seqlen: int, dtype="float16", *, root: int | None = None,
-                 window_left: int | None = None, q_len: int = 1, **plan_options):
+                 max_seqlen: int, dtype="float16", *, root: int | None = None, **plan_options):
         from .decode import DecodePlan
 
         cupy = _kernels.import_cupy()
@@ -300,20 +296,14 @@ class ShardedDecodePlan:
         try:
             if root is not None:
                 V.check_int(root, "root", 0, comm.size - 1)
-            if window_left is not None and window_left != -1:
-                V.fail(ValueError, "window_left", "None across shards (a window needs each "
-                       "shard's global positions in the kernel; not supported yet)", window_left)
-            if q_len != 1:
-                V.fail(ValueError, "q_len", "1 across shards (several query tokens need each "
-                       "shard's global positions in the kernel; not supported yet)", q_len)
-            self.plan = DecodePlan(batch, num_heads, num_kv_heads, head_dim, max_seqlen, dtype,
-                                   **plan_options)
-            cap = plan_options.get("logits_soft_cap")
-            kv = plan_options.get("kv_dtype")
+            self.plan = plan = DecodePlan(batch, num_heads, num_kv_heads, head_dim, max_seqlen,
+                                          dtype, **plan_options)
+            kv = 0 if plan.kv_dtype is None else 1 + ("e4m3", "e5m2").index(plan.kv_dtype)
+            window = -1 if plan.window_left is None else plan.window_left
             sig[:] = [OK, batch, num_heads, num_kv_heads, head_dim,
-                      DTYPE_IDS[self.plan.dtype] + 8 * (0 if kv is None else 1 + ("e4m3", "e5m2").index(kv)),
-                      (-1 if root is None else root) + 16 * int(bool(plan_options.get("alibi"))),
-                      np.nan if cap is None else float(cap)]
+                      DTYPE_IDS[plan.dtype] + 8 * kv + 32 * int(plan.alibi) + 64 * plan.q_len,
+                      (-1 if root is None else root) + 1024 * (window + 1),
+                      np.nan if plan.logits_soft_cap is None else plan.logits_soft_cap]
         except Exception as exc:  # the others learn of it in the collective below
             error, sig[0] = exc, FAILED
         # every rank's plan alike: one collective now
@@ -329,12 +319,13 @@ class ShardedDecodePlan:
         differ = [r for r in range(comm.size) if not same(sigs[r], sig)]
         if differ:
             raise ValueError(f"ShardedDecodePlan: rank {comm.rank}'s plan (status, batch, "
-                             f"num_heads, num_kv_heads, head_dim, dtype, root/alibi, soft-cap) "
+                             f"num_heads, num_kv_heads, head_dim, dtype/kv_dtype/alibi/q_len, "
+                             f"root/window, soft-cap) "
                              f"{sig.tolist()} differs from ranks {differ}: "
                              f"{[sigs[r].tolist() for r in differ]}")
-        self.rows_shape = (self.plan.batch, self.plan.num_heads)
+        self.rows_shape = tuple(self.plan.lse.shape)  # (batch, [q_len,] num_heads)
         self.dtype = self.plan.out.dtype
-        self.nbytes = piece_layout(self.plan.batch * self.plan.num_heads, self.plan.head_dim,
+        self.nbytes = piece_layout(int(np.prod(self.rows_shape)), self.plan.head_dim,
                                    self.dtype.itemsize)[2]
         self._send = cupy.zeros(self.nbytes, cupy.uint8)
 
@@ -342,30 +333,21 @@ class ShardedDecodePlan:
             softmax_scale: float | None = None, alibi_slopes=None, sinks=None,
             block_table=None, k_scale=None, v_scale=None):
         """This step's attention over every rank's shard: ``(out, lse)`` (out like q, lse
-        (batch, num_heads) float32), or None on a rank other than ``root``. ``cache_seqlens``:
-        this rank's tokens of each sequence (int, or an int32 device array); ``tokens_after``:
-        (batch,) int32 device array, each sequence's tokens after this rank's shard (needed with
-        ALiBi; None: 0). ``sinks`` (num_heads,) join once, after the merge. Any error on a rank
-        fails the step on every rank (that rank raises its own, the others RuntimeError)."""
-        cupy = _kernels.import_cupy()
+        q's shape without head_dim, float32), or None on a rank other than ``root``.
+        ``cache_seqlens``: this rank's tokens of each sequence (int, or an int32 device array);
+        ``tokens_after``: (batch,) int32 device array, each sequence's tokens after this rank's
+        shard (None: 0 — only the rank holding every sequence's end may leave it out). ``sinks``
+        (num_heads,) join once, after the merge. Any error on a rank fails the step on every rank
+        (that rank raises its own, the others RuntimeError)."""
         plan, send, step = self.plan, self._send, self.step
         self.step += 1
         error = None
         try:
-            if tokens_after is not None:
-                tokens_after = V.as_device_array(tokens_after, "tokens_after")
-                V.check_shape(tokens_after, "tokens_after", (plan.batch,), f"({plan.batch},)")
-                if tokens_after.dtype != cupy.int32:
-                    V.fail(TypeError, "tokens_after", "int32", V.dtype_name(tokens_after.dtype))
-            elif alibi_slopes is not None:
-                V.fail(ValueError, "tokens_after", "each sequence's tokens after this shard "
-                       "(ALiBi counts distances from the sequence's last token)", None)
             V.check_merge_sinks(sinks, self.rows_shape)  # here, where it fails this rank alone
             out, lse = plan.run(q, k_cache, v_cache, cache_seqlens, softmax_scale=softmax_scale,
                                 alibi_slopes=alibi_slopes, block_table=block_table,
-                                k_scale=k_scale, v_scale=v_scale)
-            pack_piece(send, OK, self.comm.rank, step,
-                       R.shard_lse(lse, alibi_slopes, tokens_after, xp=cupy), out)
+                                k_scale=k_scale, v_scale=v_scale, tokens_after=tokens_after)
+            pack_piece(send, OK, self.comm.rank, step, lse, out)
         except Exception as exc:  # the others learn of it in the collective below
             error = exc
             pack_piece(send, FAILED, self.comm.rank, step)

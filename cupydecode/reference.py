@@ -121,7 +121,7 @@ def quantize_kv(x, kv_dtype: str, scale=None, xp=np):
 def attention_rows(q, k_cache, v_cache, cache_seqlens=None, softmax_scale=None,
                    batch_ids=None, kv_heads=None, xp=np, logits_soft_cap=None,
                    block_table=None, window_left=None, alibi_slopes=None, sinks=None,
-                   kv_dtype=None, k_scale=None, v_scale=None):
+                   kv_dtype=None, k_scale=None, v_scale=None, tokens_after=None):
     """Direct softmax attention in float64 for some sequences and KV heads: the one reference
     computation, with NumPy (``xp=numpy``: GPU inputs are copied to the host) or with CuPy
     (``xp=cupy``: on the GPU, for caches too large for the host reference).
@@ -137,7 +137,11 @@ def attention_rows(q, k_cache, v_cache, cache_seqlens=None, softmax_scale=None,
     With ``block_table`` (batch, max_pages_per_seq) the cache is paged, (num_pages, page_size,
     num_kv_heads, head_dim): token t of sequence b is row t % page_size of page
     block_table[b, t // page_size]; a token whose page index is outside [0, num_pages)
-    contributes nothing. ``batch_ids`` / ``kv_heads`` select what to compute (None: all).
+    contributes nothing. ``tokens_after`` (batch,): the cache holds one shard of each sequence,
+    followed by tokens_after[b] more of its tokens elsewhere (sequence parallelism): the query
+    tokens sit at L + tokens_after[b] − q_len + t, which their causal limit, the window and
+    ALiBi's distances count; only the cache's keys are attended. ``batch_ids`` / ``kv_heads``
+    select what to compute (None: all).
 
     Returns ``(out, lse)`` of xp float64 arrays of shapes (nb, nk, G, D) and (nb, nk, G) — with
     a q_len axis after nb for 4-dimensional q — with G = num_heads // num_kv_heads (the query
@@ -174,6 +178,8 @@ def attention_rows(q, k_cache, v_cache, cache_seqlens=None, softmax_scale=None,
     slopes = _per_head(alibi_slopes, num_heads, "alibi_slopes")
     sink = _per_head(sinks, num_heads, "sinks")
     lens = seqlens_array(cache_seqlens, batch, max_seqlen)
+    after = (np.zeros(batch, np.int64) if tokens_after is None
+             else np.clip(_host(tokens_after).astype(np.int64).reshape(batch), 0, 2**30))
     batch_ids = list(range(batch)) if batch_ids is None else list(batch_ids)
     kv_heads = list(range(num_kv_heads)) if kv_heads is None else list(kv_heads)
     heads = np.asarray(kv_heads)[:, None] * group + np.arange(group)[None, :]  # (nk, G) ids
@@ -187,7 +193,7 @@ def attention_rows(q, k_cache, v_cache, cache_seqlens=None, softmax_scale=None,
             if sink_h is not None:
                 lse[i] = sink_h[None]
             continue
-        pos = n - q_len + np.arange(q_len)                  # the query tokens' positions
+        pos = n + after[b] - q_len + np.arange(q_len)       # the query tokens' positions
         j = np.arange(n)
         attend = j[None, :] <= pos[:, None]                 # (q_len, n): causal
         if window is not None:
@@ -344,7 +350,7 @@ def append_kv(k_cache, v_cache, cache_seqlens, k_new, v_new, block_table=None, x
 def decode_attention(q, k_cache, v_cache, cache_seqlens=None, softmax_scale=None,
                      logits_soft_cap=None, block_table=None, k_new=None, v_new=None,
                      window_left=None, alibi_slopes=None, sinks=None, kv_dtype=None,
-                     k_scale=None, v_scale=None):
+                     k_scale=None, v_scale=None, tokens_after=None):
     """Direct softmax attention in float64 (NumPy): returns ``(out, lse)``.
 
     q (batch, num_heads, head_dim), or (batch, q_len, num_heads, head_dim) for several query
@@ -359,6 +365,9 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens=None, softmax_scale=None
     """
     if (k_new is None) != (v_new is None):
         raise ValueError("k_new and v_new: expected both or neither")
+    if k_new is not None and tokens_after is not None:
+        raise ValueError("tokens_after: expected None with k_new/v_new (new tokens belong at the "
+                         "sequence's end)")
     if k_new is not None:
         k_new, v_new = (x[:, None] if np.ndim(x) == 3 else x for x in (k_new, v_new))
         q_len = 1 if np.ndim(q) == 3 else q.shape[1]
@@ -373,7 +382,8 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens=None, softmax_scale=None
     out, lse = attention_rows(q, k_cache, v_cache, cache_seqlens, softmax_scale,
                               logits_soft_cap=logits_soft_cap, block_table=block_table,
                               window_left=window_left, alibi_slopes=alibi_slopes, sinks=sinks,
-                              kv_dtype=kv_dtype, k_scale=k_scale, v_scale=v_scale)
+                              kv_dtype=kv_dtype, k_scale=k_scale, v_scale=v_scale,
+                              tokens_after=tokens_after)
     lead = out.shape[:-3]                                   # (batch,) or (batch, q_len)
     return (out.reshape(*lead, -1, out.shape[-1]), lse.reshape(*lead, -1))
 
@@ -432,20 +442,6 @@ def merge_states(o_parts, lse_parts, sinks=None) -> tuple[np.ndarray, np.ndarray
         merged = merged * np.where(live, np.exp(out_lse - with_sink), 0.0)[..., None]
         out_lse = with_sink
     return merged, out_lse
-
-
-def shard_lse(lse, alibi_slopes, tokens_after, xp=np):
-    """A shard's LSE with ALiBi's distance counted from the sequence's last token, not the
-    shard's (sequence parallelism, :mod:`cupydecode.distributed`): a shard whose last key has
-    ``tokens_after[b]`` more tokens of sequence b after it scores each key
-    slope_h · tokens_after[b] lower than a decode over the shard alone, a constant per row, which
-    moves the row's LSE and leaves its normalised output as it is. ``lse`` (batch, num_heads),
-    ``alibi_slopes`` (num_heads,) or None (no change), ``tokens_after`` (batch,)."""
-    if alibi_slopes is None:
-        return lse
-    slopes = xp.asarray(alibi_slopes, dtype=xp.float64 if xp is np else lse.dtype)
-    after = xp.asarray(tokens_after).astype(slopes.dtype)
-    return lse - (after[:, None] * slopes[None, :]).astype(lse.dtype)
 
 
 def relative_error(x, ref) -> float:

@@ -28,6 +28,7 @@
     X(PTR, const float*, sinks)      /* (num_heads,) float32 sink logits (natural log), or null */ \
     X(PTR, float*, k_scale)          /* fp8 KV: (kv heads,) or per token (KV_SCALE_TOKEN), or null */ \
     X(PTR, float*, v_scale)                                                                   \
+    X(PTR, const int*, tokens_after) /* (batch,) each sequence's tokens after this cache's, or null */ \
     X(I64, long long, q_sb)          /* strides, in elements */                               \
     X(I64, long long, q_sh)                                                                   \
     X(I64, long long, k_sb)                                                                   \

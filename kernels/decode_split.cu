@@ -333,7 +333,7 @@ struct cd_score_params {
     float cap_in;      // SOFT_CAP: 2·log2(e) · scale / c
     float cap_out;     // SOFT_CAP: c · log2(e)
     const float* __restrict__ slopes;  // ALIBI: (num_heads,) slopes
-    int pos;           // the position of query token 0: seqlen − q_len (ALIBI, MULTI_Q)
+    int pos;           // query token 0's position: seqlen − q_len (+ tokens_after) (ALIBI, MULTI_Q)
     int last_head;     // ALIBI: num_heads − 1 (a block's padding rows read the last slope)
 };
 __device__ __forceinline__ float cd_raw_score(float qk, const cd_score_params& sp) {
@@ -556,6 +556,14 @@ static_assert(cd_falling_alignment({CD_DECODE_PARAMS(CD_PARAM_ALIGN)}) &&
                   sizeof(cd_decode_params) == (0 CD_DECODE_PARAMS(CD_PARAM_SIZE) + 7) / 8 * 8,
               "cd_decode_params: the list must keep falling alignment (no padding)");
 
+// Sequence parallelism (cupydecode.distributed): this cache may hold one shard of each sequence,
+// with tokens_after[b] more of sequence b's tokens after its last key here (null: none). The query
+// tokens' positions count them, and so do the window and ALiBi's distances; the keys read are
+// still this cache's [0, seqlen). Clamped to [0, 2³⁰]: a position stays an int.
+__device__ __forceinline__ int cd_tokens_after(const int* tokens_after, int b) {
+    return tokens_after ? min(max(tokens_after[b], 0), 1 << 30) : 0;
+}
+
 // One block per SM by design for G ≤ 16 (its shared memory alone fills most of an SM), so the
 // register budget is the whole SM's: stated as minBlocks = 1, ptxas no longer caps 256-thread
 // shapes at 128 registers (head_dim 64 spilled 24 bytes there) or spills the float32 path. (Some
@@ -635,14 +643,17 @@ cd_decode_split(const cd_decode_params p) {
     seqlen = max(0, min(seqlen, max_seqlen));
     const int new_lo = seqlen;
     seqlen += min(p.n_new, max_seqlen - seqlen);
-    // A window (window_left W ≥ 0) keeps the keys [seqlen − 1 − W, seqlen): the splits cover only
-    // those (the host sizes them from min(max_seqlen, W + 1)), so nothing before is read at all.
-    // (MULTI_Q: from the first query token's window, seqlen − q_len − W; each row masks the rest)
-    const int lo = p.window_left >= 0 ? max(0, seqlen - q_len - p.window_left) : 0;
+    // Query token 0's position: seqlen − q_len, or past this cache's keys where it holds a shard
+    // of the sequence (cd_tokens_after).
+    const int qpos = seqlen + cd_tokens_after(p.tokens_after, b) - q_len;
+    // A window (window_left W ≥ 0) keeps the keys [qpos + q_len − 1 − W, seqlen): the splits cover
+    // only those (the host sizes them from min(max_seqlen, W + 1)), so nothing before is read at
+    // all. (MULTI_Q: from the first query token's window, qpos − W; each row masks the rest)
+    const int lo = p.window_left >= 0 ? min(seqlen, max(0, qpos - p.window_left)) : 0;
     const int chunk_start = lo + split * chunk_tokens;
     const int chunk_end = min(chunk_start + chunk_tokens, seqlen);
     const cd_score_params score_params{scale_log2, chunk_end, p.soft_cap_in, p.soft_cap_out,
-                                       p.alibi_slopes, seqlen - q_len, num_heads - 1};
+                                       p.alibi_slopes, qpos, num_heads - 1};
 
     float* sm_acc = reinterpret_cast<float*>(smem + Q_BYTES);                // aliases the ring
     float* sm_m = reinterpret_cast<float*>(smem + Q_BYTES + BODY_BYTES);
@@ -1647,7 +1658,8 @@ cd_decode_split(const cd_decode_params p) {
     __syncthreads();
     if (!s_last) return;
     // the tokens the splits cover: seqlen − lo (recomputed: no register held through the loop)
-    const int covered = p.window_left >= 0 ? min(seqlen, p.window_left + q_len) : seqlen;
+    const int covered = p.window_left >= 0
+        ? max(0, min(seqlen, p.window_left + q_len - cd_tokens_after(p.tokens_after, b))) : seqlen;
     const int live_splits = min(num_splits, (covered + chunk_tokens - 1) / chunk_tokens);
     const long long state_rows = (long long)batch * q_len * num_heads;
     // One warp per pass of a row (32 lanes × MERGE_NV elements). merge="auto" picks this merge

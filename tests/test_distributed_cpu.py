@@ -21,37 +21,50 @@ from hypothesis import strategies as st  # noqa: E402
 
 
 @settings(max_examples=40, deadline=None)
-@given(seed=st.integers(0, 2**32 - 1), ranks=st.integers(1, 5),
-       options=st.sampled_from(["plain", "alibi", "sinks", "cap", "all"]))
-def test_shards_merge_to_the_whole(seed, ranks, options):
+@given(seed=st.integers(0, 2**32 - 1), ranks=st.integers(1, 5), q_len=st.sampled_from([1, 3]),
+       options=st.sampled_from(["plain", "alibi", "sinks", "cap", "window", "all"]))
+def test_shards_merge_to_the_whole(seed, ranks, q_len, options):
+    """Any cut of each sequence into per-rank shards (empty ones too), each attended with its
+    tokens after it counted in the query tokens' positions (tokens_after), merged through the
+    LSEs with the sinks once: the whole sequence's attention, with ALiBi, a window, the soft-cap
+    and several query tokens (causal across the cuts)."""
     rng = np.random.default_rng(seed)
     batch, heads, kv_heads, dim, cap = 3, 8, 2, 16, 60
     lens = [int(rng.integers(0, cap + 1)) for _ in range(batch)]
-    q = rng.standard_normal((batch, heads, dim)) * 2
+    q = rng.standard_normal((batch, q_len, heads, dim) if q_len > 1 else (batch, heads, dim)) * 2
     k = rng.standard_normal((batch, cap, kv_heads, dim))
     v = rng.standard_normal((batch, cap, kv_heads, dim))
     # each sequence cut at random points (shards may be empty), rank order = token order
     cuts = [sorted([0, n, *rng.integers(0, n + 1, ranks - 1)]) for n in lens]
-    opts = {"alibi": {"alibi_slopes": alibi_slopes(heads)}, "cap": {"logits_soft_cap": 5.0},
-            "sinks": {}, "plain": {},
-            "all": {"alibi_slopes": alibi_slopes(heads), "logits_soft_cap": 5.0}}[options]
+    slopes = alibi_slopes(heads)
+    opts = {"alibi": {"alibi_slopes": slopes}, "cap": {"logits_soft_cap": 5.0}, "sinks": {},
+            "plain": {}, "window": {"window_left": 9},
+            "all": {"alibi_slopes": slopes, "logits_soft_cap": 5.0, "window_left": 20}}[options]
     sinks = sink_logits(heads, seed) if options in ("sinks", "all") else None
     whole = R.decode_attention(q, k, v, lens, sinks=sinks, **opts)
     o_parts, lse_parts = [], []
     for kr, vr, n, after in shard(k, v, lens, cuts):
-        o, lse = R.decode_attention(q, kr, vr, n, **opts)
+        o, lse = R.decode_attention(q, kr, vr, n, tokens_after=after, **opts)
         o_parts.append(o)
-        lse_parts.append(R.shard_lse(lse, opts.get("alibi_slopes"), after))
+        lse_parts.append(lse)
     out, lse = R.merge_states(np.stack(o_parts), np.stack(lse_parts), sinks=sinks)
     np.testing.assert_allclose(out, whole[0], rtol=1e-9, atol=1e-12)
     np.testing.assert_allclose(lse, whole[1], rtol=1e-12, atol=1e-12)
 
 
-def test_shard_lse_moves_only_alibi_rows():
-    lse = np.zeros((2, 4))
-    assert R.shard_lse(lse, None, [5, 0]) is lse
-    got = R.shard_lse(lse, np.asarray([1.0, 0.5, 0.25, 0.0]), np.asarray([2, 0]))
-    np.testing.assert_array_equal(got, [[-2.0, -1.0, -0.5, 0.0], [0.0, 0.0, 0.0, 0.0]])
+def test_tokens_after_moves_the_query_positions():
+    """A cache of 5 keys with 3 tokens after it: the query sits at position 7, so a window of 2
+    keeps nothing of it (keys 5..7 are elsewhere) and ALiBi charges key j 7 − j."""
+    rng = np.random.default_rng(1)
+    q, k, v = (rng.standard_normal(s) for s in ((1, 2, 4), (1, 5, 1, 4), (1, 5, 1, 4)))
+    out, lse = R.decode_attention(q, k, v, [5], window_left=2, tokens_after=[3])
+    assert np.all(out == 0) and np.all(np.isneginf(lse))
+    slopes = np.asarray([0.5, 0.25])
+    got = R.decode_attention(q, k, v, [5], alibi_slopes=slopes, tokens_after=[3])[1]
+    plain = R.decode_attention(q, k, v, [5], alibi_slopes=slopes)[1]
+    np.testing.assert_allclose(got, plain - 3 * slopes[None, :], rtol=1e-12)
+    with pytest.raises(ValueError, match=r"^tokens_after: expected None with k_new"):
+        R.decode_attention(q, k, v, [4], k_new=k[:, :1], v_new=v[:, :1], tokens_after=[1])
 
 
 def _run_ranks(group, fn):

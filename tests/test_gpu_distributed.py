@@ -184,19 +184,96 @@ def test_plans_that_differ_are_refused_on_every_rank(cupy):
         assert isinstance(errors[r], RuntimeError) and "ranks [1] failed" in str(errors[r]), errors
 
 
-def test_unsupported_options_refused_by_name(cupy):
-    group = D.ThreadGroup(1)
-    with pytest.raises(ValueError, match=r"^window_left: expected None across shards"):
-        D.ShardedDecodePlan(group.communicator(0), 1, 8, 2, 64, 100, window_left=10)
-    with pytest.raises(ValueError, match=r"^q_len: expected 1 across shards"):
-        D.ShardedDecodePlan(group.communicator(0), 1, 8, 2, 64, 100, q_len=2)
-    plan = D.ShardedDecodePlan(group.communicator(0), 1, 8, 2, 64, 100, alibi=True)
-    q = cupy.ones((1, 8, 64), cupy.float16)
-    k = cupy.ones((1, 100, 2, 64), cupy.float16)
-    with pytest.raises(ValueError, match=r"^tokens_after: expected each sequence's tokens"):
-        plan.run(q, k, k, 10, alibi_slopes=cupy.ones(8, cupy.float32))
-    with pytest.raises(TypeError, match=r"^tokens_after: expected int32"):
-        plan.run(q, k, k, 10, cupy.zeros(1, cupy.int64), alibi_slopes=cupy.ones(8, cupy.float32))
+def test_tokens_after_refused_by_name(cupy):
+    """DecodePlan.run's tokens_after: an int32 device array of (batch,), not with an append;
+    the context is healthy afterwards (a valid call)."""
+    plan = cupydecode.DecodePlan(2, 8, 2, 64, 100, "float16")
+    q = cupy.ones((2, 8, 64), cupy.float16)
+    k = cupy.ones((2, 100, 2, 64), cupy.float16)
+    for bad, kind, what in (([1, 2], TypeError, "a (batch,) int32 device array"),
+                            (cupy.zeros(2, cupy.int64), TypeError, "dtype int32"),
+                            (cupy.zeros(3, cupy.int32), ValueError, r"shape \(2,\)"),
+                            (cupy.zeros(4, cupy.int32)[::2], ValueError, "a contiguous array")):
+        with pytest.raises(kind, match=rf"^tokens_after: expected {what}"):
+            plan.run(q, k, k, 10, tokens_after=bad)
+    new = cupy.ones((2, 2, 64), cupy.float16)
+    with pytest.raises(ValueError, match=r"^tokens_after: expected None with k_new"):
+        plan.run(q, k, k, 10, k_new=new, v_new=new, tokens_after=cupy.zeros(2, cupy.int32))
+    out, _ = plan.run(q, k, k, 10, tokens_after=cupy.asarray([0, 5], cupy.int32))
+    assert bool(cupy.allclose(out, 1.0))
+
+
+@pytest.mark.parametrize("q_len", [1, 4])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_tokens_after_matches_reference(cupy, rng, seed, dtype, q_len):
+    """A cache holding one shard of each sequence, with tokens after it (0, a few, more than
+    the window, past 2^31 clamped): the query tokens' positions, the window, ALiBi and the causal
+    limits of several query tokens count them; every merge mode, contiguous and paged."""
+    batch, heads, kv_heads, dim, cap = 4, 16, 4, 128, 1500
+    lens = [1500, 300, 0, 777]
+    after = np.asarray([0, 3, 2000, 2**31 - 1], np.int64)
+    shape = (batch, q_len, heads, dim) if q_len > 1 else (batch, heads, dim)
+    q = randn(rng, shape, dtype, 3.0)
+    k = nan_tail(randn(rng, (batch, cap, kv_heads, dim), dtype), lens)
+    v = nan_tail(randn(rng, (batch, cap, kv_heads, dim), dtype), lens)
+    slopes = alibi_slopes(heads)
+    d_after = cupy.asarray(after.astype(np.int32))
+    for options in ({}, {"window_left": 400}, {"alibi": True, "logits_soft_cap": 30.0,
+                                                 "window_left": 1000}):
+        ref_opts = {"alibi_slopes": slopes} if options.get("alibi") else {}
+        ref_opts.update({n: options[n] for n in ("window_left", "logits_soft_cap") if n in options})
+        ref = R.decode_attention(q, k, v, lens, tokens_after=np.minimum(after, 2**30), **ref_opts)
+        run_opts = {"alibi_slopes": cupy.asarray(slopes)} if options.get("alibi") else {}
+        ctx = context(seed, dtype=dtype, q_len=q_len, options=sorted(options))
+        for mode in ({"num_splits": 1}, {"num_splits": 5, "merge": "fused"},
+                     {"num_splits": 5, "merge": "kernel"}, {}):
+            plan = cupydecode.DecodePlan(batch, heads, kv_heads, dim, cap, dtype, q_len=q_len,
+                                         **options, **mode)
+            out = cupy.full(shape, np.nan, to_device(q).dtype)
+            lse = cupy.full(shape[:-1], np.nan, cupy.float32)
+            plan.run(to_device(q), to_device(k), to_device(v), cupy.asarray(lens, cupy.int32),
+                     out=out, lse=lse, tokens_after=d_after, **run_opts)
+            assert_out_close(out, ref[0], OUT_TOL[dtype], f"{mode} {ctx}")
+            assert_lse_close(lse, ref[1], LSE_TOL[dtype], f"{mode} {ctx}")
+    kp, vp, table = to_paged(rng, k, v, 16)
+    plan = cupydecode.DecodePlan(batch, heads, kv_heads, dim, cap, dtype, q_len=q_len,
+                                 page_size=16, window_left=400)
+    ref = R.decode_attention(q, k, v, lens, tokens_after=np.minimum(after, 2**30), window_left=400)
+    out, lse = plan.run(to_device(q), to_device(kp), to_device(vp), cupy.asarray(lens, cupy.int32),
+                        block_table=cupy.asarray(table), tokens_after=d_after)
+    assert_out_close(out, ref[0], OUT_TOL[dtype], f"paged {context(seed)}")
+    assert_lse_close(lse, ref[1], LSE_TOL[dtype], f"paged {context(seed)}")
+
+
+@pytest.mark.parametrize("q_len", [1, 3])
+def test_shards_with_a_window_and_query_tokens(cupy, rng, seed, q_len):
+    """Sequence parallelism with a window and several query tokens (each causal to its own
+    position across the cuts): the sharded result equals the whole sequence's."""
+    batch, heads, kv_heads, dim, cap, ranks = 3, 16, 4, 128, 2500, 3
+    lens = [2500, 900, 40]
+    shape = (batch, q_len, heads, dim) if q_len > 1 else (batch, heads, dim)
+    q = randn(rng, shape, "float16")
+    k = nan_tail(randn(rng, (batch, cap, kv_heads, dim), "float16"), lens)
+    v = nan_tail(randn(rng, (batch, cap, kv_heads, dim), "float16"), lens)
+    cuts = [sorted([0, n, *rng.integers(0, n + 1, ranks - 1)]) for n in lens]
+    slopes = alibi_slopes(heads)
+    ref = R.decode_attention(q, k, v, lens, window_left=700, alibi_slopes=slopes)
+    shards = shard(k, v, lens, cuts)
+
+    def step(r, comm):
+        kr, vr, n, after = shards[r]
+        plan = D.ShardedDecodePlan(comm, batch, heads, kv_heads, dim, kr.shape[1], "float16",
+                                   window_left=700, alibi=True, q_len=q_len)
+        return plan.run(to_device(q), to_device(kr), to_device(vr),
+                        cupy.asarray(n.astype(np.int32)), cupy.asarray(after.astype(np.int32)),
+                        alibi_slopes=cupy.asarray(slopes))
+
+    results, errors = _ranks(ranks, step)
+    assert errors == [None] * ranks, errors
+    for r, (out, lse) in enumerate(results):
+        ctx = context(seed, q_len=q_len, cuts=cuts, rank=r)
+        assert_out_close(out, ref[0], OUT_TOL["float16"], ctx)
+        assert_lse_close(lse, ref[1], LSE_TOL["float16"], ctx)
 
 
 def test_nccl_one_rank(cupy, rng, seed):

@@ -56,19 +56,19 @@ def test_merge_kernel_parameters_match_prepared_launch():
 def test_split_kernel_parameters_are_declared_once():
     """struct cd_decode_params is built from the list in kernels/decode_params.cuh, and the host
     packs that same list (decode._PARAMS, in the order _launch passes the values): the packing
-    of the fields: 16 pointers (ALiBi's slopes, the sinks and the fp8 scales last), 19 int64
-    strides (k_new's and v_new's, then q's and out's token strides last), 8 int32, a float32, an
-    int32, the soft-cap's two float32, n_new, window_left, seqlens_64, table_64, q_len and the
-    fp8 per-tensor scales (last). 356 bytes, padded to 360 (a whole number of 8-byte words), all
-    inside the buffer
+    of the fields: 17 pointers (ALiBi's slopes, the sinks, the fp8 scales and tokens_after
+    last), 19 int64 strides (k_new's and v_new's, then q's and out's token strides last), 8
+    int32, a float32, an int32, the soft-cap's two float32, n_new, window_left, seqlens_64,
+    table_64, q_len and the fp8 per-tensor scales (last). 364 bytes, padded to 368 (a whole
+    number of 8-byte words), all inside the buffer
     StructLaunch packs into (whole 8-byte words). The list keeps falling alignment, which the
     kernel asserts (cd_falling_alignment)."""
     from cupydecode.decode import _LAUNCH_ORDER, _PARAM_LIST, _PARAMS  # imports no CuPy
 
-    assert (_PARAMS.format == "<" + "Q" * 16 + "q" * 19 + "i" * 8 + "fiffiiiiiff"
-            and _PARAMS.size == 356)
+    assert (_PARAMS.format == "<" + "Q" * 17 + "q" * 19 + "i" * 8 + "fiffiiiiiff"
+            and _PARAMS.size == 364)
     assert _LAUNCH_ORDER[-3:] == ("q_len", "k_scale_all", "v_scale_all")
-    assert -(-_PARAMS.size // 8) * 8 == 360
+    assert -(-_PARAMS.size // 8) * 8 == 368
     rank = {"PTR": 8, "I64": 8, "I32": 4, "F32": 4}
     sizes = [rank[kind] for kind, _ in _PARAM_LIST]
     assert sizes == sorted(sizes, reverse=True), _PARAM_LIST

@@ -85,7 +85,7 @@ def test_launch_with_tail_packs_the_tail_only_when_its_key_changes(captured):
     the bytes the driver gets are those of the whole list packed at once (decode._PARAMS)."""
     from cupydecode.decode import _NUM_PTRS, _PARAMS_HEAD, _PARAMS_TAIL
 
-    assert _NUM_PTRS == 16 and _PARAMS_HEAD.size + _PARAMS_TAIL.size == _PARAMS.size
+    assert _NUM_PTRS == 17 and _PARAMS_HEAD.size + _PARAMS_TAIL.size == _PARAMS.size
     launch = _kernels.StructLaunch(_FakeKernel(), (8, 16, 2), (128, 1, 1), 4096, _PARAMS_HEAD,
                                    tail=_PARAMS_TAIL)
     v1, v2, v3 = _values(1), _values(2), _values(3)
