@@ -417,7 +417,8 @@ class DecodePlan:
                 self._calls[key] = call
         else:
             if type(cache_seqlens) is int:  # (its value is not in the key)
-                call = self._with_length(call, cache_seqlens, k_new is None and v_new is None)
+                call = self._with_length(call, cache_seqlens, k_new is None and v_new is None
+                                         and tokens_after is None)
             if len(ptrs) == _INPUT_PTRS:  # none of rare given (call_key leaves their pointers out)
                 extra = self._own_outputs
             else:  # rare's pointers: out, lse, (the scale: none), slopes, sinks, k and v scales,
@@ -442,8 +443,9 @@ class DecodePlan:
         out, lse, softmax_scale, alibi_slopes, sinks, k_scale, v_scale, tokens_after = rare
         q, k_cache, v_cache, block_table, strides = self._check_layout(
             q, k_cache, v_cache, block_table, layout)
-        if self.q_len > 1:
-            V.check_lengths_fit(cache_seqlens, self.q_len if k_new is None and v_new is None else 1)
+        if self.q_len > 1:  # (a shard's query tokens are after it: tokens_after)
+            in_cache = k_new is None and v_new is None and tokens_after is None
+            V.check_lengths_fit(cache_seqlens, self.q_len if in_cache else 1)
         # (inputs that passed are on the current device, which is then the plan's)
         seqlens, seqlen_all = V.check_seqlens(cache_seqlens, self.batch, self.max_seqlen,
                                               allow_host_array=False, device=self.device_id)
@@ -550,9 +552,9 @@ class DecodePlan:
 
     def _with_length(self, call, length: int, tokens_in_cache: bool) -> tuple:
         """``call`` (:meth:`_prepare`'s) for an int ``cache_seqlens`` of ``length``, checked
-        as the full checks do (``tokens_in_cache``: no k_new/v_new, so several query tokens
-        must be in the cache already): itself where the length is the one it was prepared
-        with, else a copy with that length."""
+        as the full checks do (``tokens_in_cache``: no k_new/v_new nor tokens_after, so several
+        query tokens must be in the cache already): itself where the length is the one it was
+        prepared with, else a copy with that length."""
         if self.q_len > 1 or not 0 <= length <= self.max_seqlen:  # (the checks' refusals)
             if self.q_len > 1:
                 V.check_lengths_fit(length, self.q_len if tokens_in_cache else 1)

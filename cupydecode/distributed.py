@@ -336,13 +336,18 @@ class ShardedDecodePlan:
         q's shape without head_dim, float32), or None on a rank other than ``root``.
         ``cache_seqlens``: this rank's tokens of each sequence (int, or an int32 device array);
         ``tokens_after``: (batch,) int32 device array, each sequence's tokens after this rank's
-        shard (None: 0 — only the rank holding every sequence's end may leave it out). ``sinks``
+        shard (None: 0; required with ALiBi, a window or several query tokens). ``sinks``
         (num_heads,) join once, after the merge. Any error on a rank fails the step on every rank
         (that rank raises its own, the others RuntimeError)."""
         plan, send, step = self.plan, self._send, self.step
         self.step += 1
         error = None
         try:
+            if (tokens_after is None and self.comm.size > 1
+                    and (plan.alibi or plan.window_left is not None or plan.q_len > 1)):
+                V.fail(ValueError, "tokens_after", "each sequence's tokens after this rank's "
+                       "shard (zeros on the rank holding the sequences' ends): with ALiBi, a "
+                       "window or several query tokens the positions count them", None)
             V.check_merge_sinks(sinks, self.rows_shape)  # here, where it fails this rank alone
             out, lse = plan.run(q, k_cache, v_cache, cache_seqlens, softmax_scale=softmax_scale,
                                 alibi_slopes=alibi_slopes, block_table=block_table,

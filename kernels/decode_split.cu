@@ -305,8 +305,8 @@ __device__ __forceinline__ float warp_sum16(float x) {
 #endif
 // MULTI_Q (0 or 1): q_len > 1 query tokens per sequence (verifying draft tokens). A KV head's
 // query rows are then its q_len × G (token, head) pairs: row vr = t·G + h of KV head u is query
-// head u·G + h of token t, which sits at position seqlen − q_len + t and attends the keys up to
-// it (causal, aligned to the end), and with a window only the last W + 1 of those. Every path
+// head u·G + h of token t, which sits at position seqlen − q_len + t (+ tokens_after: a shard)
+// and attends the keys up to it (causal, aligned to the end), and with a window only the last W + 1 of those. Every path
 // takes these rows as it takes the G heads of one token (the host sizes tiles by q_len · G);
 // only the score hook (each row's own key range and position), the Q load and the epilogue's
 // addresses know the pairs. Without it (one token) the code is what it was.
@@ -354,7 +354,7 @@ __device__ __forceinline__ float score_mod(float qk, int key, int row,
     return key < sp.chunk_end ? s : CD_NEG_INF;
 }
 #if MULTI_Q
-// MULTI_Q: a query row's own keys [lo, hi] — up to its position seqlen − q_len + t and, with a
+// MULTI_Q: a query row's own keys [lo, hi] — up to its position (sp.pos + t) and, with a
 // window W, from its position − W — within the chunk, and its ALiBi slope (log2 units) and
 // position: computed once per row (qmask_of), out of the tile loop, so that each score costs
 // two compares.

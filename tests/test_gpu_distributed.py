@@ -190,7 +190,7 @@ def test_tokens_after_refused_by_name(cupy):
     plan = cupydecode.DecodePlan(2, 8, 2, 64, 100, "float16")
     q = cupy.ones((2, 8, 64), cupy.float16)
     k = cupy.ones((2, 100, 2, 64), cupy.float16)
-    for bad, kind, what in (([1, 2], TypeError, "a (batch,) int32 device array"),
+    for bad, kind, what in (([1, 2], TypeError, r"a \(batch,\) int32 device array"),
                             (cupy.zeros(2, cupy.int64), TypeError, "dtype int32"),
                             (cupy.zeros(3, cupy.int32), ValueError, r"shape \(2,\)"),
                             (cupy.zeros(4, cupy.int32)[::2], ValueError, "a contiguous array")):
@@ -210,8 +210,11 @@ def test_tokens_after_matches_reference(cupy, rng, seed, dtype, q_len):
     the window, past 2^31 clamped): the query tokens' positions, the window, ALiBi and the causal
     limits of several query tokens count them; every merge mode, contiguous and paged."""
     batch, heads, kv_heads, dim, cap = 4, 16, 4, 128, 1500
+    # 150 after 1500 keys: a window of 400 or 1000 covers part of the shard (the splits before
+    # its first key empty); 2000 after none; 2^31 − 1 (clamped to 2^30) after 777: no key in
+    # any window
     lens = [1500, 300, 0, 777]
-    after = np.asarray([0, 3, 2000, 2**31 - 1], np.int64)
+    after = np.asarray([150, 3, 2000, 2**31 - 1], np.int64)
     shape = (batch, q_len, heads, dim) if q_len > 1 else (batch, heads, dim)
     q = randn(rng, shape, dtype, 3.0)
     k = nan_tail(randn(rng, (batch, cap, kv_heads, dim), dtype), lens)
@@ -312,3 +315,21 @@ def test_bench_gpus_one_rank(cupy):
     row = rows[0]
     assert row["step_us"] > 0 and 0 < row["collective_share"] < 1, row
     assert row["rel_err"] is not None and row["rel_err"] < 2e-3, row
+
+
+def test_a_shard_shorter_than_the_query_tokens(cupy, rng, seed):
+    """With tokens_after, a shard may hold fewer keys than q_len (the query tokens are on
+    another rank): an int length of 2 with q_len 4 is taken, and equals the reference."""
+    q = randn(rng, (2, 4, 8, 64), "float16")
+    k = randn(rng, (2, 10, 2, 64), "float16")
+    v = randn(rng, (2, 10, 2, 64), "float16")
+    plan = cupydecode.DecodePlan(2, 8, 2, 64, 10, "float16", q_len=4, window_left=6)
+    after = np.asarray([5, 1], np.int32)
+    ref = R.decode_attention(q, k, v, 2, window_left=6, tokens_after=after)
+    for _ in range(2):  # the second through the remembered call
+        out, lse = plan.run(to_device(q), to_device(k), to_device(v), 2,
+                            tokens_after=cupy.asarray(after))
+        assert_out_close(out, ref[0], OUT_TOL["float16"], context(seed))
+        assert_lse_close(lse, ref[1], LSE_TOL["float16"], context(seed))
+    with pytest.raises(ValueError, match=r"^cache_seqlens: expected lengths >= q_len=4"):
+        plan.run(to_device(q), to_device(k), to_device(v), 2)
