@@ -61,12 +61,18 @@ def opcodes(nvdisasm: str, data: bytes) -> collections.Counter:
 
 
 def compare(job):
+    """(label, old count, new count, per-opcode delta) of one specialisation; old count None
+    where FOLDER's kernels do not build it (a specialisation this version added)."""
     defines, folder, lib, nvdisasm, arch = job
-    with _kernels.kernel_sources(folder):
-        old = opcodes(nvdisasm, cubin(lib, _kernels.program_source("decode_split.cu", defines), arch))
-    new = opcodes(nvdisasm, cubin(lib, _kernels.program_source("decode_split.cu", defines), arch))
-    delta = {k: new[k] - old[k] for k in set(old) | set(new) if new[k] != old[k]}
     label = " ".join(f"{k}={v}" for k, v in sorted(defines.items()))
+    new = opcodes(nvdisasm, cubin(lib, _kernels.program_source("decode_split.cu", defines), arch))
+    try:
+        with _kernels.kernel_sources(folder):
+            old = opcodes(nvdisasm, cubin(lib, _kernels.program_source("decode_split.cu", defines),
+                                          arch))
+    except RuntimeError:  # NVRTC failed: FOLDER's kernels have no such build
+        return label, None, sum(new.values()), {}
+    delta = {k: new[k] - old[k] for k in set(old) | set(new) if new[k] != old[k]}
     return label, sum(old.values()), sum(new.values()), delta
 
 
@@ -83,11 +89,15 @@ def main():
             for c in _policy.compile_check_configs()]
     with ProcessPoolExecutor() as ex:
         rows = list(ex.map(compare, jobs))
+    added = [r for r in rows if r[1] is None]
     changed = [r for r in rows if r[3]]
-    print(f"{len(rows)} specialisations ({a.arch}): {len(rows) - len(changed)} with the same "
-          f"instruction count per opcode")
+    print(f"{len(rows)} specialisations ({a.arch}): {len(rows) - len(changed) - len(added)} with "
+          f"the same instruction count per opcode"
+          + (f", {len(added)} that {a.folder}'s kernels do not build" if added else ""))
     for label, before, after, delta in changed:
         print(f"  {label}: {before} -> {after} instructions, {delta}")
+    for label, _, after, _ in added:
+        print(f"  {label}: new ({after} instructions)")
 
 
 if __name__ == "__main__":
