@@ -209,7 +209,7 @@ def main(argv=None) -> int:
             us = statistics.median(times[label])
             cells.append(f"{us:8.2f} x{us / first:.3f}")
         print(f"{point:>12s}" + "".join(f"  {c:>14s}" for c in cells), flush=True)
-        for label, made in plans.items():  # what each arm ran, where the shapes differ
+        for label, made in plans.items():  # what each arm ran (its plan: policy or kernel?)
             print(f"{'':>14s}{label}: {describe(made[0])}", flush=True)
         del sets, plans, before
         cupy.get_default_memory_pool().free_all_blocks()
