@@ -9,7 +9,7 @@ Usage:
                      [--protocol step|back-to-back] [--passes 2]
                      [--kv-dtype e4m3|e5m2] [--kv-scale tensor|head|token]
                      [--arm LABEL=FIELD=VALUE,...]... [--kernels LABEL=FOLDER]...
-                     [--tree LABEL=FOLDER]... [--sub 'LABEL|OLD|NEW']...
+                     [--tree LABEL=FOLDER]... [--sub 'LABEL|OLD|NEW[|OLD|NEW]...']...
   --arm 'w8s2=num_warps=8,stages=2'   a plan with those Tuning fields (num_warps, stages,
                                       l2_evict_first, warps_in_step, kv_groups; true/false for
                                       the flags), and num_splits (the plan's split count)
@@ -21,6 +21,7 @@ Usage:
                                       imported under a name of its own, with its own policy
   --sub 'nohint|L2::evict_first|L2::evict_normal'
                                       the shipped decode_split.cu with OLD replaced by NEW
+                                      (every occurrence; several OLD|NEW pairs in turn)
   --kv-dtype e4m3 --kv-scale token   an fp8 cache (workloads.quantize_inputs: scales of that
                                       mode), every arm over the same codes and scales
 The first arm is always the shipped kernels with the policy's shape ("policy"); the table gives
@@ -110,19 +111,29 @@ def package_of(folder: str, label: str):
     return module
 
 
+def parse_sub(spec: str) -> list[tuple[str, str]]:
+    """'LABEL|OLD|NEW[|OLD|NEW]...' → [(OLD, NEW), ...]"""
+    parts = spec.split("|")[1:]
+    if not parts or len(parts) % 2:
+        raise SystemExit(f"--sub: expected 'LABEL|OLD|NEW[|OLD|NEW]...', got {spec!r}")
+    return list(zip(parts[::2], parts[1::2]))
+
+
 @contextlib.contextmanager
-def kernels_of(folder: str | None, subs: tuple[str, str] | None):
+def kernels_of(folder: str | None, subs: list[tuple[str, str]] | None):
     """Plans built inside use the kernels of ``folder``, or the shipped decode_split.cu with
-    the substitution ``subs`` (OLD, NEW) applied."""
+    the substitutions ``subs`` ((OLD, NEW), ...) applied in turn."""
     with contextlib.ExitStack() as stack:
         if folder is not None:
             stack.enter_context(_kernels.kernel_sources(folder))
         elif subs is not None:
             src = (_kernels.kernel_dir() / "decode_split.cu").read_text()
-            if subs[0] not in src:
-                raise SystemExit(f"--sub: {subs[0]!r} is not in kernels/decode_split.cu")
+            for old, new in subs:
+                if old not in src:
+                    raise SystemExit(f"--sub: {old!r} is not in kernels/decode_split.cu")
+                src = src.replace(old, new)
             tmp = Path(stack.enter_context(tempfile.TemporaryDirectory()))
-            (tmp / "decode_split.cu").write_text(src.replace(subs[0], subs[1]))
+            (tmp / "decode_split.cu").write_text(src)
             stack.enter_context(_kernels.kernel_sources(tmp))
         yield
 
@@ -151,8 +162,7 @@ def main(argv=None) -> int:
     arms += [(t.partition("=")[0], None, {}, None, None,
               package_of(t.partition("=")[2], t.partition("=")[0]).DecodePlan)
              for t in args.tree]
-    arms += [(s.split("|")[0], None, {}, None, tuple(s.split("|")[1:3]), cd.DecodePlan)
-             for s in args.sub]
+    arms += [(s.split("|")[0], None, {}, None, parse_sub(s), cd.DecodePlan) for s in args.sub]
     labels = [label for label, *_ in arms]
     if len(set(labels)) != len(labels):
         raise SystemExit(f"arm labels must differ (the first is 'policy'), got {labels}")
