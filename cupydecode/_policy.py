@@ -115,6 +115,9 @@ class SplitKernelConfig:
     multi_q: bool = False  # q_len > 1 query tokens per sequence (MULTI_Q)
     kv_dtype: str | None = None  # an fp8 cache ("e4m3", "e5m2": KV_FP8), decoded in registers
     kv_scale_token: bool = False  # its scales per (token, KV head) (KV_SCALE_TOKEN)
+    # the kernel reads the runtime options (appended tokens, a window, tokens_after, int64
+    # lengths, sinks) from its parameters; False: a build for calls with none (runtime_options())
+    runtime_options: bool = True
 
     @property
     def width(self) -> int:
@@ -181,7 +184,26 @@ class SplitKernelConfig:
             **({"MULTI_Q": 1} if self.multi_q else {}),
             **({"KV_FP8": 1 + KV_DTYPES.index(self.kv_dtype)} if self.kv_dtype else {}),
             **({"KV_SCALE_TOKEN": 1} if self.kv_scale_token else {}),
+            **({} if self.runtime_options else {"RUNTIME_OPTIONS": 0}),
         }
+
+
+def builds(config: SplitKernelConfig) -> list[SplitKernelConfig]:
+    """The split kernel's two builds a plan of this block shape may launch: with the runtime
+    options and without them (:func:`runtime_options`)."""
+    return [config, replace(config, runtime_options=False)]
+
+
+def runtime_options(new_tokens: bool, window: bool, sinks: bool, tokens_after: bool,
+                    lengths_64: bool) -> bool:
+    """Whether a call needs the split kernel's build that reads the runtime options from its
+    parameters (SplitKernelConfig.runtime_options): appended tokens (k_new, v_new), a window,
+    sinks, tokens_after, int64 device lengths. A call with none takes the build without them,
+    where each is a constant: measured on the H200 (tools/ab.py, decode-step protocol, float16),
+    the options' checks cost 1.2–4.8% of such a step (1 × 1k and 1 × 16k of 32/8/128, 71/1/64
+    16 × 16k, 64/8/128 1 × 16k), nothing at 16 × 64k; without them the step is what it was before
+    the options existed. A plan builds the other one at the first call that needs it."""
+    return new_tokens or window or sinks or tokens_after or lengths_64
 
 
 # Blocks of 8 query rows (eight_row_blocks: fp8 caches, head_dim 512) take the heads-as-N path
@@ -448,11 +470,12 @@ def fp8_token_config(config: SplitKernelConfig, chunk_tokens: int) -> SplitKerne
 
 def compile_check_configs() -> list[SplitKernelConfig]:
     """What the compile checks build (tests/test_compile.py, tools/sass_compare.py): every
-    block shape of every dtype and head_dim (:func:`split_kernel_configs`), and each shape with
-    the compile-time switches on — the soft-cap, ALiBi and the paged KV view together, the most
-    registers any can take (each alone is a subset of that code; their code is the same in all
-    shapes, the registers not). At head_dims whose row piece is not whole bursts, the blocks of
-    several KV heads they take (burst_kv_groups)."""
+    block shape of every dtype and head_dim (:func:`split_kernel_configs`) as the build for calls
+    without runtime options, and each shape with the compile-time switches on — the soft-cap,
+    ALiBi and the paged KV view together, with the runtime options, the most registers any can
+    take (each alone is a subset of that code; their code is the same in all shapes, the
+    registers not). At head_dims whose row piece is not whole bursts, the blocks of several KV
+    heads they take (burst_kv_groups)."""
     configs = [c for dt in DTYPE_IDS for d in KERNEL_HEAD_DIMS
                for c in split_kernel_configs(dt, d)]
     # head_dims between the widths (the zero-filled copies): each dtype's default shape, and the
@@ -475,7 +498,8 @@ def compile_check_configs() -> list[SplitKernelConfig]:
                 for c in configs if c.l2_evict_first]
     # (several query tokens where a block holds one KV head; at head_dim 512 also without them:
     # its own shape, the single-token plans' paged shape)
-    return configs + [multi_q_config(c) if c.kv_per_block == 1 else c for c in switched] + [
+    plain = [replace(c, runtime_options=False) for c in configs]
+    return plain + [multi_q_config(c) if c.kv_per_block == 1 else c for c in switched] + [
         c for c in switched if c.width == WIDE_HEAD_DIM]
 
 

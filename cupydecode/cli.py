@@ -957,7 +957,8 @@ def _compile_all() -> None:
                 continue
             t0 = time.perf_counter()
             for cfg in _policy.split_kernel_configs(dt, d):
-                _split_function(cfg)
+                for build in _policy.builds(cfg):
+                    _split_function(build)
             _merge_function("float32", dt, d)
             click.echo(f"  built {dt} head_dim {d} in {time.perf_counter() - t0:.2f} s")
 
@@ -979,7 +980,8 @@ def _compile_all_nvrtc(arch: str = "sm_90") -> None:
         for d in KERNEL_HEAD_DIMS:
             if not _policy.width_takes(dt, d):
                 continue
-            builds = [("decode_split.cu", c.defines()) for c in _policy.split_kernel_configs(dt, d)]
+            builds = [("decode_split.cu", b.defines()) for c in _policy.split_kernel_configs(dt, d)
+                      for b in _policy.builds(c)]
             builds.append(("merge_states.cu", {"IN_DTYPE": _policy.DTYPE_IDS["float32"],
                                                "OUT_DTYPE": _policy.DTYPE_IDS[dt],
                                                "VEC": _policy.merge_vec(d)}))

@@ -317,18 +317,27 @@ class DecodePlan:
         self._scale = V.check_scale(None, self.head_dim)
         self._score_default = self._score_values(self._scale)
         self._programmatic = programmatic
-        self._split_launch = None if self.batch == 0 else self._struct_launch(self.config)
-        # fp8 caches with per-token scales: their kernel (KV_SCALE_TOKEN), built at first use
-        self._token_launch = None
+        # The split kernel's builds this plan has launched, by config (_split_launch): the one
+        # for calls without runtime options now (with a window: the one with them); the other,
+        # and an fp8 cache's per-token-scale build (KV_SCALE_TOKEN), at the first call to need it
+        self._launches: dict = {}
+        if self.batch:
+            self._split_launch(self.config if self.window_left is not None else
+                               dataclasses.replace(self.config, runtime_options=False))
         self._shape = dict(batch=self.batch, q_len=self.q_len, num_heads=self.num_heads,
                            num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
                            max_seqlen=self.max_seqlen)
 
-    def _struct_launch(self, config: _policy.SplitKernelConfig) -> _kernels.StructLaunch:
-        """The prepared launch of the split kernel of ``config`` on this plan's grid."""
-        return _kernels.StructLaunch(
-            _split_function(config), self._grid, (config.threads, 1, 1), config.smem_bytes,
-            _PARAMS_HEAD, programmatic=self._programmatic and self.enable_pdl, tail=_PARAMS_TAIL)
+    def _split_launch(self, config: _policy.SplitKernelConfig) -> _kernels.StructLaunch:
+        """The prepared launch of the split kernel of ``config`` on this plan's grid (built at
+        its first use, then kept)."""
+        launch = self._launches.get(config)
+        if launch is None:
+            launch = self._launches[config] = _kernels.StructLaunch(
+                _split_function(config), self._grid, (config.threads, 1, 1), config.smem_bytes,
+                _PARAMS_HEAD, programmatic=self._programmatic and self.enable_pdl,
+                tail=_PARAMS_TAIL)
+        return launch
 
     def __repr__(self) -> str:
         cap = "" if self.logits_soft_cap is None else f", logits_soft_cap={self.logits_soft_cap:g}"
@@ -463,7 +472,8 @@ class DecodePlan:
                                           self.num_kv_heads)
         if tokens_after is not None:
             tokens_after = V.check_tokens_after(tokens_after, self.batch, new is not None)
-        call = self._prepare(strides, seqlens, seqlen_all, scale, block_table, new, scales)
+        call = self._prepare(strides, seqlens, seqlen_all, scale, block_table, new, scales,
+                             sinks is not None, tokens_after is not None)
         (k_new, v_new), (k_sc, v_sc) = new[:2] if new else (None, None), _scale_arrays(scales)
         arrays = (q, k_cache, v_cache, seqlens, block_table, k_new, v_new, slopes, sinks, k_sc,
                   v_sc, tokens_after)
@@ -525,28 +535,32 @@ class DecodePlan:
                 row if self.q_len > 1 else 0, num_pages)
 
     def _prepare(self, strides, seqlens, seqlen_all, scale, table=None, new=None,
-                 scales=None) -> tuple:
+                 scales=None, sinks: bool = False, tokens_after: bool = False) -> tuple:
         """A call of this plan with checked inputs of one kind, less its pointers: ``(launch,
         tail)``, the prepared split kernel and the values of its parameters after the pointers.
         ``strides``: :meth:`_element_strides`; ``seqlens``: the device lengths or None, with
         ``seqlen_all`` (``_validate.check_seqlens``); ``scale``: the softmax scale; ``table``:
         a paged plan's block table; ``new``: ``_validate.check_new_tokens(...)`` (k_new, v_new,
         their strides in elements); ``scales``: an fp8 plan's
-        ``_validate.check_attention_scales(...)``."""
+        ``_validate.check_attention_scales(...)``; ``sinks``, ``tokens_after``: whether the
+        call passes them (their pointers come at the launch)."""
         if self.batch == 0:  # (nothing is launched)
             return None, ()
         new_strides, n_new = _NO_NEW if new is None else new[2], 0 if new is None else self.q_len
-        launch = self._split_launch
+        config = self.config
         k_all = v_all = 1.0
         if scales is not None:
             per_token, (_, k_all), (_, v_all) = scales
             if per_token:
-                if self._token_launch is None:
-                    self._token_launch = self._struct_launch(self.token_config)
-                launch = self._token_launch
+                config = self.token_config
+        lengths_64 = seqlens is not None and seqlens.itemsize == 8
+        if not _policy.runtime_options(new is not None, self.window_left is not None, sinks,
+                                       tokens_after, lengths_64):
+            config = dataclasses.replace(config, runtime_options=False)
+        launch = self._split_launch(config)
         tail = (*strides[:11], *new_strides, *strides[11:], seqlen_all, *self._static,
                 *self._score_args(scale), n_new, self._window_arg,
-                0 if seqlens is None else seqlens.itemsize >> 3,
+                int(lengths_64),
                 0 if table is None else table.itemsize >> 3, self.q_len, k_all, v_all)
         return launch, tail
 
@@ -875,7 +889,7 @@ def _check_flash_decode(q, k_cache, v_cache, args: tuple, rare: tuple, layout, s
     plan = _cached_plan(shape, dt, num_splits, split_size, soft_cap, window, alibi,
                         q.data.device_id, stream.ptr, kv)
     call = plan._prepare(plan._element_strides(q, k, v, bt_sb, num_pages), seqlens, seqlen_all,
-                         scale, table, new, scales)
+                         scale, table, new, scales, sinks is not None)
     (k_new, v_new), (k_sc, v_sc) = new[:2] if new else (None, None), _scale_arrays(scales)
     # (dtype objects, not names, for the outputs: CuPy parses a name on every call)
     entry = (plan, call, out_shape, q.dtype)

@@ -564,6 +564,28 @@ __device__ __forceinline__ int cd_tokens_after(const int* tokens_after, int b) {
     return tokens_after ? min(max(tokens_after[b], 0), 1 << 30) : 0;
 }
 
+// The options a call turns on at run time: appended tokens (n_new), a window (window_left), a
+// shard's tokens after it (tokens_after), int64 lengths (seqlens_64) and sinks. The host builds the
+// kernel without RUNTIME_OPTIONS for the calls that use none of them (_policy.SplitKernelConfig
+// .runtime_options, chosen per kind of call): each is then its constant "none", and no check of
+// them is left in the code — together those checks cost 1–4% of a plain step
+// (docs/PERFORMANCE.md). The kernel reads them only through cd_options_of.
+#ifndef RUNTIME_OPTIONS
+#define RUNTIME_OPTIONS 1
+#endif
+struct cd_options {
+    int n_new, window_left, seqlens_64;
+    const int* tokens_after;
+    const float* sinks;
+};
+__device__ __forceinline__ cd_options cd_options_of(const cd_decode_params& p) {
+#if RUNTIME_OPTIONS
+    return {p.n_new, p.window_left, p.seqlens_64, p.tokens_after, p.sinks};
+#else
+    return {0, -1, 0, nullptr, nullptr};
+#endif
+}
+
 // One block per SM by design for G ≤ 16 (its shared memory alone fills most of an SM), so the
 // register budget is the whole SM's: stated as minBlocks = 1, ptxas no longer caps 256-thread
 // shapes at 128 registers (head_dim 64 spilled 24 bytes there) or spills the float32 path. (Some
@@ -618,7 +640,12 @@ cd_decode_split(const cd_decode_params p) {
     // more (a host bug) must not index past them, even on an empty chunk.
     if (KV_PER_BLOCK > 1 && group > 8) __trap();
     // sm_new holds NEW_ROWS appended rows (the host checks q_len against it): more is a host bug
-    if (p.n_new > NEW_ROWS) __trap();
+    const cd_options opt = cd_options_of(p);
+    if (opt.n_new > NEW_ROWS) __trap();
+#if !RUNTIME_OPTIONS
+    // a launch that sets an option this build leaves out (a host bug) must not ignore it silently
+    if (p.n_new != 0 || p.window_left != -1 || p.seqlens_64 || p.tokens_after || p.sinks) __trap();
+#endif
     // Once every block of this grid has passed here (so none is left to be scheduled), a merge
     // kernel launched after it may start and wait on the SMs for this grid's end (common.cuh).
     cd_launch_dependents();
@@ -637,19 +664,19 @@ cd_decode_split(const cd_decode_params p) {
     // length below 0 appends at 0 and one near 2³¹ cannot overflow.
     int seqlen = seqlen_all;
     if (seqlens)  // int64 lengths clamped in 64 bits: one past 2³¹ must not wrap to a small one
-        seqlen = p.seqlens_64 ? (int)max(0LL, min(reinterpret_cast<const long long*>(seqlens)[b],
+        seqlen = opt.seqlens_64 ? (int)max(0LL, min(reinterpret_cast<const long long*>(seqlens)[b],
                                                   (long long)max_seqlen))
                               : seqlens[b];
     seqlen = max(0, min(seqlen, max_seqlen));
     const int new_lo = seqlen;
-    seqlen += min(p.n_new, max_seqlen - seqlen);
+    seqlen += min(opt.n_new, max_seqlen - seqlen);
     // Query token 0's position: seqlen − q_len, or past this cache's keys where it holds a shard
     // of the sequence (cd_tokens_after).
-    const int qpos = seqlen + cd_tokens_after(p.tokens_after, b) - q_len;
+    const int qpos = seqlen + cd_tokens_after(opt.tokens_after, b) - q_len;
     // A window (window_left W ≥ 0) keeps the keys [qpos + q_len − 1 − W, seqlen): the splits cover
     // only those (the host sizes them from min(max_seqlen, W + 1)), so nothing before is read at
     // all. (MULTI_Q: from the first query token's window, qpos − W; each row masks the rest)
-    const int lo = p.window_left >= 0 ? min(seqlen, max(0, qpos - p.window_left)) : 0;
+    const int lo = opt.window_left >= 0 ? min(seqlen, max(0, qpos - opt.window_left)) : 0;
     const int chunk_start = lo + split * chunk_tokens;
     const int chunk_end = min(chunk_start + chunk_tokens, seqlen);
     const cd_score_params score_params{scale_log2, chunk_end, p.soft_cap_in, p.soft_cap_out,
@@ -876,7 +903,7 @@ cd_decode_split(const cd_decode_params p) {
         // MULTI_Q: the appended tokens are [new_lo, seqlen), n_new of them (fewer at capacity);
         // this chunk holds [new_in, new_out) of them, token new_lo + j in sm_new's rows 2j, 2j + 1
         const int new_in = max(new_lo, chunk_start), new_out = min(seqlen, chunk_end);
-        const bool has_new = new_in < new_out;
+        const bool has_new = opt.n_new > 0 && new_in < new_out;  // (a constant false without options)
         auto patch_new_row = [&](int i) {
             if (!has_new) return;
             const int t0 = tile_start(i);
@@ -894,7 +921,7 @@ cd_decode_split(const cd_decode_params p) {
             }
         };
 #else
-        const bool has_new = new_lo < chunk_end;
+        const bool has_new = opt.n_new > 0 && new_lo < chunk_end;  // (a constant false without options)
         // after tile i's copies have landed (this lane's: it copied the same 16-byte chunks, in
         // either copy of load_tile, so program order covers it), before the tile is shown
         auto patch_new_row = [&](int i) {
@@ -1169,8 +1196,8 @@ cd_decode_split(const cd_decode_params p) {
         cd_tc_state<HEAD_DIM / 16, 0, 4, 16> st;
         // the score hook's row of this thread's heads 2t (e even) and 2t + 1 (e odd)
 #if MULTI_Q
-        const cd_qmask qrow_n[2] = {qmask_of(h0 + 2 * t, group, vgroup, p.window_left, score_params),
-                                    qmask_of(h0 + 2 * t + 1, group, vgroup, p.window_left,
+        const cd_qmask qrow_n[2] = {qmask_of(h0 + 2 * t, group, vgroup, opt.window_left, score_params),
+                                    qmask_of(h0 + 2 * t + 1, group, vgroup, opt.window_left,
                                              score_params)};
 #define SCORE_ROW_N(e) qrow_n[(e) & 1]
 #else
@@ -1361,8 +1388,8 @@ cd_decode_split(const cd_decode_params p) {
         // the score hook's row of this thread's rows g (e < 2) and g + 8 (e ≥ 2)
 #if MULTI_Q
         const cd_qmask qrow_m[2] = {
-            qmask_of(h0 + mt * ROWS + g, group, vgroup, p.window_left, score_params),
-            qmask_of(h0 + mt * ROWS + g + 8, group, vgroup, p.window_left, score_params)};
+            qmask_of(h0 + mt * ROWS + g, group, vgroup, opt.window_left, score_params),
+            qmask_of(h0 + mt * ROWS + g + 8, group, vgroup, opt.window_left, score_params)};
 #define SCORE_ROW_M(e) qrow_m[(e) >> 1]
 #else
 #define SCORE_ROW_M(e) (h0 + mt * ROWS + g + 8 * ((e) >> 1))
@@ -1490,7 +1517,7 @@ cd_decode_split(const cd_decode_params p) {
                 if (r < rows) {
                     s[r] += __shfl_xor_sync(0xffffffffu, s[r], 16);
 #if MULTI_Q
-                    const cd_qmask qm = qmask_of(h0 + r, group, vgroup, p.window_left, score_params);
+                    const cd_qmask qm = qmask_of(h0 + r, group, vgroup, opt.window_left, score_params);
 #define SCORE_ROW_F qm
 #else
 #define SCORE_ROW_F (h0 + r)
@@ -1574,7 +1601,7 @@ cd_decode_split(const cd_decode_params p) {
 #endif
         // A single split's output is final: its sink (sinks: a logit per query head, a key with
         // no value) joins here. Partials never hold it: the merge adds it once (cd_merge_sink).
-        const float sink2 = !o_part && p.sinks ? p.sinks[head] * CD_LOG2E : CD_NEG_INF;
+        const float sink2 = !o_part && opt.sinks ? opt.sinks[head] * CD_LOG2E : CD_NEG_INF;
         float mmax = sink2;
 #pragma unroll
         for (int t = 0; t < SLOTS; ++t) mmax = fmaxf(mmax, sm_m[wrow(R, t)]);
@@ -1658,8 +1685,8 @@ cd_decode_split(const cd_decode_params p) {
     __syncthreads();
     if (!s_last) return;
     // the tokens the splits cover: seqlen − lo (recomputed: no register held through the loop)
-    const int covered = p.window_left >= 0
-        ? max(0, min(seqlen, p.window_left + q_len - cd_tokens_after(p.tokens_after, b))) : seqlen;
+    const int covered = opt.window_left >= 0
+        ? max(0, min(seqlen, opt.window_left + q_len - cd_tokens_after(opt.tokens_after, b))) : seqlen;
     const int live_splits = min(num_splits, (covered + chunk_tokens - 1) / chunk_tokens);
     const long long state_rows = (long long)batch * q_len * num_heads;
     // One warp per pass of a row (32 lanes × MERGE_NV elements). merge="auto" picks this merge
@@ -1674,6 +1701,6 @@ cd_decode_split(const cd_decode_params p) {
         cd_merge_row_pass<cd_elem<2>, E, MERGE_NV>(o_part + row * REAL_DIM, state_rows * REAL_DIM,
                                            lse_part + row, state_rows, live_splits, REAL_DIM,
                                            pass, out_row(r), lse_out ? lse_out + row : nullptr,
-                                           lane, p.sinks ? p.sinks[head] : CD_NEG_INF);
+                                           lane, opt.sinks ? opt.sinks[head] : CD_NEG_INF);
     }
 }

@@ -308,6 +308,34 @@ def test_plan_in_a_graph_with_lengths_advanced_in_place(cupy, rng, seed, page_si
         lens = lens + 1
 
 
+def test_the_build_with_options_first_needed_inside_a_capture(cupy, rng, seed, tmp_path):
+    """A plan holds the split kernel built without runtime options; the first call with new
+    tokens builds the one with them. That call may come inside a graph capture, and the build
+    is then compiled and loaded there (kernels of a fresh folder: nothing of it was loaded
+    before). Replayed, the graph appends and attends as the reference does."""
+    from cupydecode import _kernels
+
+    text = (_kernels.kernel_dir() / "decode_split.cu").read_text()
+    (tmp_path / "decode_split.cu").write_text(f"// {seed}\n" + text)  # a source of its own
+    lens = np.array([510, 0, 100, 300], np.int64)
+    case = AppendCase(cupy, rng, seed, 4, 32, 8, 128, 512, "float16", lens)
+    out, lse = case.poisoned(cupy)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with _kernels.kernel_sources(tmp_path):
+        plan = cupydecode.DecodePlan(*case.shape, "float16")
+        assert [c.runtime_options for c in plan._launches] == [False], plan._launches
+        cupy.cuda.Device().synchronize()
+        with stream:
+            stream.begin_capture()
+            plan.run(case.q, case.k, case.v, case.seqlens, out=out, lse=lse, k_new=case.k_new,
+                     v_new=case.v_new)
+            graph = stream.end_capture()
+        assert sorted(c.runtime_options for c in plan._launches) == [False, True]
+        graph.launch(stream)
+        stream.synchronize()
+    case.check(out, lse, "built inside the capture")
+
+
 def test_append_with_the_soft_cap_and_hnd_pages(cupy, rng, seed):
     """The append with the soft-cap (contiguous and paged), and into HND pages (num_pages,
     kv_heads, page_size, dim) passed as transposed views; automatic and forced splits."""

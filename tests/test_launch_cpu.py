@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("cupy")
 
-from cupydecode import _kernels  # noqa: E402
+from cupydecode import _kernels, _policy  # noqa: E402
 from cupydecode.decode import _PARAMS  # noqa: E402
 
 
@@ -243,7 +243,10 @@ def _fake_plan(paged: bool):
     plan._static = (640, 32, 4, 1, 64, plan.page_size or 0)
     plan._window_arg = 4095 if paged else -1
     plan._scale, plan._score_default = 0.5, (0.72, 1, 0.0, 0.0)
-    plan._split_launch = _Recorder(lambda stream, values: calls.append(("split", stream, values)))
+    plan.config, plan.token_config = _policy.split_kernel_config("float16", 128), None
+    plan.window_left = 4095 if paged else None
+    plan._split_launch = lambda config: _Recorder(
+        lambda stream, values: calls.append(("split", stream, values, config)))
     return plan, calls
 
 
@@ -336,7 +339,6 @@ def test_append_values_write_the_reference_rows(layout, dtype):
     kernel's append index math to host arrays, write exactly the rows
     reference.append_kv writes: out-of-range lengths clamped, out-of-range pages not written,
     a strided k_new, the HND page order as a transposed view."""
-    from cupydecode import _policy
     from cupydecode import _validate as V
     from cupydecode import reference as R
     from cupydecode.decode import DecodePlan
@@ -377,7 +379,10 @@ def test_append_values_write_the_reference_rows(layout, dtype):
     plan._window_arg = -1
     plan._scale, plan._score_default = 0.125, (0.125 * _policy.LOG2E, 0, 0.0, 0.0)
     split = []
-    plan._split_launch = _Recorder(lambda stream, values: split.append(values))
+    plan.config = _policy.split_kernel_config(np.dtype(dtype).name, dim)
+    plan.token_config = None
+    plan.window_left = None
+    plan._split_launch = lambda config: _Recorder(lambda stream, values: split.append(values))
     from numpy.lib.array_utils import byte_bounds
 
     bt_sb = 0 if table is None else table.strides[0] // 4
@@ -413,6 +418,33 @@ def test_launch_flags_int64_lengths():
     _launch(plan, q, k, v, _Arr(0x600, 4), 640, 0.5, out, lse, strides, _Arr(0x700, 8))
     split = dict(zip(_LAUNCH_ORDER, calls[0][2]))
     assert (split["block_table"], split["seqlens_64"], split["table_64"]) == (0x700, 0, 1)
+
+
+def test_calls_without_runtime_options_take_the_build_without_them():
+    """A call with no appended tokens, window, sinks, tokens_after or int64 lengths launches the
+    split kernel built without the runtime options (RUNTIME_OPTIONS 0: each a constant there);
+    a call with any of them, the build that reads them — never the other way round, which would
+    drop the option."""
+    plan, calls = _fake_plan(False)
+    q, k, v, out, lse = (_Arr(p) for p in (0x100, 0x200, 0x300, 0x400, 0x500))
+    strides = (4096, 128, 8 * 81920, 8 * 1024, 8 * 128, 8 * 81920, 8 * 1024, 8 * 128, 4096, 128,
+               0, 0, 0, 0)
+    new = (_Arr(0x800), _Arr(0x900), (1024, 0, 128, 2048, 1024, 256))
+
+    def build(seqlens=None, new=None, **rare):
+        calls.clear()
+        launch, tail = plan._prepare(strides, seqlens, 640, 0.5, None, new, None, **rare)
+        launch.launch_with_tail(0x77, (), None, tail)
+        return calls[0][3].runtime_options
+
+    assert build() is False and build(_Arr(0x600, 4)) is False
+    assert plan.config.runtime_options and not _policy.runtime_options(False, False, False,
+                                                                       False, False)
+    assert build(_Arr(0x600, 8)) is True  # int64 lengths
+    assert build(_Arr(0x600, 4), new) is True
+    assert build(sinks=True) is True and build(tokens_after=True) is True
+    plan, calls = _fake_plan(True)  # a plan with a window
+    assert build() is True
 
 
 def test_an_int_length_reaches_the_kernel_whatever_was_remembered():
