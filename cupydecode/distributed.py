@@ -56,30 +56,54 @@ def piece_layout(rows: int, head_dim: int, itemsize: int) -> tuple[int, int, int
     return HEADER_BYTES, out_at, out_at + rows * head_dim * itemsize
 
 
+def piece_views(send, rows_shape: tuple, head_dim: int, dtype):
+    """Views (no copies) of the parts of one rank's piece ``send`` (1-D uint8 of piece_layout's
+    bytes; NumPy or CuPy): (header (4,) int32, LSEs rows_shape float32, outputs (*rows_shape,
+    head_dim) of ``dtype``), each 16-byte aligned in the piece."""
+    xp = _array_module(send)
+    rows = int(np.prod(rows_shape))
+    lse_at, out_at, nbytes = piece_layout(rows, head_dim, np.dtype(dtype).itemsize)
+    if send.shape != (nbytes,):
+        raise ValueError(f"send: expected a piece of {nbytes} bytes, got shape {send.shape}")
+    return (send[:HEADER_BYTES].view(xp.int32),
+            send[lse_at:lse_at + 4 * rows].view(xp.float32).reshape(rows_shape),
+            send[out_at:].view(dtype).reshape(*rows_shape, head_dim))
+
+
 def pack_piece(send, status: int, rank: int, step: int, lse=None, out=None) -> None:
     """Write one rank's piece into ``send`` (uint8, piece_layout's bytes; NumPy or CuPy):
     the header, and where ``status`` is OK its LSEs and outputs (rows in order)."""
     xp = _array_module(send)
-    send[:HEADER_BYTES].view(xp.int32)[:] = xp.asarray([status, rank, step, 0], xp.int32)
+    rows_shape, head_dim = (lse.shape, out.shape[-1]) if status == OK else ((0,), 0)
     if status == OK:
-        lse_at, out_at, _ = piece_layout(lse.size, out.size // lse.size, out.dtype.itemsize)
-        send[lse_at:lse_at + 4 * lse.size].view(xp.float32)[:] = lse.ravel()
-        send[out_at:].view(out.dtype)[:] = out.ravel()
+        header, lse_to, out_to = piece_views(send, rows_shape, head_dim, out.dtype)
+        lse_to[...] = lse
+        out_to[...] = out
+    else:
+        header = send[:HEADER_BYTES].view(xp.int32)
+    header[:] = xp.asarray([status, rank, step, 0], xp.int32)
 
 
 def unpack_pieces(recv, rows_shape: tuple, head_dim: int, dtype):
     """Every rank's (headers (size, 4) int32 on the host, LSEs (size, *rows_shape) float32,
     outputs (size, *rows_shape, head_dim)) from the gathered pieces ``recv`` (size, bytes)."""
     xp = _array_module(recv)
+    lse, out = unpack_states(recv, rows_shape, head_dim, dtype)
+    return _host(xp.ascontiguousarray(recv[:, :HEADER_BYTES]).view(xp.int32)), lse, out
+
+
+def unpack_states(recv, rows_shape: tuple, head_dim: int, dtype):
+    """Every rank's (LSEs (size, *rows_shape) float32, outputs (size, *rows_shape, head_dim)),
+    contiguous, from the gathered pieces ``recv`` (size, bytes), on recv's device."""
+    xp = _array_module(recv)
     rows = int(np.prod(rows_shape))
     lse_at, out_at, nbytes = piece_layout(rows, head_dim, np.dtype(dtype).itemsize)
     if recv.shape[1:] != (nbytes,):
         raise ValueError(f"recv: expected pieces of {nbytes} bytes, got shape {recv.shape}")
     n = recv.shape[0]
-    headers = _host(xp.ascontiguousarray(recv[:, :HEADER_BYTES]).view(xp.int32))
     lse = xp.ascontiguousarray(recv[:, lse_at:lse_at + 4 * rows]).view(xp.float32)
     out = xp.ascontiguousarray(recv[:, out_at:]).view(dtype)
-    return headers, lse.reshape(n, *rows_shape), out.reshape(n, *rows_shape, head_dim)
+    return lse.reshape(n, *rows_shape), out.reshape(n, *rows_shape, head_dim)
 
 
 def check_headers(headers: np.ndarray, rank: int, step: int) -> None:
@@ -328,6 +352,16 @@ class ShardedDecodePlan:
         self.nbytes = piece_layout(int(np.prod(self.rows_shape)), self.plan.head_dim,
                                    self.dtype.itemsize)[2]
         self._send = cupy.zeros(self.nbytes, cupy.uint8)
+        # the plan writes its output and LSEs straight into this rank's piece (no copy), and
+        # the header goes there from pinned host memory (an asynchronous copy, no stream sync);
+        # the gathered headers come back into pinned memory in one copy
+        _, self._send_lse, self._send_out = piece_views(self._send, self.rows_shape,
+                                                        self.plan.head_dim, self.dtype)
+        self._header = np.frombuffer(cupy.cuda.alloc_pinned_memory(HEADER_BYTES), np.int32)
+        self._headers = np.frombuffer(cupy.cuda.alloc_pinned_memory(HEADER_BYTES * comm.size),
+                                      np.int32).reshape(comm.size, HEADER_BYTES // 4)
+        self._header_sent = cupy.cuda.Event(disable_timing=True)  # the pinned header is free
+        self._header_sent.record()
 
     def run(self, q, k_cache, v_cache, cache_seqlens, tokens_after=None, *,
             softmax_scale: float | None = None, alibi_slopes=None, sinks=None,
@@ -339,7 +373,8 @@ class ShardedDecodePlan:
         shard (None: 0; required with ALiBi, a window or several query tokens). ``sinks``
         (num_heads,) join once, after the merge. Any error on a rank fails the step on every rank
         (that rank raises its own, the others RuntimeError)."""
-        plan, send, step = self.plan, self._send, self.step
+        cupy = _kernels.import_cupy()
+        plan, step = self.plan, self.step
         self.step += 1
         error = None
         try:
@@ -349,24 +384,37 @@ class ShardedDecodePlan:
                        "shard (zeros on the rank holding the sequences' ends): with ALiBi, a "
                        "window or several query tokens the positions count them", None)
             V.check_merge_sinks(sinks, self.rows_shape)  # here, where it fails this rank alone
-            out, lse = plan.run(q, k_cache, v_cache, cache_seqlens, softmax_scale=softmax_scale,
-                                alibi_slopes=alibi_slopes, block_table=block_table,
-                                k_scale=k_scale, v_scale=v_scale, tokens_after=tokens_after)
-            pack_piece(send, OK, self.comm.rank, step, lse, out)
+            plan.run(q, k_cache, v_cache, cache_seqlens, self._send_out, self._send_lse,
+                     softmax_scale=softmax_scale, alibi_slopes=alibi_slopes,
+                     block_table=block_table, k_scale=k_scale, v_scale=v_scale,
+                     tokens_after=tokens_after)
         except Exception as exc:  # the others learn of it in the collective below
             error = exc
-            pack_piece(send, FAILED, self.comm.rank, step)
-        recv = self.comm.all_gather(send)
-        headers, lse_parts, o_parts = unpack_pieces(recv, self.rows_shape, plan.head_dim,
-                                                    self.dtype)
+        stream = cupy.cuda.get_current_stream()
+        self._header_sent.synchronize()  # (the last step's copy has read the pinned header)
+        self._header[:] = (OK if error is None else FAILED, self.comm.rank, step, 0)
+        cupy.cuda.runtime.memcpyAsync(self._send.data.ptr, self._header.ctypes.data,
+                                      HEADER_BYTES, cupy.cuda.runtime.memcpyHostToDevice,
+                                      stream.ptr)
+        self._header_sent.record(stream)
+        recv = self.comm.all_gather(self._send)
+        merged = None
+        if error is None and (self.root is None or self.comm.rank == self.root):
+            # merged before the headers are read (a failed rank's piece merges to garbage that
+            # is never returned): the merge's launch overlaps the headers' copy
+            from .decode import merge_states
+
+            lse_parts, o_parts = unpack_states(recv, self.rows_shape, plan.head_dim, self.dtype)
+            merged = merge_states(o_parts, lse_parts, sinks=sinks)
+        cupy.cuda.runtime.memcpy2DAsync(self._headers.ctypes.data, HEADER_BYTES,
+                                        recv.data.ptr, recv.strides[0], HEADER_BYTES,
+                                        recv.shape[0], cupy.cuda.runtime.memcpyDeviceToHost,
+                                        stream.ptr)
+        stream.synchronize()
         if error is not None:
             raise error
-        check_headers(headers, self.comm.rank, step)
-        if self.root is not None and self.comm.rank != self.root:
-            return None
-        from .decode import merge_states
-
-        return merge_states(o_parts, lse_parts, sinks=sinks)
+        check_headers(self._headers, self.comm.rank, step)
+        return merged
 
 
 def _host(x) -> np.ndarray:

@@ -155,6 +155,25 @@ def test_pieces_round_trip(dtype, rows_shape):
         D.unpack_pieces(np.stack(pieces)[:, :-1], rows_shape, dim, npdt)
 
 
+def test_piece_views_write_through():
+    """piece_views are views of the piece (a plan writes its output and LSEs there, no copy),
+    at 16-byte offsets, and agree with pack_piece's layout."""
+    rows_shape, dim = (3, 5), 24
+    rng = np.random.default_rng(4)
+    lse = rng.standard_normal(rows_shape).astype(np.float32)
+    out = rng.standard_normal((*rows_shape, dim)).astype(np.float16)
+    packed = np.zeros(D.piece_layout(15, dim, 2)[2], np.uint8)
+    D.pack_piece(packed, D.OK, 1, 9, lse, out)
+    send = np.zeros_like(packed)
+    header, lse_view, out_view = D.piece_views(send, rows_shape, dim, np.float16)
+    assert all(np.shares_memory(x, send) for x in (header, lse_view, out_view))
+    assert all(x.ctypes.data % 16 == send.ctypes.data % 16 for x in (header, lse_view, out_view))
+    header[:], lse_view[...], out_view[...] = (D.OK, 1, 9, 0), lse, out
+    assert np.array_equal(send, packed)
+    with pytest.raises(ValueError, match=r"^send: expected a piece of"):
+        D.piece_views(send[:-1], rows_shape, dim, np.float16)
+
+
 def test_headers_of_another_step_are_refused():
     ok = np.asarray([[0, 0, 4, 0], [0, 1, 5, 0], [0, 2, 4, 0]], np.int32)
     with pytest.raises(RuntimeError, match=r"^rank 2: ranks \[1\] sent steps \[5\] to step 4"):
