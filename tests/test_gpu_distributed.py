@@ -279,6 +279,7 @@ def test_shards_with_a_window_and_query_tokens(cupy, rng, seed, q_len):
         assert_lse_close(lse, ref[1], LSE_TOL["float16"], ctx)
 
 
+@pytest.mark.nccl
 def test_nccl_one_rank(cupy, rng, seed):
     """The NCCL communicator with one rank (a one-GPU machine): the plan's result is the
     single-GPU one."""
@@ -300,6 +301,7 @@ def test_nccl_one_rank(cupy, rng, seed):
     assert_lse_close(lse, ref[1], LSE_TOL["float16"], context(seed))
 
 
+@pytest.mark.nccl
 def test_bench_gpus_one_rank(cupy):
     """`bench --gpus 1` on one GPU: the scaling table's row (NCCL with one rank), its output
     against the single GPU's."""
