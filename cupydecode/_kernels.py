@@ -126,9 +126,17 @@ def kernel_sources(folder: Path | str):
     """A/B of kernel variants: inside the ``with`` block, every kernel is built from the files
     ``folder`` holds (the others stay the shipped ones). Plans built inside keep the kernels they
     were built with after the block ends."""
+    with source_dirs((Path(folder).resolve(), *_SOURCE_DIRS)):
+        yield
+
+
+@contextlib.contextmanager
+def source_dirs(dirs: tuple[Path, ...]):
+    """Inside the ``with`` block, kernels are built from ``dirs`` (a value of ``_SOURCE_DIRS``,
+    e.g. the one a plan was built under) before the shipped folder."""
     global _SOURCE_DIRS
     previous = _SOURCE_DIRS
-    _SOURCE_DIRS = (Path(folder).resolve(), *previous)
+    _SOURCE_DIRS = tuple(dirs)
     try:
         yield
     finally:
@@ -418,10 +426,15 @@ def bind_context() -> None:
     A thread that has made no CUDA runtime call that needs a context has none current, and the
     driver calls made here directly (cuLaunchKernel, the occupancy query, function attributes)
     would fail there with CUDA_ERROR_INVALID_CONTEXT; cudaFree(0) binds the device's context.
+    Only where none is current: cudaFree is refused while a stream of the thread or process is
+    being captured in global or thread-local mode (a launch first needed inside such a capture
+    would invalidate it), and a thread that captures has its context current already.
     """
     import cupy
+    from cupy_backends.cuda.api import driver
 
-    cupy.cuda.runtime.free(0)
+    if driver.ctxGetCurrent() == 0:
+        cupy.cuda.runtime.free(0)
 
 
 # (id(fn), bytes, device) → fn: holding fn keeps its id from being reused by another function

@@ -321,6 +321,7 @@ class DecodePlan:
         # for calls without runtime options now (with a window: the one with them); the other,
         # and an fp8 cache's per-token-scale build (KV_SCALE_TOKEN), at the first call to need it
         self._launches: dict = {}
+        self._sources = _kernels._SOURCE_DIRS  # a later build from the sources of this one
         if self.batch:
             self._split_launch(self.config if self.window_left is not None else
                                dataclasses.replace(self.config, runtime_options=False))
@@ -333,8 +334,10 @@ class DecodePlan:
         its first use, then kept)."""
         launch = self._launches.get(config)
         if launch is None:
+            with _kernels.source_dirs(self._sources):
+                fn = _split_function(config)
             launch = self._launches[config] = _kernels.StructLaunch(
-                _split_function(config), self._grid, (config.threads, 1, 1), config.smem_bytes,
+                fn, self._grid, (config.threads, 1, 1), config.smem_bytes,
                 _PARAMS_HEAD, programmatic=self._programmatic and self.enable_pdl,
                 tail=_PARAMS_TAIL)
         return launch

@@ -357,9 +357,13 @@ class ShardedDecodePlan:
         # the gathered headers come back into pinned memory in one copy
         _, self._send_lse, self._send_out = piece_views(self._send, self.rows_shape,
                                                         self.plan.head_dim, self.dtype)
-        self._header = np.frombuffer(cupy.cuda.alloc_pinned_memory(HEADER_BYTES), np.int32)
+        # (the pinned pool rounds a request up to 512 bytes and the buffer exposes them all:
+        # the count is explicit)
+        words = HEADER_BYTES // 4
+        self._header = np.frombuffer(cupy.cuda.alloc_pinned_memory(HEADER_BYTES), np.int32,
+                                     words)
         self._headers = np.frombuffer(cupy.cuda.alloc_pinned_memory(HEADER_BYTES * comm.size),
-                                      np.int32).reshape(comm.size, HEADER_BYTES // 4)
+                                      np.int32, words * comm.size).reshape(comm.size, words)
         self._header_sent = cupy.cuda.Event(disable_timing=True)  # the pinned header is free
         self._header_sent.record()
 

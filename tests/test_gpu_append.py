@@ -308,12 +308,20 @@ def test_plan_in_a_graph_with_lengths_advanced_in_place(cupy, rng, seed, page_si
         lens = lens + 1
 
 
-def test_the_build_with_options_first_needed_inside_a_capture(cupy, rng, seed, tmp_path):
+@pytest.mark.parametrize("mode", ["relaxed", "global", "thread_local"])
+def test_the_build_with_options_first_needed_inside_a_capture(cupy, rng, seed, tmp_path, mode):
     """A plan holds the split kernel built without runtime options; the first call with new
-    tokens builds the one with them. That call may come inside a graph capture, and the build
-    is then compiled and loaded there (kernels of a fresh folder: nothing of it was loaded
-    before). Replayed, the graph appends and attends as the reference does."""
+    tokens builds the one with them. That call may come inside a graph capture of any mode
+    (torch captures in global mode, where a stray cudaFree invalidates the capture), and the
+    build is then compiled, loaded and first launched there (kernels of a fresh folder: nothing
+    of it was loaded before). Replayed, the graph appends and attends as the reference does."""
     from cupydecode import _kernels
+    from cupydecode.decode import _split_function
+
+    runtime = cupy.cuda.runtime
+    capture_mode = {"relaxed": runtime.streamCaptureModeRelaxed,
+                    "global": runtime.streamCaptureModeGlobal,
+                    "thread_local": runtime.streamCaptureModeThreadLocal}[mode]
 
     text = (_kernels.kernel_dir() / "decode_split.cu").read_text()
     (tmp_path / "decode_split.cu").write_text(f"// {seed}\n" + text)  # a source of its own
@@ -323,16 +331,18 @@ def test_the_build_with_options_first_needed_inside_a_capture(cupy, rng, seed, t
     stream = cupy.cuda.Stream(non_blocking=True)
     with _kernels.kernel_sources(tmp_path):
         plan = cupydecode.DecodePlan(*case.shape, "float16")
-        assert [c.runtime_options for c in plan._launches] == [False], plan._launches
-        cupy.cuda.Device().synchronize()
-        with stream:
-            stream.begin_capture()
-            plan.run(case.q, case.k, case.v, case.seqlens, out=out, lse=lse, k_new=case.k_new,
-                     v_new=case.v_new)
-            graph = stream.end_capture()
-        assert sorted(c.runtime_options for c in plan._launches) == [False, True]
-        graph.launch(stream)
-        stream.synchronize()
+    assert [c.runtime_options for c in plan._launches] == [False], plan._launches
+    cupy.cuda.Device().synchronize()
+    with stream:
+        stream.begin_capture(capture_mode)
+        plan.run(case.q, case.k, case.v, case.seqlens, out=out, lse=lse, k_new=case.k_new,
+                 v_new=case.v_new)
+        graph = stream.end_capture()
+    [built] = [c for c in plan._launches if c.runtime_options]
+    with _kernels.kernel_sources(tmp_path):  # built from the sources the plan was built under
+        assert plan._launches[built]._kernel is _split_function(built)
+    graph.launch(stream)
+    stream.synchronize()
     case.check(out, lse, "built inside the capture")
 
 

@@ -18,10 +18,11 @@ class _FakeKernel:
         ptr = 0xABC0
 
 
-def _intercept(monkeypatch, on_launch, on_free=lambda ptr: None):
+def _intercept(monkeypatch, on_launch, on_free=lambda ptr: None, context=0):
     """The driver's cuLaunchKernel replaced by ``on_launch(dims, kernel_params, extra)`` (dims:
-    function, grid, block, shared memory, stream), and the context binding of a thread's first
-    launch (cudaFree(0)) by ``on_free(ptr)``: nothing reaches a GPU."""
+    function, grid, block, shared memory, stream), the thread's current context (cuCtxGetCurrent)
+    by ``context`` (0: none) and the context binding of a thread's first launch (cudaFree(0)) by
+    ``on_free(ptr)``: nothing reaches a GPU."""
     import cupy
     from cupy_backends.cuda.api import driver
 
@@ -29,6 +30,7 @@ def _intercept(monkeypatch, on_launch, on_free=lambda ptr: None):
         on_launch((func, gx, gy, gz, bx, by, bz, smem, stream), kernel_params, extra)
 
     monkeypatch.setattr(driver, "launchKernel", fake_launch)
+    monkeypatch.setattr(driver, "ctxGetCurrent", lambda: context)
     monkeypatch.setattr(cupy.cuda.runtime, "free", on_free)
 
 
@@ -77,6 +79,16 @@ def test_struct_launch_passes_the_packed_block(captured):
     launches = captured[1:]
     assert [c[0] for c in launches] == [(0xABC0, 8, 16, 2, 128, 1, 1, 4096, 0x5151, 0)] * 2
     assert [_PARAMS.unpack(c[1]) for c in launches] == [_values(1), _values(2)]
+
+
+def test_struct_launch_binds_no_context_where_one_is_current(monkeypatch):
+    """A thread with a context current (every thread that captures a graph) launches without
+    cudaFree(0), which a global or thread-local capture would refuse (and be invalidated by)."""
+    calls = []
+    _intercept(monkeypatch, lambda dims, params, extra: calls.append(dims[-1]),
+               lambda ptr: calls.append(("free", ptr)), context=0x1234)
+    _kernels.StructLaunch(_FakeKernel(), (1, 1, 1), (32, 1, 1), 0, _PARAMS)(0x77, *_values(3))
+    assert calls == [0x77]
 
 
 def test_launch_with_tail_packs_the_tail_only_when_its_key_changes(captured):
