@@ -16,6 +16,24 @@ import helpers  # noqa: E402
 
 
 SHARD_ENV = "CUPYDECODE_TEST_SHARD"
+EXCLUDE_ENV = "CUPYDECODE_TEST_EXCLUDE"
+
+
+def _exclude(config, items) -> None:
+    """With CUPYDECODE_TEST_EXCLUDE=FILE, leave out the tests whose node ids FILE lists (one a
+    line): the ones a sanitizer already passed in an earlier call, so that a tool's run over the
+    whole suite can be split across calls (tools/sanitize_suite.sh, EXCLUDE). Before the
+    sharding, so that the tests left are spread over the shards."""
+    path = os.environ.get(EXCLUDE_ENV)
+    if not path:
+        return
+    try:
+        done = {line.strip() for line in Path(path).read_text().splitlines() if line.strip()}
+    except OSError as exc:
+        raise pytest.UsageError(f"{EXCLUDE_ENV}: cannot read {path!r}: {exc}") from None
+    left = [item for item in items if item.nodeid not in done]
+    config.hook.pytest_deselected(items=[item for item in items if item.nodeid in done])
+    items[:] = left
 
 
 def _shard(config, items) -> None:
@@ -37,6 +55,7 @@ def _shard(config, items) -> None:
 
 
 def pytest_collection_modifyitems(config, items):
+    _exclude(config, items)
     _shard(config, items)
     gpu_items = [item for item in items if item.get_closest_marker("gpu")]
     if not gpu_items:

@@ -1,5 +1,6 @@
 """The developer tools parse their arguments into public overrides (no GPU)."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -45,3 +46,35 @@ def test_tools_print_their_usage_without_a_gpu(tool):
     result = subprocess.run([sys.executable, str(ROOT / "tools" / tool), "--help"],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and "usage" in result.stdout.lower(), result.stderr
+
+
+def _collected(env: dict) -> list[str]:
+    """The node ids pytest collects from tests/test_policy.py under ``env`` (the suite's own
+    conftest: sharding and exclusion)."""
+    run = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p",
+                          "no:cacheprovider", "tests/test_policy.py"], cwd=ROOT, text=True,
+                         capture_output=True, env={**os.environ, **env})
+    assert run.returncode == 0, run.stdout + run.stderr
+    return [line for line in run.stdout.splitlines() if "::" in line]
+
+
+def test_shards_split_the_suite_and_exclusion_comes_first(tmp_path):
+    """tools/sanitize_suite.sh's shards (CUPYDECODE_TEST_SHARD) take disjoint runs that together
+    are the whole suite; CUPYDECODE_TEST_EXCLUDE leaves out the listed tests before sharding,
+    so a tool's run can go on where an earlier call stopped."""
+    every = _collected({})
+    assert len(every) > 20
+    shards = [_collected({"CUPYDECODE_TEST_SHARD": f"{i}/3"}) for i in range(3)]
+    assert sum(shards, []) == every
+    done = tmp_path / "done.txt"
+    done.write_text("\n".join(every[::2]) + "\n")
+    left = [_collected({"CUPYDECODE_TEST_EXCLUDE": str(done), "CUPYDECODE_TEST_SHARD": f"{i}/2"})
+            for i in range(2)]
+    assert sum(left, []) == every[1::2]
+    assert abs(len(left[0]) - len(left[1])) <= 1
+    bad = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p",
+                          "no:cacheprovider", "tests/test_policy.py"], cwd=ROOT, text=True,
+                         capture_output=True,
+                         env={**os.environ,
+                              "CUPYDECODE_TEST_EXCLUDE": str(tmp_path / "missing.txt")})
+    assert bad.returncode != 0 and "CUPYDECODE_TEST_EXCLUDE" in bad.stdout + bad.stderr

@@ -10,7 +10,8 @@
 # OUTDIR/TOOL_reports.log holds the first reports in full.
 # Env: SHARDS (default 12), ONLY (the shards to run, e.g. "0 1 2": a tool's run split across
 # calls; default all), TIMEOUT (seconds per tool, default 540: keep it inside the call's own
-# limit, or the summary is never written), FILTER (pytest -k),
+# limit, or the summary is never written), FILTER (pytest -k), EXCLUDE (a file of node ids, one
+# a line, left out before sharding: CUPYDECODE_TEST_EXCLUDE, tests/conftest.py),
 # FILES (default the whole GPU suite), WARM=1: first the same tests without a sanitizer in
 # pytest-xdist workers (OUTDIR/plain_pytest.log), which fills CuPy's kernel cache, so that the
 # shards do not each compile the kernels they share (on a fresh H200 that compiling kept 1 to 2
@@ -19,6 +20,11 @@
 # start-up probes the device with CUDA calls that fail by design (cudaErrorNoKernelImageForDevice
 # in ncclInitKernelsForDevice, cudaFuncGetAttributes), which every tool counts as errors (16 in
 # memcheck, none in cupydecode's code; seen on the H200).
+# Every test a tool passed is listed in OUTDIR/TOOL_passed.txt (its node id), also from shards the
+# timeout stopped: a tool too slow for one call (racecheck over the whole suite) goes on in the
+# next with EXCLUDE= the lists so far, until no test is left. The reports of a stopped shard
+# are in its log as they happen, so its errors count (lines "========= Error"/"Warning"/"Race")
+# for the tests it passed.
 set -u
 OUT_DIR=${1:-${OUT:-./sanitize_out}}
 shift || true
@@ -42,7 +48,8 @@ for tool in $TOOLS; do
     # shellcheck disable=SC2086
     CUPYDECODE_TEST_SHARD="$i/$SHARDS" timeout "${TIMEOUT:-540}" \
       compute-sanitizer --tool "$tool" --error-exitcode 3 --print-limit 20 \
-      $PY -m pytest -q -p no:cacheprovider -p no:xdist --tb=line -m "not nccl" \
+      env ${EXCLUDE:+CUPYDECODE_TEST_EXCLUDE="$EXCLUDE"} \
+      $PY -m pytest -v -p no:cacheprovider -p no:xdist --tb=line -m "not nccl" \
       ${FILTER:+-k "$FILTER"} $FILES > "$logs/$i.log" 2>&1 &
   done
   wait
@@ -57,13 +64,22 @@ for tool in $TOOLS; do
   [ "$tool" = racecheck ] && tag="RACECHECK SUMMARY"
   errors=$(grep -hoE "$tag: [0-9]+" "$logs"/*.log | awk '{s += $NF} END {print s + 0}')
   finished=$(grep -l "$tag" "$logs"/*.log | wc -l)
+  # the stopped shards (no summary): their tests passed so far and the reports in their logs
+  stopped_passed=0 stopped_errors=0
+  for f in $(grep -L "$tag" "$logs"/*.log); do
+    stopped_passed=$((stopped_passed + $(grep -cE " PASSED" "$f")))
+    stopped_errors=$((stopped_errors + $(grep -cE "^========= +(Error|Warning|Race)" "$f")))
+  done
+  # pytest -v's lines "NODEID PASSED [ nn%]": the node ids
+  grep -hE "^[^ ]+::[^ ]+ PASSED" "$logs"/*.log | awk '{print $1}' >> "$OUT_DIR/${tool}_passed.txt"
   # the reports themselves: the sanitizer's lines ("========= " first), its banner, summaries
   # and empty lines left out
   grep -h -E "^========= " "$logs"/*.log | grep -vE "SUMMARY|COMPUTE-SANITIZER|^=+ *$" \
     | head -n 300 > "$OUT_DIR/${tool}_reports.log"
   grep -h -E "FAILED|Error|^E " "$logs"/*.log | head -n 100 > "$OUT_DIR/${tool}_failures.log"
   ran=$(ls "$logs"/*.log | wc -l)
-  line="$tool: ${took}s, $passed passed, $failed failed, $errors errors; $finished of $ran shards finished (${ONLY:+shards $ONLY of }$SHARDS)"
+  line="$tool: ${took}s, $passed passed, $failed failed, $errors errors; $finished of $ran shards finished (${ONLY:+shards $ONLY of }$SHARDS)${EXCLUDE:+, $(wc -l < "$EXCLUDE") tests excluded}"
+  [ "$finished" -lt "$ran" ] && line="$line; the $((ran - finished)) stopped: $stopped_passed passed, $stopped_errors reports"
   echo "$line" | tee -a "$summary"
   rm -rf "$logs"
 done
