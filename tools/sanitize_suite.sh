@@ -12,6 +12,9 @@
 # calls; default all), TIMEOUT (seconds per tool, default 540: keep it inside the call's own
 # limit, or the summary is never written), FILTER (pytest -k), EXCLUDE (a file of node ids, one
 # a line, left out before sharding: CUPYDECODE_TEST_EXCLUDE, tests/conftest.py),
+# KERNELS (default cd_: the kernels whose names hold it are checked, i.e. cupydecode's own; CuPy's
+# kernels that the tests use to make inputs and compare results are launched unchecked, which
+# takes racecheck from most of a call's time to a fraction of it; KERNELS= checks every kernel),
 # FILES (default the whole GPU suite), WARM=1: first the same tests without a sanitizer in
 # pytest-xdist workers (OUTDIR/plain_pytest.log), which fills CuPy's kernel cache, so that the
 # shards do not each compile the kernels they share (on a fresh H200 that compiling kept 1 to 2
@@ -33,6 +36,7 @@ mkdir -p "$OUT_DIR"
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$(pwd) PYTHONUNBUFFERED=1
 PY=${PY:-python3}
 SHARDS=${SHARDS:-12}
+KERNELS=${KERNELS-cd_}
 FILES=${FILES:-"tests/test_gpu_*.py tests/test_cli_gpu.py tests/test_examples_gpu.py"}
 summary="$OUT_DIR/0_sanitize.txt"
 if [ "${WARM:-0}" = 1 ]; then
@@ -48,6 +52,7 @@ for tool in $TOOLS; do
     # shellcheck disable=SC2086
     CUPYDECODE_TEST_SHARD="$i/$SHARDS" timeout "${TIMEOUT:-540}" \
       compute-sanitizer --tool "$tool" --error-exitcode 3 --print-limit 20 \
+      ${KERNELS:+--kernel-name kns="$KERNELS"} \
       env ${EXCLUDE:+CUPYDECODE_TEST_EXCLUDE="$EXCLUDE"} \
       $PY -m pytest -v -p no:cacheprovider -p no:xdist --tb=line -m "not nccl" \
       ${FILTER:+-k "$FILTER"} $FILES > "$logs/$i.log" 2>&1 &
@@ -78,7 +83,7 @@ for tool in $TOOLS; do
     | head -n 300 > "$OUT_DIR/${tool}_reports.log"
   grep -h -E "FAILED|Error|^E " "$logs"/*.log | head -n 100 > "$OUT_DIR/${tool}_failures.log"
   ran=$(ls "$logs"/*.log | wc -l)
-  line="$tool: ${took}s, $passed passed, $failed failed, $errors errors; $finished of $ran shards finished (${ONLY:+shards $ONLY of }$SHARDS)${EXCLUDE:+, $(wc -l < "$EXCLUDE") tests excluded}"
+  line="$tool: ${took}s, $passed passed, $failed failed, $errors errors; $finished of $ran shards finished (${ONLY:+shards $ONLY of }$SHARDS)${KERNELS:+, kernels *$KERNELS* checked}${EXCLUDE:+, $(wc -l < "$EXCLUDE") tests excluded}"
   [ "$finished" -lt "$ran" ] && line="$line; the $((ran - finished)) stopped: $stopped_passed passed, $stopped_errors reports"
   echo "$line" | tee -a "$summary"
   rm -rf "$logs"
