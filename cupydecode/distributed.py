@@ -29,8 +29,10 @@ communicator is aborted).
 Communicators: :class:`ThreadGroup` (ranks as threads of one process on one GPU: tests, and
 use without NCCL), :class:`NcclCommunicator` (one process per GPU, NCCL through CuPy, e.g.
 started by :func:`spawn` or mpirun). Anything with ``rank``, ``size`` and
-``all_gather(send) -> (size, n)`` works. NCCL is optional: nothing here is imported by
-``import cupydecode``.
+``all_gather(send) -> (size, n)`` works; one whose all-gather is only queued on the stream has a
+``wait()`` too, called once the step's merge is queued behind it (NcclCommunicator: the host
+launches the merge while the attention and the collective run). NCCL is optional: nothing here
+is imported by ``import cupydecode``.
 """
 
 from __future__ import annotations
@@ -181,7 +183,9 @@ class NcclCommunicator:
         self._done = None  # one event, recorded after each collective
 
     def all_gather(self, send):
-        """(size, n) uint8: every rank's ``send`` (1-D uint8, the same n everywhere)."""
+        """(size, n) uint8: every rank's ``send`` (1-D uint8, the same n everywhere), queued on
+        the current stream (the host does not wait: work queued after it overlaps it);
+        :meth:`wait` waits for it, with the timeout."""
         cupy = _kernels.import_cupy()
         if send.dtype != cupy.uint8 or send.ndim != 1:
             V.fail(TypeError, "send", "a 1-D uint8 array", f"{send.ndim}-D {send.dtype}")
@@ -192,6 +196,17 @@ class NcclCommunicator:
         try:
             self._comm.allGather(send.data.ptr, recv.data.ptr, send.size, self._uint8, stream.ptr)
             self._done.record(stream)
+        except Exception as exc:
+            self._failed(exc)
+        return recv
+
+    def wait(self) -> None:
+        """Until the last all-gather has finished: raises (and aborts the communicator) where
+        NCCL reports it failed or it has not finished after ``timeout`` seconds (a rank failed
+        or hangs)."""
+        if self._done is None:
+            return
+        try:
             deadline = time.monotonic() + self.timeout
             while not self._done.done:
                 self._comm.check_async_error()
@@ -199,11 +214,14 @@ class NcclCommunicator:
                     raise TimeoutError(f"the collective did not finish within {self.timeout} s "
                                        "(a rank failed or hangs)")
                 time.sleep(0)
+            self._comm.check_async_error()
         except Exception as exc:
-            self._comm.abort()
-            raise RuntimeError(f"rank {self.rank}: NCCL all-gather failed, communicator aborted "
-                               f"({type(exc).__name__}: {exc})") from exc
-        return recv
+            self._failed(exc)
+
+    def _failed(self, exc: Exception):
+        self._comm.abort()
+        raise RuntimeError(f"rank {self.rank}: NCCL all-gather failed, communicator aborted "
+                           f"({type(exc).__name__}: {exc})") from exc
 
     def abort(self) -> None:
         self._comm.abort()
@@ -331,7 +349,9 @@ class ShardedDecodePlan:
         except Exception as exc:  # the others learn of it in the collective below
             error, sig[0] = exc, FAILED
         # every rank's plan alike: one collective now
-        got = _host(comm.all_gather(cupy.asarray(sig.view(np.uint8)))).view(np.float64)
+        recv = comm.all_gather(cupy.asarray(sig.view(np.uint8)))
+        _wait(comm)
+        got = _host(recv).view(np.float64)
         sigs = got.reshape(comm.size, -1)
         if error is not None:
             raise error
@@ -414,11 +434,20 @@ class ShardedDecodePlan:
                                         recv.data.ptr, recv.strides[0], HEADER_BYTES,
                                         recv.shape[0], cupy.cuda.runtime.memcpyDeviceToHost,
                                         stream.ptr)
+        _wait(self.comm)
         stream.synchronize()
         if error is not None:
             raise error
         check_headers(self._headers, self.comm.rank, step)
         return merged
+
+
+def _wait(comm) -> None:
+    """Until ``comm``'s last collective has finished, where it queues them (its ``wait``: a
+    timeout or NCCL's error raises); others have finished theirs on return."""
+    wait = getattr(comm, "wait", None)
+    if wait is not None:
+        wait()
 
 
 def _host(x) -> np.ndarray:

@@ -279,6 +279,40 @@ def test_shards_with_a_window_and_query_tokens(cupy, rng, seed, q_len):
         assert_lse_close(lse, ref[1], LSE_TOL["float16"], ctx)
 
 
+class _QueuedComm:
+    """One rank whose all-gather is only queued (as NCCL's): ``wait`` counted, or raising."""
+
+    def __init__(self, fail_wait_at=None):
+        self.rank, self.size, self.waits, self.fail_wait_at = 0, 1, 0, fail_wait_at
+
+    def all_gather(self, send):
+        return send.reshape(1, -1).copy()
+
+    def wait(self):
+        self.waits += 1
+        if self.waits == self.fail_wait_at:
+            raise TimeoutError("the collective did not finish (planted)")
+
+
+def test_a_queued_collective_is_waited_for(cupy, rng, seed):
+    """A communicator with ``wait`` (its collectives queued): the plan waits once when built
+    and once a step, after queuing the merge; a wait that raises fails the step."""
+    q = randn(rng, (2, 8, 64), "float16")
+    k = randn(rng, (2, 300, 2, 64), "float16")
+    v = randn(rng, (2, 300, 2, 64), "float16")
+    ref = R.decode_attention(q, k, v, [300, 5])
+    comm = _QueuedComm(fail_wait_at=3)
+    plan = D.ShardedDecodePlan(comm, 2, 8, 2, 64, 300, "float16")
+    assert comm.waits == 1
+    lens = cupy.asarray([300, 5], cupy.int32)
+    out, lse = plan.run(to_device(q), to_device(k), to_device(v), lens)
+    assert comm.waits == 2
+    assert_out_close(out, ref[0], OUT_TOL["float16"], context(seed))
+    assert_lse_close(lse, ref[1], LSE_TOL["float16"], context(seed))
+    with pytest.raises(TimeoutError, match="planted"):
+        plan.run(to_device(q), to_device(k), to_device(v), lens)
+
+
 @pytest.mark.nccl
 def test_nccl_one_rank(cupy, rng, seed):
     """The NCCL communicator with one rank (a one-GPU machine): the plan's result is the
