@@ -12,9 +12,9 @@
 # calls; default all), TIMEOUT (seconds per tool, default 540: keep it inside the call's own
 # limit, or the summary is never written), FILTER (pytest -k), EXCLUDE (a file of node ids, one
 # a line, left out before sharding: CUPYDECODE_TEST_EXCLUDE, tests/conftest.py),
-# KERNELS (default cd_: the kernels whose names hold it are checked, i.e. cupydecode's own; CuPy's
-# kernels that the tests use to make inputs and compare results are launched unchecked, which
-# takes racecheck from most of a call's time to a fraction of it; KERNELS= checks every kernel),
+# KERNELS (default cd_: only kernels whose names hold it are checked, i.e. cupydecode's own; CuPy's
+# kernels that the tests use to make inputs and compare results launch unchecked; KERNELS= checks
+# every kernel),
 # FILES (default the whole GPU suite), WARM=1: first the same tests without a sanitizer in
 # pytest-xdist workers (OUTDIR/plain_pytest.log), which fills CuPy's kernel cache, so that the
 # shards do not each compile the kernels they share (on a fresh H200 that compiling kept 1 to 2
