@@ -1110,35 +1110,39 @@ def _shard_inputs(spec: dict, ranks: int, rank: int):
 
 
 class _TimedComm:
-    """A communicator that records each all-gather between two events on the stream
-    (``pairs``): its time runs from the moment the stream reaches it (the rank's own attention
-    done) to its end, so that the collective's share does not count the attention, and the
-    host does not wait where the plan would not."""
+    """A communicator that records each all-gather between two events on the stream: its time
+    runs from the moment the stream reaches it (the rank's own attention done) to its end, so
+    that the collective's share does not count the attention, and the host does not wait where
+    the plan would not. The events of ``calls`` all-gathers are made up front, off the timed
+    steps."""
 
-    def __init__(self, comm):
-        self.comm, self.rank, self.size, self.pairs = comm, comm.rank, comm.size, []
+    def __init__(self, comm, calls: int):
+        import cupy
+
+        self.comm, self.rank, self.size, self.calls = comm, comm.rank, comm.size, 0
+        self.events = [(cupy.cuda.Event(), cupy.cuda.Event()) for _ in range(calls)]
 
     def all_gather(self, send):
         import cupy
 
         stream = cupy.cuda.get_current_stream()
-        start, end = cupy.cuda.Event(), cupy.cuda.Event()
+        start, end = self.events[self.calls]
         start.record(stream)
         recv = self.comm.all_gather(send)
         end.record(stream)
-        self.pairs.append((start, end))
+        self.calls += 1
         return recv
 
     def wait(self) -> None:
-        wait = getattr(self.comm, "wait", None)
-        if wait is not None:
-            wait()
+        from .distributed import _wait
+
+        _wait(self.comm)
 
     def spent(self) -> list[float]:
-        """Seconds of each all-gather (after the stream has passed them all)."""
+        """Seconds of each all-gather so far (once the stream has passed them)."""
         import cupy
 
-        return [cupy.cuda.get_elapsed_time(a, b) * 1e-3 for a, b in self.pairs]
+        return [cupy.cuda.get_elapsed_time(a, b) * 1e-3 for a, b in self.events[:self.calls]]
 
 
 def sharded_rank_times(comm, spec: dict, steps: int) -> dict:
@@ -1149,7 +1153,7 @@ def sharded_rank_times(comm, spec: dict, steps: int) -> dict:
 
     from .distributed import ShardedDecodePlan
 
-    timed = _TimedComm(comm)
+    timed = _TimedComm(comm, steps + 4)  # the plan's own all-gather, 3 to warm up, steps
     q, k, v, lens, after = _shard_inputs(spec, comm.size, comm.rank)
     plan = ShardedDecodePlan(timed, spec["batch"], spec["num_heads"], spec["num_kv_heads"],
                              spec["head_dim"], k.shape[1], spec["dtype"])
