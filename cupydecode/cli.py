@@ -21,9 +21,9 @@ import time
 
 import click
 
-from . import __version__
-from ._policy import (HEAD_DIMS_TEXT, KERNEL_HEAD_DIMS, KV_DTYPES, MAX_Q_LEN, MAX_SPLITS,
-                      SUPPORTED_HEAD_DIMS)
+from . import __version__, _validate
+from ._policy import (HEAD_DIMS_TEXT, KERNEL_HEAD_DIMS, KV_DTYPES, MAX_BATCH, MAX_Q_LEN,
+                      MAX_SPLITS, SUPPORTED_HEAD_DIMS)
 from ._validate import MAX_SOFT_CAP
 from .workloads import (DTYPES, KV_SCALES, MODELS, Workload, fresh_seed, random_lengths,
                         workload_for_model)
@@ -53,7 +53,7 @@ def require_gpu(ctx: click.Context) -> None:
     ok, why = detect_gpu()
     if not ok:
         click.echo(f"error: no usable GPU: {why}. This command runs CUDA kernels; "
-                   "`cupydecode explain` and `cupydecode models` work without one.", err=True)
+                   "`cupydecode explain`, `models` and `info` work without one.", err=True)
         ctx.exit(EXIT_USAGE)
 
 
@@ -78,13 +78,14 @@ class SplitsType(click.ParamType):
 
 
 class IntListType(click.ParamType):
-    """Comma-separated integers, each >= ``minimum``; a k suffix multiplies by 1024 (64k);
+    """Comma-separated integers, each >= ``minimum`` (and <= ``maximum`` where given); a k
+    suffix multiplies by 1024 (64k);
     with ``none`` set, that word stands for None (e.g. the contiguous cache among page sizes)."""
 
     name = "N,N,..."
 
-    def __init__(self, minimum: int = 1, none: str | None = None):
-        self.minimum, self.none = minimum, none
+    def __init__(self, minimum: int = 1, none: str | None = None, maximum: int | None = None):
+        self.minimum, self.maximum, self.none = minimum, maximum, none
         if none:
             self.name = f"{none}|N,..."
 
@@ -106,6 +107,8 @@ class IntListType(click.ParamType):
                           f"{value!r}", param, ctx)
             if n < self.minimum:
                 self.fail(f"expected integers >= {self.minimum}, got {n}", param, ctx)
+            if self.maximum is not None and n > self.maximum:
+                self.fail(f"expected integers <= {self.maximum}, got {n}", param, ctx)
             out.append(n)
         if not out:
             self.fail("expected at least one integer", param, ctx)
@@ -157,8 +160,20 @@ class HeadDimType(click.ParamType):
 
 
 HEAD_DIM_TYPE = HeadDimType()
+
+
+class FiniteFloatRange(click.FloatRange):
+    """click.FloatRange that also refuses nan (which passes every comparison of a range)."""
+
+    def convert(self, value, param, ctx):
+        x = super().convert(value, param, ctx)
+        if not math.isfinite(x):
+            self.fail(f"expected a finite number, got {value!r}", param, ctx)
+        return x
+
+
 # logits_soft_cap from the command line: 0 (none) to the library's most (_validate.MAX_SOFT_CAP)
-SOFT_CAP_TYPE = click.FloatRange(min=0.0, max=MAX_SOFT_CAP)
+SOFT_CAP_TYPE = FiniteFloatRange(min=0.0, max=MAX_SOFT_CAP)
 
 
 # ---------------------------------------------------------------------------- output helpers
@@ -300,6 +315,17 @@ def _check_kv_dtype(kv_dtype, kv_scale, dtype) -> tuple[str | None, str]:
     return kv_dtype and kv_dtype.lower(), (kv_scale or "tensor").lower()
 
 
+def _check_head_dim(head_dim: int, dtype: str, kv_dtype: str | None) -> None:
+    """The library's own checks of head_dim × dtype (× an fp8 cache), as usage errors naming
+    --head-dim or --dtype, before a GPU is looked for (the library would refuse the call)."""
+    try:
+        _validate.check_head_dim(head_dim, dtype, "--head-dim")
+        if kv_dtype is not None:
+            _validate.check_fp8_query(dtype, head_dim, kv_dtype, "--dtype", "--head-dim")
+    except (TypeError, ValueError) as e:
+        raise click.UsageError(str(e)) from None
+
+
 def _workload_label(w: Workload) -> str:
     label = f"{w.name}: {w.shape_label()}"
     if w.lengths is not None:
@@ -322,7 +348,7 @@ def _check_header(width: int) -> str:
 
 
 @main.command()
-@click.option("--batch", type=click.IntRange(min=1), help="Sequences (default 2).")
+@click.option("--batch", type=click.IntRange(1, MAX_BATCH), help="Sequences (default 2).")
 @click.option("--seqlen", type=click.IntRange(min=1), help="max_seqlen of the cache (default 4096).")
 @click.option("--heads", type=click.IntRange(min=1), help="Query heads (default: the model's).")
 @click.option("--kv-heads", type=click.IntRange(min=1), help="KV heads; must divide --heads.")
@@ -364,8 +390,8 @@ def check(ctx, batch, seqlen, heads, kv_heads, head_dim, dtype, splits, seed, va
           model, json_path):
     """Compare flash_decode with a float64 reference; one row per workload.
 
-    Without shape options, runs the built-in matrix (fp16/bf16/fp32, head_dim 32 to 256,
-    MHA to MQA, lengths 1 to 65536, variable lengths with an empty sequence, forced and
+    Without shape options, runs the built-in matrix (fp16/bf16/fp32, head_dim 32 to 256 and
+    512, MHA to MQA, lengths 1 to 65536, variable lengths with an empty sequence, forced and
     automatic splits, logits of ±1e4, the soft-cap, paged caches, appended tokens, sliding
     windows, ALiBi, attention sinks, fp8 caches with each kind of scale). Outputs are
     filled with NaN before each call.
@@ -402,6 +428,8 @@ def check(ctx, batch, seqlen, heads, kv_heads, head_dim, dtype, splits, seed, va
                                       append, window, alibi, sinks, layer, q_len, kv_dtype,
                                       kv_scale)
                      for layer in layers]
+        for w in workloads:
+            _check_head_dim(w.head_dim, w.dtype, w.kv_dtype)
     else:
         workloads = default_check_matrix()
         base = fresh_seed() if seed is None else seed
@@ -593,7 +621,8 @@ def _forwarded_bench_args(model, dtype, seqlens, batches, splits, protocols, bas
               callback=_dtype_callback, help="float16, bfloat16 or float32.")
 @click.option("--seqlens", type=IntListType(), default="1024,4096,16384,65536,262144",
               show_default=True, help="Comma list of sequence lengths (64k allowed).")
-@click.option("--batch", "batches", type=IntListType(), default="1,4,16", show_default=True,
+@click.option("--batch", "batches", type=IntListType(maximum=MAX_BATCH), default="1,4,16",
+              show_default=True,
               help="Comma list of batch sizes.")
 @click.option("--splits", type=SplitsType(), default="auto", show_default=True,
               help="'auto' or a forced split count.")
@@ -679,6 +708,7 @@ def bench(ctx, model, head_dim, dtype, seqlens, batches, splits, protocols, proc
         raise click.BadParameter("expected --q-len 1 with --append (the command appends one "
                                  "token per sequence)", param_hint="'--q-len'")
     kv_dtype, kv_scale = _check_kv_dtype(kv_dtype, kv_scale, dtype)
+    _check_head_dim(MODELS[model].head_dim if head_dim is None else head_dim, dtype, kv_dtype)
     if plot_path:
         _check_plot_available(ctx)
     require_gpu(ctx)
@@ -808,8 +838,8 @@ def bench(ctx, model, head_dim, dtype, seqlens, batches, splits, protocols, proc
               help="Vector length.")
 @click.option("--seed", type=click.IntRange(0, 2**32 - 1), default=0, show_default=True,
               help="Seed of the example's q, K, V.")
-@click.option("--center", type=float, default=120.0, show_default=True,
-              help="Logits are drawn around this value.")
+@click.option("--center", type=FiniteFloatRange(0.0, 1e6, min_open=True), default=120.0,
+              show_default=True, help="Logits are drawn around this value (> 0).")
 @click.option("--gpu", is_flag=True, help="Also read the same numbers from the real kernels.")
 @click.pass_context
 def explain(ctx, tokens, splits, head_dim, seed, center, gpu):
@@ -828,11 +858,12 @@ def explain(ctx, tokens, splits, head_dim, seed, center, gpu):
     """
     from . import explain as E
 
+    if gpu:  # before the walk: no half-printed run that then fails
+        require_gpu(ctx)
     wk = E.walk(tokens, splits, head_dim, seed, center)
     for line in E.format_walk(wk) + E.format_overflow(wk):
         click.echo(line)
     if gpu:
-        require_gpu(ctx)
         for line in E.format_gpu(wk, E.gpu_partials(wk)):
             click.echo(line)
 
@@ -853,7 +884,9 @@ def _safe(fn, default="unavailable"):
 
 @main.command()
 @click.option("--compile", "compile_all", is_flag=True,
-              help="Build every kernel specialisation now (fills CuPy's on-disk cache).")
+              help="Build every kernel specialisation now, which fills CuPy's on-disk cache; "
+                   "without a GPU, compile them with NVRTC for sm_90 only (a compile check: "
+                   "nothing is cached).")
 @click.pass_context
 def info(ctx, compile_all):
     """Versions, GPU facts, and where compiled kernels are cached.

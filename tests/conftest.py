@@ -17,6 +17,7 @@ import helpers  # noqa: E402
 
 SHARD_ENV = "CUPYDECODE_TEST_SHARD"
 EXCLUDE_ENV = "CUPYDECODE_TEST_EXCLUDE"
+PASSED_ENV = "CUPYDECODE_TEST_PASSED"
 
 
 def _exclude(config, items) -> None:
@@ -52,6 +53,16 @@ def _shard(config, items) -> None:
     lo, hi = len(items) * index // count, len(items) * (index + 1) // count
     config.hook.pytest_deselected(items=items[:lo] + items[hi:])
     items[:] = items[lo:hi]
+
+
+def _record_passed(nodeid: str) -> None:
+    """With CUPYDECODE_TEST_PASSED=FILE, append each passed test's node id to FILE as it passes
+    (a line, flushed at once): a run that a timeout stops still leaves the list of what it
+    passed, for an EXCLUDE= run after it (tools/sanitize_suite.sh)."""
+    path = os.environ.get(PASSED_ENV)
+    if path:
+        with open(path, "a") as f:
+            f.write(nodeid + "\n")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -94,6 +105,8 @@ def rng(seed) -> np.random.Generator:
 def pytest_runtest_makereport(item, call):
     outcome = yield
     report = outcome.get_result()
+    if report.when == "call" and report.passed:
+        _record_passed(report.nodeid)
     value = getattr(item, "_cupydecode_seed", None)
     if value is not None and report.failed:
         report.sections.append(("random seed",

@@ -108,6 +108,19 @@ def test_direct_softmax_overflows_lse_path_does_not():
     ["bench", "--baseline", "jax"],
     ["explain", "--tokens", "0"],
     ["explain", "--head-dim", "300"],
+    ["explain", "--center", "-1"],
+    ["explain", "--center", "0"],
+    ["explain", "--center", "nan"],
+    ["explain", "--center", "inf"],
+    ["check", "--soft-cap", "nan"],
+    ["bench", "--soft-cap", "inf"],
+    ["check", "--batch", "65536"],
+    ["bench", "--batch", "1,65536"],
+    ["check", "--dtype", "float32", "--head-dim", "512"],
+    ["bench", "--dtype", "float32", "--head-dim", "512"],
+    ["check", "--model", "gemma-2-9b", "--dtype", "float32", "--head-dim", "512"],
+    ["check", "--kv-dtype", "e4m3", "--head-dim", "40"],
+    ["bench", "--kv-dtype", "e5m2", "--head-dim", "72"],
 ])
 def test_bad_usage_exits_2(runner, no_gpu, args):
     """Refused as usage errors before any GPU is looked for (the missing GPU also exits 2)."""
@@ -126,6 +139,7 @@ def test_no_gpu_exits_2_with_message(runner, no_gpu, args):
     assert result.exit_code == 2, result.output
     assert "no usable GPU" in result.output
     assert "simulated: no CUDA device" in result.output
+    assert "Kernel 1" not in result.output  # explain --gpu: refused before the walk is printed
 
 
 def test_info_without_gpu_says_so(runner, no_gpu):

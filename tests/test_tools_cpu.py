@@ -78,3 +78,26 @@ def test_shards_split_the_suite_and_exclusion_comes_first(tmp_path):
                          env={**os.environ,
                               "CUPYDECODE_TEST_EXCLUDE": str(tmp_path / "missing.txt")})
     assert bad.returncode != 0 and "CUPYDECODE_TEST_EXCLUDE" in bad.stdout + bad.stderr
+
+
+def test_passed_tests_are_listed_as_they_pass(tmp_path):
+    """CUPYDECODE_TEST_PASSED=FILE lists exactly the tests that passed (not the failed or
+    skipped ones), one node id a line: the list a stopped sanitizer shard leaves behind."""
+    tests = tmp_path / "test_some.py"
+    tests.write_text("import pytest\n"
+                     "def test_a(): pass\n"
+                     "def test_b(): assert False\n"
+                     "@pytest.mark.skip(reason='no')\n"
+                     "def test_c(): pass\n"
+                     "@pytest.mark.parametrize('x', [1, 2])\n"
+                     "def test_d(x): assert x == 2\n")
+    passed = tmp_path / "passed.txt"
+    # the suite's conftest as a plugin (it holds the hook) over a file outside the suite
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                          "-p", "conftest", str(tests)],
+                         cwd=tmp_path, text=True, capture_output=True,
+                         env={**os.environ, "CUPYDECODE_TEST_PASSED": str(passed),
+                              "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), str(ROOT)])})
+    assert run.returncode == 1, run.stdout + run.stderr  # test_b and test_d[1] fail
+    names = [line.rsplit("::", 1)[-1] for line in passed.read_text().splitlines()]
+    assert names == ["test_a", "test_d[2]"], names

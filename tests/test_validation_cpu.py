@@ -66,6 +66,17 @@ def test_import_does_not_import_cupy():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
+def test_documented_submodules_after_a_plain_import():
+    """The names the README uses (cupydecode.workloads.alibi_slopes,
+    cupydecode.distributed.ShardedDecodePlan) resolve after ``import cupydecode`` alone, still
+    without CuPy; an unknown name is an AttributeError."""
+    code = ("import sys, cupydecode; cupydecode.workloads.alibi_slopes(8); "
+            "cupydecode.distributed.ShardedDecodePlan; "
+            "assert not hasattr(cupydecode, 'nonexistent'); "
+            "assert 'cupy' not in sys.modules, 'cupy imported'")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
 @pytest.mark.parametrize("kwargs, name", [
     (dict(max_seqlen=2**31), "max_seqlen"),
     (dict(max_seqlen=-1), "max_seqlen"),

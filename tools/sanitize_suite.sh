@@ -23,8 +23,8 @@
 # start-up probes the device with CUDA calls that fail by design (cudaErrorNoKernelImageForDevice
 # in ncclInitKernelsForDevice, cudaFuncGetAttributes), which every tool counts as errors (16 in
 # memcheck, none in cupydecode's code; seen on the H200).
-# Every test a tool passed is listed in OUTDIR/TOOL_passed.txt (its node id), also from shards the
-# timeout stopped: a tool too slow for one call (racecheck over the whole suite) goes on in the
+# Every test a tool passed is listed in OUTDIR/TOOL_passed.txt (its node id, written as it passes:
+# CUPYDECODE_TEST_PASSED, tests/conftest.py), also from shards the timeout stopped: a tool too slow for one call (racecheck over the whole suite) goes on in the
 # next with EXCLUDE= the lists so far, until no test is left. The reports of a stopped shard
 # are in its log as they happen, so its errors count (lines "========= Error"/"Warning"/"Race")
 # for the tests it passed.
@@ -53,7 +53,7 @@ for tool in $TOOLS; do
     CUPYDECODE_TEST_SHARD="$i/$SHARDS" timeout "${TIMEOUT:-540}" \
       compute-sanitizer --tool "$tool" --error-exitcode 3 --print-limit 20 \
       ${KERNELS:+--kernel-name kns="$KERNELS"} \
-      env ${EXCLUDE:+CUPYDECODE_TEST_EXCLUDE="$EXCLUDE"} \
+      env ${EXCLUDE:+CUPYDECODE_TEST_EXCLUDE="$EXCLUDE"} CUPYDECODE_TEST_PASSED="$logs/$i.passed" \
       $PY -m pytest -v -p no:cacheprovider -p no:xdist --tb=line -m "not nccl" \
       ${FILTER:+-k "$FILTER"} $FILES > "$logs/$i.log" 2>&1 &
   done
@@ -72,11 +72,10 @@ for tool in $TOOLS; do
   # the stopped shards (no summary): their tests passed so far and the reports in their logs
   stopped_passed=0 stopped_errors=0
   for f in $(grep -L "$tag" "$logs"/*.log); do
-    stopped_passed=$((stopped_passed + $(grep -cE " PASSED" "$f")))
+    stopped_passed=$((stopped_passed + $(cat "${f%.log}.passed" 2>/dev/null | wc -l)))
     stopped_errors=$((stopped_errors + $(grep -cE "^========= +(Error|Warning|Race)" "$f")))
   done
-  # pytest -v's lines "NODEID PASSED [ nn%]": the node ids
-  grep -hE "^[^ ]+::[^ ]+ PASSED" "$logs"/*.log | awk '{print $1}' >> "$OUT_DIR/${tool}_passed.txt"
+  cat "$logs"/*.passed >> "$OUT_DIR/${tool}_passed.txt" 2>/dev/null
   # the reports themselves: the sanitizer's lines ("========= " first), its banner, summaries
   # and empty lines left out
   grep -h -E "^========= " "$logs"/*.log | grep -vE "SUMMARY|COMPUTE-SANITIZER|^=+ *$" \
