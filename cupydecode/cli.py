@@ -79,8 +79,8 @@ class SplitsType(click.ParamType):
 
 class IntListType(click.ParamType):
     """Comma-separated integers, each >= ``minimum`` (and <= ``maximum`` where given); a k
-    suffix multiplies by 1024 (64k);
-    with ``none`` set, that word stands for None (e.g. the contiguous cache among page sizes)."""
+    suffix multiplies by 1024 (64k); with ``none`` set, that word stands for None (e.g. the
+    contiguous cache among page sizes)."""
 
     name = "N,N,..."
 
@@ -622,8 +622,7 @@ def _forwarded_bench_args(model, dtype, seqlens, batches, splits, protocols, bas
 @click.option("--seqlens", type=IntListType(), default="1024,4096,16384,65536,262144",
               show_default=True, help="Comma list of sequence lengths (64k allowed).")
 @click.option("--batch", "batches", type=IntListType(maximum=MAX_BATCH), default="1,4,16",
-              show_default=True,
-              help="Comma list of batch sizes.")
+              show_default=True, help="Comma list of batch sizes.")
 @click.option("--splits", type=SplitsType(), default="auto", show_default=True,
               help="'auto' or a forced split count.")
 @click.option("--protocol", "protocols", multiple=True, callback=_protocol_callback,
