@@ -725,7 +725,7 @@ def choose_num_splits(work_blocks: int, max_seqlen: int, num_sms: int, blocks_pe
     counting their whole cache instead moves 26 of 358 grouped plans of a grid of shapes to more
     splits (llama-3-8b b16 × 256k: 33 splits, many waves), which kv_group_pays then refuses; b16 ×
     256k took 3785.7 µs with one KV head per block (v16 sweep) and 3727.0 grouped (v17). So it
-    stays until the cost prices what a block's start costs (the performance log, next steps). In one wave, where the
+    stays until the cost prices what a block's start costs (not yet measured). In one wave, where the
     longest block sets the end, KV bytes are counted as s whole chunks per sequence (s · chunk ≥ max_seqlen tokens: 31 chunks of 2176 tokens for 65536
     end 6% later than 32 of 2048, measured 1.0 µs slower at qwen2.5-7b b1 × 64k). The
     partials are written and read once: work_blocks · s · rows · (head_dim + 1) · 4 · 2 bytes,

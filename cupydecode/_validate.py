@@ -818,7 +818,10 @@ def check_merge_inputs(o_parts, lse_parts):
 
 def check_kv_dtype(kv_dtype) -> str:
     """``kv_dtype``: "e4m3" or "e5m2" (the fp8 formats of reference.FP8_FORMATS)."""
-    if not isinstance(kv_dtype, str) or kv_dtype not in KV_DTYPES:
+    if not isinstance(kv_dtype, str):
+        fail(TypeError, "kv_dtype", " or ".join(map(repr, KV_DTYPES)),
+             f"{type(kv_dtype).__name__} {kv_dtype!r}")
+    if kv_dtype not in KV_DTYPES:
         fail(ValueError, "kv_dtype", " or ".join(map(repr, KV_DTYPES)), repr(kv_dtype))
     return kv_dtype
 

@@ -126,7 +126,9 @@ class DecodePlan:
     [0, num_pages), writes nothing). The caller advances cache_seqlens.
 
     ``window_left`` W ≥ 0 makes every run attend only the last W + 1 tokens of each sequence
-    (the new one included); the split count and size come from min(max_seqlen, W + 1) (``span``).
+    (the new one included; with N query tokens, each token's own last W + 1); the split count and
+    size come from min(max_seqlen, W + N) (``span``: the first token's W + 1 keys and the N − 1
+    after them).
 
     ``q_len`` N > 1 makes a plan for N query tokens per sequence (verifying draft tokens): ``run``
     takes q of shape (batch, N, num_heads, head_dim), and writes out (batch, N, num_heads,
@@ -391,8 +393,8 @@ class DecodePlan:
             v_scale: float | ArrayLike | None = None,
             tokens_after: ArrayLike | None = None) -> tuple[cupy.ndarray, cupy.ndarray]:
         """Decode attention for this plan's shape; returns ``(out, lse)`` (the plan's own
-        buffers unless ``out``/``lse`` are given). ``cache_seqlens``: None, an int or an int32
-        device array (a plan never copies from the host). A plan built with ``page_size`` takes
+        buffers unless ``out``/``lse`` are given). ``cache_seqlens``: None, an int or an int32 or
+        int64 device array (a plan never copies from the host). A plan built with ``page_size`` takes
         paged caches (num_pages, page_size, num_kv_heads, head_dim) and their ``block_table``,
         an int32 device array (batch, ≥ ceil(max_seqlen / page_size)), whose values may change
         between graph replays. ``k_new``, ``v_new`` (batch, 1, num_kv_heads, head_dim) or
@@ -765,13 +767,14 @@ def flash_decode(q: ArrayLike, k_cache: ArrayLike, v_cache: ArrayLike,
             cache_seqlens=None (every sequence full) writes nothing. The caller advances
             cache_seqlens. With q of q_len tokens: (batch, q_len, num_kv_heads, head_dim), the
             q_len tokens written at cache_seqlens[b] … + q_len − 1 (q_len ≤ 16).
-        window_left: W ≥ 0 attends only the keys at positions ≥ L − 1 − W of a sequence of L
-            tokens (W + 1 keys: a sliding window, e.g. Mistral's 4096); the splits cover only
-            those, so a window over a long cache costs about what a cache of W + 1 tokens does.
-            None or −1: no window.
+        window_left: W ≥ 0 attends only the keys at positions ≥ p − W, where p is the query's
+            position (L − 1 for one query token of a sequence of L tokens; L − q_len + t for
+            token t of q_len): W + 1 keys, a sliding window (e.g. Mistral's 4096); the splits
+            cover only those, so a window over a long cache costs about what a cache of W + 1
+            tokens does. None or −1: no window.
         alibi_slopes: (num_heads,) float32, one slope per query head (a device array, or host
-            values copied per call): each score gains −slope_h · (L − 1 − j) for key j of a
-            sequence of L tokens, after the soft-cap (ALiBi: BLOOM, MPT).
+            values copied per call): each score gains −slope_h · (p − j) for key j and the
+            query's position p (above), after the soft-cap (ALiBi: BLOOM, MPT).
         sinks: (num_heads,) float32 sink logits σ_h (gpt-oss; a device array, or host values
             copied per call): the softmax denominator gains e^σ_h with no value, out =
             Σ e^s v / (e^σ + Σ e^s) and lse = ln(e^σ + Σ e^s); an empty sequence gives out = 0,
@@ -927,14 +930,14 @@ def merge_states(o_parts: ArrayLike, lse_parts: ArrayLike, *,
     cupy = _kernels.import_cupy()
 
     o, lse_in, dt = V.check_merge_inputs(o_parts, lse_parts)
+    rows_shape = tuple(o.shape[1:-1])
+    sink_arr = V.check_merge_sinks(sinks, rows_shape)  # (every check before the copies below)
     o = cupy.ascontiguousarray(o)
     if o.data.ptr % 16:  # each lane reads its elements of a state as one vector (≤ 16 bytes)
         o = o.copy()
     lse_in = cupy.ascontiguousarray(lse_in)
     num_states, head_dim = o.shape[0], o.shape[-1]
-    rows_shape = tuple(o.shape[1:-1])
     rows = int(np.prod(rows_shape, dtype=np.int64))
-    sink_arr = V.check_merge_sinks(sinks, rows_shape)
     out = cupy.empty(rows_shape + (head_dim,), dt)
     lse = cupy.empty(rows_shape, cupy.float32)
     if rows:

@@ -171,9 +171,11 @@ def attention_rows(q, k_cache, v_cache, cache_seqlens=None, softmax_scale=None,
     max_seqlen = k_cache.shape[1] * (1 if table is None else table.shape[1])  # capacity
     group = num_heads // num_kv_heads
     scale = 1.0 / np.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
-    cap = None if logits_soft_cap is None else float(logits_soft_cap)
+    # (0 is "no cap", as flash_decode and FlashAttention take it)
+    cap = None if logits_soft_cap is None or logits_soft_cap == 0 else float(logits_soft_cap)
     if cap is not None and not (cap > 0 and np.isfinite(cap)):
-        raise ValueError(f"logits_soft_cap: expected a finite number > 0 or None, got {cap}")
+        raise ValueError(f"logits_soft_cap: expected a finite number > 0, or None (or 0) for no "
+                         f"cap, got {cap}")
     window = _window(window_left)
     slopes = _per_head(alibi_slopes, num_heads, "alibi_slopes")
     sink = _per_head(sinks, num_heads, "sinks")
@@ -237,8 +239,10 @@ def _window(window_left):
     """None (no window) or the number of keys W ≥ 0 left of each query's position."""
     if window_left is None or (isinstance(window_left, (int, np.integer)) and window_left == -1):
         return None
-    if isinstance(window_left, bool) or not isinstance(window_left, (int, np.integer)) \
-            or window_left < -1:
+    if isinstance(window_left, bool) or not isinstance(window_left, (int, np.integer)):
+        raise TypeError(f"window_left: expected None or an int >= -1, got "
+                        f"{type(window_left).__name__} {window_left!r}")
+    if window_left < -1:
         raise ValueError(f"window_left: expected None or an int >= -1, got {window_left!r}")
     return int(window_left)
 

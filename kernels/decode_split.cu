@@ -568,8 +568,9 @@ __device__ __forceinline__ int cd_tokens_after(const int* tokens_after, int b) {
 // shard's tokens after it (tokens_after), int64 lengths (seqlens_64) and sinks. The host builds the
 // kernel without RUNTIME_OPTIONS for the calls that use none of them (_policy.SplitKernelConfig
 // .runtime_options, chosen per kind of call): each is then its constant "none", and no check of
-// them is left in the code — together those checks cost 1–4% of a plain step
-// (docs/PERFORMANCE.md). The kernel reads them only through cd_options_of.
+// them is left in the code (what the plain call still costs against the kernel before these
+// options: docs/PERFORMANCE.md, "What the features cost the plain call"). The kernel reads them
+// only through cd_options_of.
 #ifndef RUNTIME_OPTIONS
 #define RUNTIME_OPTIONS 1
 #endif
@@ -674,7 +675,7 @@ cd_decode_split(const cd_decode_params p) {
     // of the sequence (cd_tokens_after).
     const int qpos = seqlen + cd_tokens_after(opt.tokens_after, b) - q_len;
     // A window (window_left W ≥ 0) keeps the keys [qpos + q_len − 1 − W, seqlen): the splits cover
-    // only those (the host sizes them from min(max_seqlen, W + 1)), so nothing before is read at
+    // only those (the host sizes them from min(max_seqlen, W + q_len)), so nothing before is read at
     // all. (MULTI_Q: from the first query token's window, qpos − W; each row masks the rest)
     const int lo = opt.window_left >= 0 ? min(seqlen, max(0, qpos - opt.window_left)) : 0;
     const int chunk_start = lo + split * chunk_tokens;

@@ -245,8 +245,8 @@ def test_soft_cap_matches_direct_softmax(rng, seed, cap):
     assert np.all(lse[0] <= cap + math.log(30) + 1e-9), ctx  # LSE bounded by cap + ln(n)
 
 
-@pytest.mark.parametrize("cap", [0.0, -1.0, float("inf"), float("nan")])
-def test_soft_cap_must_be_positive_and_finite(cap):
+@pytest.mark.parametrize("cap", [-1.0, float("inf"), float("nan")])
+def test_soft_cap_must_be_positive_and_finite(cap):  # (0: no cap, test_soft_cap_zero_is_no_cap)
     x = np.ones((1, 2, 8))
     with pytest.raises(ValueError, match="logits_soft_cap"):
         R.decode_attention(x, np.ones((1, 4, 1, 8)), np.ones((1, 4, 1, 8)), logits_soft_cap=cap)
@@ -391,14 +391,30 @@ def test_window_reads_only_the_window(rng):
     np.testing.assert_allclose(got[1], want[1], rtol=1e-13, atol=1e-14)
 
 
-@pytest.mark.parametrize("bad,name", [(dict(window_left=-2), "window_left"),
-                                      (dict(window_left=1.5), "window_left"),
-                                      (dict(alibi_slopes=np.ones(3)), "alibi_slopes"),
-                                      (dict(sinks=np.ones((2, 2))), "sinks")])
-def test_score_options_are_checked(bad, name):
+@pytest.mark.parametrize("bad,name,kind", [
+    (dict(window_left=-2), "window_left", ValueError),
+    (dict(window_left=1.5), "window_left", TypeError),
+    (dict(window_left=True), "window_left", TypeError),
+    (dict(alibi_slopes=np.ones(3)), "alibi_slopes", ValueError),
+    (dict(sinks=np.ones((2, 2))), "sinks", ValueError)])
+def test_score_options_are_checked(bad, name, kind):
+    """The reference refuses what flash_decode refuses, with the same kind of error."""
     x = np.ones((1, 4, 8))
-    with pytest.raises(ValueError, match=name):
+    with pytest.raises(kind, match=name):
         R.decode_attention(x, np.ones((1, 5, 2, 8)), np.ones((1, 5, 2, 8)), **bad)
+
+
+def test_soft_cap_zero_is_no_cap(rng):
+    """logits_soft_cap=0 means no cap in the reference, as in flash_decode (FlashAttention's
+    convention), and a cap changes large logits."""
+    q, k, v = rng.standard_normal((2, 4, 8)) * 8, rng.standard_normal((2, 9, 2, 8)), \
+        rng.standard_normal((2, 9, 2, 8))
+    plain = R.decode_attention(q, k, v)
+    zero = R.decode_attention(q, k, v, logits_soft_cap=0)
+    capped = R.decode_attention(q, k, v, logits_soft_cap=1.0)
+    np.testing.assert_array_equal(zero[0], plain[0])
+    np.testing.assert_array_equal(zero[1], plain[1])
+    assert not np.allclose(capped[1], plain[1])
 
 
 def test_merge_applies_a_sink_once(rng, seed):

@@ -113,6 +113,7 @@ def test_documented_submodules_after_a_plain_import():
     (dict(q_len=65), "q_len"),
     (dict(q_len=2.0), "q_len"),
     (dict(kv_dtype="fp8"), "kv_dtype"),
+    (dict(kv_dtype=1), "kv_dtype"),
     (dict(kv_dtype="e4m3", dtype="float32"), "dtype"),
     (dict(kv_dtype="e4m3", head_dim=40), "head_dim"),
 ])
@@ -412,9 +413,10 @@ def test_kv_dtype_names(kv_dtype):
     assert V.check_kv_dtype(kv_dtype) == kv_dtype
 
 
-@pytest.mark.parametrize("bad", ["fp8", "E4M3", None, 8])
-def test_kv_dtype_errors_name_the_argument(bad):
-    with pytest.raises(ValueError, match=r"kv_dtype: expected 'e4m3' or 'e5m2', got"):
+@pytest.mark.parametrize("bad, kind", [("fp8", ValueError), ("E4M3", ValueError),
+                                       (None, TypeError), (8, TypeError)])
+def test_kv_dtype_errors_name_the_argument(bad, kind):
+    with pytest.raises(kind, match=r"kv_dtype: expected 'e4m3' or 'e5m2', got"):
         V.check_kv_dtype(bad)
 
 

@@ -5,7 +5,8 @@ arms are timed in turn, every second pass in reverse order, and each arm's outpu
 against float64 before it is timed.
 
 Usage:
-  python tools/ab.py [--points 1x16384,16x65536] [--layout 32/8/128] [--dtype float16]
+  python tools/ab.py [--points 1x16384,1x65536,16x8192,16x65536] [--layout 32/8/128]
+                     [--dtype float16]
                      [--protocol step|back-to-back] [--passes 2]
                      [--kv-dtype e4m3|e5m2] [--kv-scale tensor|head|token]
                      [--arm LABEL=FIELD=VALUE,...]... [--kernels LABEL=FOLDER]...
