@@ -14,6 +14,7 @@ from .decode import DecodePlan, flash_decode, merge_states
 from .quantize import dequantize_kv, quantize_kv
 
 __version__ = "0.2.0"
+__all__ = ["flash_decode", "merge_states", "DecodePlan", "Tuning", "quantize_kv", "dequantize_kv", "reference", "__version__"]
 
 # Modules the docs name as cupydecode.NAME, imported on first use (they are larger, and
 # distributed's communicators are optional): cupydecode.workloads.alibi_slopes,
@@ -27,4 +28,3 @@ def __getattr__(name):
 
         return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-__all__ = ["flash_decode", "merge_states", "DecodePlan", "Tuning", "quantize_kv", "dequantize_kv", "reference", "__version__"]

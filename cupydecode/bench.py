@@ -1121,11 +1121,10 @@ class _TimedComm:
 
         self.comm, self.rank, self.size, self.calls = comm, comm.rank, comm.size, 0
         self.events = [(cupy.cuda.Event(), cupy.cuda.Event()) for _ in range(calls)]
+        self._cupy = cupy
 
     def all_gather(self, send):
-        import cupy
-
-        stream = cupy.cuda.get_current_stream()
+        stream = self._cupy.cuda.get_current_stream()
         start, end = self.events[self.calls]
         start.record(stream)
         recv = self.comm.all_gather(send)
@@ -1140,9 +1139,7 @@ class _TimedComm:
 
     def spent(self) -> list[float]:
         """Seconds of each all-gather so far (once the stream has passed them)."""
-        import cupy
-
-        return [cupy.cuda.get_elapsed_time(a, b) * 1e-3 for a, b in self.events[:self.calls]]
+        return [self._cupy.cuda.get_elapsed_time(a, b) * 1e-3 for a, b in self.events[:self.calls]]
 
 
 def sharded_rank_times(comm, spec: dict, steps: int) -> dict:

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import NoReturn
 
 import numpy as np
 
@@ -218,7 +219,8 @@ class NcclCommunicator:
         except Exception as exc:
             self._failed(exc)
 
-    def _failed(self, exc: Exception):
+    def _failed(self, exc: Exception) -> NoReturn:
+        """Abort the communicator and raise, naming the rank and NCCL's error."""
         self._comm.abort()
         raise RuntimeError(f"rank {self.rank}: NCCL all-gather failed, communicator aborted "
                            f"({type(exc).__name__}: {exc})") from exc

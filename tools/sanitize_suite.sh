@@ -24,8 +24,9 @@
 # in ncclInitKernelsForDevice, cudaFuncGetAttributes), which every tool counts as errors (16 in
 # memcheck, none in cupydecode's code; seen on the H200).
 # Every test a tool passed is listed in OUTDIR/TOOL_passed.txt (its node id, written as it passes:
-# CUPYDECODE_TEST_PASSED, tests/conftest.py), also from shards the timeout stopped: a tool too slow for one call (racecheck over the whole suite) goes on in the
-# next with EXCLUDE= the lists so far, until no test is left. The reports of a stopped shard
+# CUPYDECODE_TEST_PASSED, tests/conftest.py), also from shards the timeout stopped: a tool too
+# slow for one call (racecheck over the whole suite) goes on in the next with EXCLUDE= the lists
+# so far, until no test is left. The reports of a stopped shard
 # are in its log as they happen, so its errors count (lines "========= Error"/"Warning"/"Race")
 # for the tests it passed.
 set -u
