@@ -39,7 +39,6 @@ mkdir -p "$OUT_DIR"
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$(pwd) PYTHONUNBUFFERED=1
 PY=${PY:-python3}
 SHARDS=${SHARDS:-12}
-[ -n "${KERNELS+x}" ] && KERNELS_SET=$KERNELS
 FILES=${FILES:-"tests/test_gpu_*.py tests/test_cli_gpu.py tests/test_examples_gpu.py"}
 summary="$OUT_DIR/0_sanitize.txt"
 if [ "${WARM:-0}" = 1 ]; then
@@ -49,14 +48,15 @@ if [ "${WARM:-0}" = 1 ]; then
   echo "without a sanitizer: $(tail -n 1 "$OUT_DIR/plain_pytest.log")" | tee -a "$summary"
 fi
 for tool in $TOOLS; do
-  if [ "$tool" = initcheck ]; then KERNELS=${KERNELS_SET-}; else KERNELS=${KERNELS_SET-cd_}; fi
+  # the kernels checked: KERNELS if set (empty: every kernel), else cd_ (initcheck: every kernel)
+  if [ -n "${KERNELS+x}" ]; then kns=$KERNELS; elif [ "$tool" = initcheck ]; then kns=; else kns=cd_; fi
   logs=$(mktemp -d)
   start=$(date +%s)
   for i in ${ONLY:-$(seq 0 $((SHARDS - 1)))}; do
     # shellcheck disable=SC2086
     CUPYDECODE_TEST_SHARD="$i/$SHARDS" timeout "${TIMEOUT:-540}" \
       compute-sanitizer --tool "$tool" --error-exitcode 3 --print-limit 20 \
-      ${KERNELS:+--kernel-name kns="$KERNELS"} \
+      ${kns:+--kernel-name kns="$kns"} \
       env ${EXCLUDE:+CUPYDECODE_TEST_EXCLUDE="$EXCLUDE"} CUPYDECODE_TEST_PASSED="$logs/$i.passed" \
       $PY -m pytest -v -p no:cacheprovider -p no:xdist --tb=line -m "not nccl" \
       ${FILTER:+-k "$FILTER"} $FILES > "$logs/$i.log" 2>&1 &
@@ -87,7 +87,7 @@ for tool in $TOOLS; do
   grep -h -E "FAILED|Error|^E " "$logs"/*.log | head -n 100 > "$OUT_DIR/${tool}_failures.log"
   ran=$(ls "$logs"/*.log | wc -l)
   kdesc=", every kernel checked"
-  [ -n "$KERNELS" ] && kdesc=", kernels *$KERNELS* checked"
+  [ -n "$kns" ] && kdesc=", kernels *$kns* checked"
   line="$tool: ${took}s, $passed passed, $failed failed, $errors errors; $finished of $ran shards finished (${ONLY:+shards $ONLY of }$SHARDS)$kdesc${EXCLUDE:+, $(wc -l < "$EXCLUDE") tests excluded}"
   [ "$finished" -lt "$ran" ] && line="$line; the $((ran - finished)) stopped: $stopped_passed passed, $stopped_errors reports"
   echo "$line" | tee -a "$summary"
