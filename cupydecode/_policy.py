@@ -144,7 +144,8 @@ class SplitKernelConfig:
 
     @property
     def smem_bytes(self) -> int:
-        """Dynamic shared memory; mirrors SMEM_BYTES in decode_split.cu (checked there)."""
+        """Dynamic shared memory; mirrors SMEM_BYTES in decode_split.cu, which checks it at compile
+        time against this figure (SMEM_BYTES_HOST in :meth:`defines`)."""
         es = ITEMSIZE[self.dtype]
         kv_es = 1 if self.kv_dtype else es
         q_rows = 8 * self.kv_per_block if self.kv_per_block > 1 else self.block_rows
@@ -185,6 +186,7 @@ class SplitKernelConfig:
             **({"KV_FP8": 1 + KV_DTYPES.index(self.kv_dtype)} if self.kv_dtype else {}),
             **({"KV_SCALE_TOKEN": 1} if self.kv_scale_token else {}),
             **({} if self.runtime_options else {"RUNTIME_OPTIONS": 0}),
+            "SMEM_BYTES_HOST": self.smem_bytes,
         }
 
 

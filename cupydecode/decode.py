@@ -323,6 +323,7 @@ class DecodePlan:
         # for calls without runtime options now (with a window: the one with them); the other,
         # and an fp8 cache's per-token-scale build (KV_SCALE_TOKEN), at the first call to need it
         self._launches: dict = {}
+        self._plain_launches: set = set()  # those of builds without the runtime options
         self._sources = _kernels._SOURCE_DIRS  # a later build from the sources of this one
         if self.batch:
             self._split_launch(self.config if self.window_left is not None else
@@ -342,6 +343,8 @@ class DecodePlan:
                 fn, self._grid, (config.threads, 1, 1), config.smem_bytes,
                 _PARAMS_HEAD, programmatic=self._programmatic and self.enable_pdl,
                 tail=_PARAMS_TAIL)
+            if not config.runtime_options:
+                self._plain_launches.add(launch)
         return launch
 
     def __repr__(self) -> str:
@@ -606,6 +609,11 @@ class DecodePlan:
         # this call, and CuPy's pool hands freed memory out again only in stream order.
         part_o, part_lse = self._part_ptrs
         launch, tail = call
+        if (sinks or tokens_after) and launch in self._plain_launches:
+            # the build without runtime options would ignore them (n_new, the window and int64
+            # lengths are in the tail that _prepare chose the build with)
+            raise RuntimeError("DecodePlan: sinks or tokens_after passed to the split kernel's "
+                               "build without runtime options (a cupydecode bug)")
         launch.launch_with_tail(
             stream.ptr, (ptrs[0], ptrs[1], ptrs[2], ptrs[3], part_o, part_lse, out, lse,
                          self._counter_ptr, ptrs[4], ptrs[5], ptrs[6], slopes, sinks, k_scale,

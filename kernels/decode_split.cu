@@ -587,6 +587,15 @@ __device__ __forceinline__ cd_options cd_options_of(const cd_decode_params& p) {
 #endif
 }
 
+// The host launches with its own figure (SplitKernelConfig.smem_bytes) and passes it in as
+// SMEM_BYTES_HOST: a mismatch fails the build instead of scribbling past the allocation. (A check
+// of %dynamic_smem_size at every block's entry cost 1-2% at 1 x 512 tokens; docs/PERFORMANCE.md.)
+#ifndef SMEM_BYTES_HOST
+#error "SMEM_BYTES_HOST: the host's dynamic shared memory size (SplitKernelConfig.defines)"
+#endif
+static_assert(SMEM_BYTES == SMEM_BYTES_HOST,
+              "the host's dynamic shared memory (SplitKernelConfig.smem_bytes) is not SMEM_BYTES");
+
 // One block per SM by design for G ≤ 16 (its shared memory alone fills most of an SM), so the
 // register budget is the whole SM's: stated as minBlocks = 1, ptxas no longer caps 256-thread
 // shapes at 128 registers (head_dim 64 spilled 24 bytes there) or spills the float32 path. (Some
@@ -640,24 +649,12 @@ cd_decode_split(const cd_decode_params p) {
     // A block of several KV heads holds 8 query rows per KV head (the mma's N): a launch with
     // more (a host bug) must not index past them, even on an empty chunk.
     if (KV_PER_BLOCK > 1 && group > 8) __trap();
-    // sm_new holds NEW_ROWS appended rows (the host checks q_len against it): more is a host bug
+    // sm_new holds NEW_ROWS appended rows: the host checks q_len against the same figure
+    // (MAX_APPEND_Q_LEN, which its SMEM_BYTES_HOST counts: a mismatch fails the build)
     const cd_options opt = cd_options_of(p);
-    if (opt.n_new > NEW_ROWS) __trap();
-#if !RUNTIME_OPTIONS
-    // a launch that sets an option this build leaves out (a host bug) must not ignore it silently
-    if (p.n_new != 0 || p.window_left != -1 || p.seqlens_64 || p.tokens_after || p.sinks) __trap();
-#endif
     // Once every block of this grid has passed here (so none is left to be scheduled), a merge
     // kernel launched after it may start and wait on the SMs for this grid's end (common.cuh).
     cd_launch_dependents();
-
-    // The host sizes dynamic shared memory from the same constants; a mismatch must not
-    // silently scribble past the allocation.
-    if (tid == 0) {
-        u32 dyn;
-        asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
-        if (dyn < SMEM_BYTES) __trap();
-    }
 
     // Clamp device-provided lengths: nothing is ever read outside [0, max_seqlen). An appended
     // token (k_new, v_new: n_new = 1) takes position new_lo, the clamped length, if that is

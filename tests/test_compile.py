@@ -112,6 +112,36 @@ def test_a_parameter_list_out_of_falling_alignment_does_not_compile(nvrtc, tmp_p
         _kernels.compile_for_arch(kernel, defines, "sm_90")
 
 
+def test_split_kernel_refuses_another_shared_memory_size(nvrtc):
+    """The host's dynamic shared memory (SMEM_BYTES_HOST, from SplitKernelConfig.smem_bytes) must
+    be the kernel's own SMEM_BYTES: a host figure 16 bytes short or long, or none, fails the build
+    (the launch never runs with too little shared memory)."""
+    cfg = _policy.split_kernel_config("float16", 128)
+    defines = cfg.defines()
+    assert defines["SMEM_BYTES_HOST"] == cfg.smem_bytes
+    for bytes_ in (cfg.smem_bytes - 16, cfg.smem_bytes + 16):
+        with pytest.raises(RuntimeError, match="is not SMEM_BYTES"):
+            _kernels.compile_for_arch("decode_split.cu", dict(defines, SMEM_BYTES_HOST=bytes_),
+                                      "sm_90")
+    without = {k: v for k, v in defines.items() if k != "SMEM_BYTES_HOST"}
+    with pytest.raises(RuntimeError, match="SMEM_BYTES_HOST"):
+        _kernels.compile_for_arch("decode_split.cu", without, "sm_90")
+
+
+def test_split_kernel_and_host_agree_on_appended_rows(nvrtc, tmp_path):
+    """The kernel's NEW_ROWS (shared memory for appended rows) and the host's MAX_APPEND_Q_LEN
+    (the q_len it lets append) meet in the shared-memory size: a kernel holding fewer rows than
+    the host lets in fails the build of a multi-token plan."""
+    cfg = _policy.multi_q_config(_policy.split_kernel_config("float16", 128))
+    text = (_kernels.kernel_dir() / "decode_split.cu").read_text()
+    entry = f"#define NEW_ROWS (MULTI_Q ? {_policy.MAX_APPEND_Q_LEN} : 1)"
+    assert entry in text
+    (tmp_path / "decode_split.cu").write_text(text.replace(entry, "#define NEW_ROWS (MULTI_Q ? 8 : 1)"))
+    with _kernels.kernel_sources(tmp_path):
+        with pytest.raises(RuntimeError, match="is not SMEM_BYTES"):
+            _kernels.compile_for_arch("decode_split.cu", cfg.defines(), "sm_90")
+
+
 def test_compile_error_carries_the_log(nvrtc):
     cfg = _policy.split_kernel_config("float16", 128)
     bad = dict(cfg.defines(), ROWS=8)  # the kernel refuses ROWS != 16 with #error

@@ -259,6 +259,24 @@ def test_remembered_inputs_still_take_their_own_values(cupy, rng, seed):
             plan.run(cupy.zeros((batch, heads, 2 * dim), q.dtype)[:, :, ::2], k, v, lens)
 
 
+def test_plain_build_refuses_runtime_options(cupy, rng):
+    """The split kernel's build without runtime options ignores sinks and tokens_after: a call
+    prepared for that build (no sinks) launched with a sinks pointer is a host bug, refused
+    before the launch; the same plan with sinks prepares the other build and runs."""
+    batch, heads, dim, cap = 2, 4, 128, 64
+    hq, hk, hv = decode_inputs(rng, batch, heads, heads, dim, cap, "float16")
+    q, k, v = to_device(hq), to_device(hk), to_device(hv)
+    plan = cupydecode.DecodePlan(batch, heads, heads, dim, cap, "float16", num_splits=1)
+    plan.run(q, k, v, cap)
+    (call,) = plan._calls.values()
+    sinks = cupy.asarray(rng.standard_normal(heads).astype(np.float32))
+    with pytest.raises(RuntimeError, match="without runtime options"):
+        plan._launch(call, None, (0,) * 7, plan.out.data.ptr, 0, 0, sinks.data.ptr, 0, 0)
+    out, _ = plan.run(q, k, v, cap, sinks=sinks)
+    ref, _ = R.decode_attention(hq, hk, hv, cap, sinks=cupy.asnumpy(sinks))
+    assert_out_close(out, ref, OUT_TOL["float16"], "sinks after the refusal")
+
+
 @pytest.mark.parametrize("merge", MERGES)
 @pytest.mark.parametrize("dtype,splits", [("float16", None), ("bfloat16", 3), ("float32", 1),
                                           ("float16", 5)])
