@@ -589,7 +589,8 @@ __device__ __forceinline__ cd_options cd_options_of(const cd_decode_params& p) {
 
 // The host launches with its own figure (SplitKernelConfig.smem_bytes) and passes it in as
 // SMEM_BYTES_HOST: a mismatch fails the build instead of scribbling past the allocation. (A check
-// of %dynamic_smem_size at every block's entry cost 1-2% at 1 x 512 tokens; docs/PERFORMANCE.md.)
+// of %dynamic_smem_size at every block's entry, with the traps on options, cost about 2% at 1 x 512
+// and 1 x 1k tokens; docs/PERFORMANCE.md.)
 #ifndef SMEM_BYTES_HOST
 #error "SMEM_BYTES_HOST: the host's dynamic shared memory size (SplitKernelConfig.defines)"
 #endif

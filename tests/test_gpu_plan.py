@@ -270,8 +270,12 @@ def test_plain_build_refuses_runtime_options(cupy, rng):
     plan.run(q, k, v, cap)
     (call,) = plan._calls.values()
     sinks = cupy.asarray(rng.standard_normal(heads).astype(np.float32))
+    seqlens_dummy = cupy.zeros(batch, cupy.int32)
+    ptrs = (q.data.ptr, k.data.ptr, v.data.ptr, 0, 0, 0, 0)  # (a launch would still be valid)
     with pytest.raises(RuntimeError, match="without runtime options"):
-        plan._launch(call, None, (0,) * 7, plan.out.data.ptr, 0, 0, sinks.data.ptr, 0, 0)
+        plan._launch(call, None, ptrs, plan.out.data.ptr, 0, 0, sinks.data.ptr, 0, 0)
+    with pytest.raises(RuntimeError, match="without runtime options"):  # tokens_after
+        plan._launch(call, None, ptrs, plan.out.data.ptr, 0, 0, 0, 0, 0, seqlens_dummy.data.ptr)
     out, _ = plan.run(q, k, v, cap, sinks=sinks)
     ref, _ = R.decode_attention(hq, hk, hv, cap, sinks=cupy.asnumpy(sinks))
     assert_out_close(out, ref, OUT_TOL["float16"], "sinks after the refusal")

@@ -257,9 +257,39 @@ def _fake_plan(paged: bool):
     plan._scale, plan._score_default = 0.5, (0.72, 1, 0.0, 0.0)
     plan.config, plan.token_config = _policy.split_kernel_config("float16", 128), None
     plan.window_left = 4095 if paged else None
-    plan._split_launch = lambda config: _Recorder(
-        lambda stream, values: calls.append(("split", stream, values, config)))
+    plan._plain_launches = set()
+    launches = {}
+
+    def split_launch(config):  # one launch per build, as DecodePlan._split_launch keeps them
+        if config not in launches:
+            launches[config] = _Recorder(
+                lambda stream, values: calls.append(("split", stream, values, config)))
+            if not config.runtime_options:
+                plan._plain_launches.add(launches[config])
+        return launches[config]
+
+    plan._split_launch = split_launch
     return plan, calls
+
+
+def test_launch_refuses_options_on_the_plain_build():
+    """A call prepared for the split kernel's build without runtime options (no sinks, no
+    tokens_after) launched with a sinks or tokens_after pointer is a host bug: refused before
+    anything is launched; prepared with them, the same pointers launch the options build."""
+    plan, calls = _fake_plan(False)
+    q, k, v, out = (_Arr(p) for p in (0x100, 0x200, 0x300, 0x400))
+    strides = (4096, 128, 8 * 81920, 8 * 1024, 8 * 128, 8 * 81920, 8 * 1024, 8 * 128, 4096, 128,
+               0, 0, 0, 0)
+    ptrs = [0x100, 0x200, 0x300, 0, 0, 0, 0]
+    plain = plan._prepare(strides, None, 17, 0.5)
+    for sinks, tokens_after in ((0x900, 0), (0, 0xA00), (0x900, 0xA00)):
+        with pytest.raises(RuntimeError, match="without runtime options"):
+            plan._launch(plain, _Stream(), ptrs, 0x400, 0, 0, sinks, 0, 0, tokens_after)
+    assert calls == []
+    plan._launch(plain, _Stream(), ptrs, 0x400, 0, 0, 0, 0, 0)  # none: the plain build
+    with_opts = plan._prepare(strides, None, 17, 0.5, sinks=True, tokens_after=True)
+    plan._launch(with_opts, _Stream(), ptrs, 0x400, 0, 0, 0x900, 0, 0, 0xA00)
+    assert [c[3].runtime_options for c in calls] == [False, True]
 
 
 @pytest.mark.parametrize("paged", [False, True])

@@ -193,7 +193,9 @@ def main(argv=None) -> int:
                 with kernels_of(folder, subs):
                     made = [plan_class(batch, heads, kv_heads, dim, seqlen, args.dtype,
                                        **plan_args) for _ in sets]  # a workspace per set
-            except (TypeError, ValueError) as e:  # a shape the kernel or the GPU cannot take
+            except (TypeError, ValueError, RuntimeError) as e:  # a shape the kernel or the GPU
+                # cannot take, or an arm's kernels that do not build (e.g. a --sub that changes
+                # the shared-memory layout the host sizes: SMEM_BYTES_HOST)
                 print(f"  {label} at {point}: refused ({e})", flush=True)
                 continue
             made[0].run(*sets[0][:3], **sets[0][3])
