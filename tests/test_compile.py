@@ -145,16 +145,7 @@ def test_split_kernel_and_host_agree_on_appended_rows(nvrtc, tmp_path):
 
 
 def _ptx(filename: str, defines: dict[str, int]) -> str:
-    """The PTX of one specialisation for compute_90 (NVRTC, no GPU)."""
-    from cupy_backends.cuda.libs import nvrtc
-
-    prog = nvrtc.createProgram(_kernels.program_source(filename, defines), filename, [], [])
-    try:
-        nvrtc.compileProgram(prog, ["-arch=compute_90", *_kernels.COMPILE_OPTIONS])
-        ptx = nvrtc.getPTX(prog)
-    finally:
-        nvrtc.destroyProgram(prog)
-    return ptx.decode() if isinstance(ptx, bytes) else ptx
+    return _kernels.compile_for_arch(filename, defines, "compute_90")[0]
 
 
 def test_only_the_programmatic_build_waits(nvrtc):
