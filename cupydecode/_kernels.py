@@ -216,15 +216,13 @@ def compiled_specialisations() -> list[str]:
 
 
 def compile_for_arch(filename: str, defines: dict[str, int], arch: str,
-                     ptxas_info: bool = False) -> tuple[bytes | str, str]:
-    """Compile one specialisation with NVRTC for ``arch`` without any GPU.
+                     ptxas_info: bool = False) -> tuple[bytes, str]:
+    """Compile one specialisation with NVRTC for ``arch`` (e.g. "sm_90") without any GPU.
 
-    For a real architecture (e.g. "sm_90") returns ``(cubin, log)``: the compiler's log holds
-    its warnings and, with ``ptxas_info``, ptxas's resource use of each kernel (registers, spill
-    bytes). For a virtual one (e.g. "compute_90") returns ``(ptx_text, log)``, for tests that
-    read the instructions a build emits. Used by the tests to prove every kernel builds, without
-    warnings or register spills, on a machine that has only NVRTC. Raises RuntimeError with the
-    compiler log on failure.
+    Returns ``(cubin, log)``: the compiler's log holds its warnings and, with ``ptxas_info``,
+    ptxas's resource use of each kernel (registers, spill bytes). Used by the tests to prove
+    every kernel builds, without warnings or register spills, on a machine that has only NVRTC.
+    Raises RuntimeError with the compiler log on failure.
     """
     from cupy_backends.cuda.libs import nvrtc
 
@@ -241,9 +239,6 @@ def compile_for_arch(filename: str, defines: dict[str, int], arch: str,
         except Exception as exc:  # nvrtc.NVRTCError carries no log
             raise RuntimeError(f"NVRTC failed for {filename} {defines} ({arch}):\n"
                                f"{nvrtc.getProgramLog(prog)}") from exc
-        if arch.startswith("compute_"):
-            ptx = nvrtc.getPTX(prog)
-            return (ptx.decode() if isinstance(ptx, bytes) else ptx), nvrtc.getProgramLog(prog)
         return nvrtc.getCUBIN(prog), nvrtc.getProgramLog(prog)
     finally:
         nvrtc.destroyProgram(prog)

@@ -118,9 +118,6 @@ class SplitKernelConfig:
     # the kernel reads the runtime options (appended tokens, a window, tokens_after, int64
     # lengths, sinks) from its parameters; False: a build for calls with none (runtime_options())
     runtime_options: bool = True
-    # the build for programmatic launches (DecodePlan(enable_pdl=True)): it waits at its entry for
-    # the kernel before it (PDL_WAIT); a plain launch's build has no wait to issue
-    pdl_wait: bool = False
 
     @property
     def width(self) -> int:
@@ -189,7 +186,6 @@ class SplitKernelConfig:
             **({"KV_FP8": 1 + KV_DTYPES.index(self.kv_dtype)} if self.kv_dtype else {}),
             **({"KV_SCALE_TOKEN": 1} if self.kv_scale_token else {}),
             **({} if self.runtime_options else {"RUNTIME_OPTIONS": 0}),
-            **({"PDL_WAIT": 1} if self.pdl_wait else {}),
             "SMEM_BYTES_HOST": self.smem_bytes,
         }
 
@@ -480,7 +476,7 @@ def compile_check_configs() -> list[SplitKernelConfig]:
     without runtime options, and each shape with the compile-time switches on — the soft-cap,
     ALiBi and the paged KV view together, with the runtime options, the most registers any can
     take (each alone is a subset of that code; their code is the same in all shapes, the
-    registers not), in the programmatic launch's build (its wait, pdl_wait). At head_dims whose row piece is not whole bursts, the blocks of several KV
+    registers not). At head_dims whose row piece is not whole bursts, the blocks of several KV
     heads they take (burst_kv_groups)."""
     configs = [c for dt in DTYPE_IDS for d in KERNEL_HEAD_DIMS
                for c in split_kernel_configs(dt, d)]
@@ -500,7 +496,7 @@ def compile_check_configs() -> list[SplitKernelConfig]:
     configs += [c for dt, d, f in (("float16", 80, "e4m3"), ("float16", 96, "e4m3"),
                                    ("float16", 128, "e5m2"), ("bfloat16", 128, "e4m3"))
                 for c in fp8_kernel_configs(dt, d, f) if c.l2_evict_first]
-    switched = [replace(c, soft_cap=True, alibi=True, paged=True, pdl_wait=True)
+    switched = [replace(c, soft_cap=True, alibi=True, paged=True)
                 for c in configs if c.l2_evict_first]
     # (several query tokens where a block holds one KV head; at head_dim 512 also without them:
     # its own shape, the single-token plans' paged shape)

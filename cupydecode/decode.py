@@ -259,8 +259,6 @@ class DecodePlan:
             self.config = dataclasses.replace(self.config, paged=True)
         if self.q_len > 1:
             self.config = _policy.multi_q_config(self.config)
-        if self.enable_pdl:  # every launch of this plan may be programmatic: its build waits
-            self.config = dataclasses.replace(self.config, pdl_wait=True)
         # per-token fp8 scales: the same kernel with KV_SCALE_TOKEN in its own shape, built at
         # the first run that passes such scales
         token = None if self.kv_dtype is None else _policy.fp8_token_config(self.config,

@@ -574,11 +574,6 @@ __device__ __forceinline__ int cd_tokens_after(const int* tokens_after, int b) {
 #ifndef RUNTIME_OPTIONS
 #define RUNTIME_OPTIONS 1
 #endif
-// PDL_WAIT: the build for programmatic launches (SplitKernelConfig.pdl_wait), which waits at its
-// entry for the kernel before it (cd_wait_prerequisites); a plain launch's build has no wait.
-#ifndef PDL_WAIT
-#define PDL_WAIT 0
-#endif
 struct cd_options {
     int n_new, window_left, seqlens_64;
     const int* tokens_after;
@@ -612,13 +607,10 @@ cd_decode_split(const cd_decode_params p) {
     // math paths, every score through score_mod, the state in cd_tc_state) — 4 epilogue (merge
     // the warps, write the output or the partials, the fused merge's last block).
     // ================================================================ 1. entry
-    // Launched as a programmatic dependent of the kernel before it (DecodePlan(enable_pdl=True):
-    // PDL_WAIT), the grid may be resident before that kernel ends: nothing it wrote (q, lengths,
-    // the cache's new rows) is read before this wait. Only that build has it: in a plain launch
-    // it waits for nothing but still costs each block its issue (docs/PERFORMANCE.md).
-#if PDL_WAIT
+    // Launched as a programmatic dependent of the kernel before it (DecodePlan(enable_pdl=True)),
+    // the grid may be resident before that kernel ends: nothing it wrote (q, lengths, the cache's
+    // new rows) is read before this wait. A no-op for a plain launch (common.cuh).
     cd_wait_prerequisites();
-#endif
     const q_t* __restrict__ q = p.q;
     const kv_t* __restrict__ k = p.k;
     const kv_t* __restrict__ v = p.v;
@@ -676,7 +668,7 @@ cd_decode_split(const cd_decode_params p) {
                               : seqlens[b];
     seqlen = max(0, min(seqlen, max_seqlen));
     const int new_lo = seqlen;
-    if (opt.n_new > 0) seqlen += min(opt.n_new, max_seqlen - seqlen);  // (none: a constant)
+    seqlen += min(opt.n_new, max_seqlen - seqlen);
     // Query token 0's position: seqlen − q_len, or past this cache's keys where it holds a shard
     // of the sequence (cd_tokens_after).
     const int qpos = seqlen + cd_tokens_after(opt.tokens_after, b) - q_len;
@@ -1613,7 +1605,7 @@ cd_decode_split(const cd_decode_params p) {
 #pragma unroll
         for (int t = 0; t < SLOTS; ++t) mmax = fmaxf(mmax, sm_m[wrow(R, t)]);
         const float ref = (mmax == CD_NEG_INF) ? 0.f : mmax;
-        float sc[SLOTS], l = sink2 == CD_NEG_INF ? 0.f : cd_exp2(sink2 - ref);  // (no sink: a constant)
+        float sc[SLOTS], l = cd_exp2(sink2 - ref);  // 0 without a sink
 #pragma unroll
         for (int t = 0; t < SLOTS; ++t) {
             sc[t] = cd_exp2(sm_m[wrow(R, t)] - ref);

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import itertools
 import re
@@ -62,8 +61,7 @@ def _check_build(result, allowed_spill: int = 0):
                                          f"{'-softcap' if c.soft_cap else ''}{'-alibi' if c.alibi else ''}"
                                          f"{'-paged' if c.paged else ''}{'-multiq' if c.multi_q else ''}"
                                          f"{'-' + c.kv_dtype if c.kv_dtype else ''}"
-                                         f"{'-tokscale' if c.kv_scale_token else ''}"
-                                         f"{'-pdl' if c.pdl_wait else ''}")
+                                         f"{'-tokscale' if c.kv_scale_token else ''}")
 def test_split_kernel_compiles(nvrtc, cfg, arch):
     _check_build(_kernels.compile_for_arch("decode_split.cu", cfg.defines(), arch, ptxas_info=True),
                  KNOWN_SPILLS.get((cfg.dtype, cfg.width), 0))
@@ -142,24 +140,6 @@ def test_split_kernel_and_host_agree_on_appended_rows(nvrtc, tmp_path):
     with _kernels.kernel_sources(tmp_path):
         with pytest.raises(RuntimeError, match="is not SMEM_BYTES"):
             _kernels.compile_for_arch("decode_split.cu", cfg.defines(), "sm_90")
-
-
-def _ptx(filename: str, defines: dict[str, int]) -> str:
-    return _kernels.compile_for_arch(filename, defines, "compute_90")[0]
-
-
-def test_only_the_programmatic_build_waits(nvrtc):
-    """The split kernel waits for the kernel before it (griddepcontrol.wait) in the build for
-    programmatic launches (pdl_wait: DecodePlan(enable_pdl=True)) and in no other; the merge
-    kernel, launched as a programmatic dependent of the split kernel, always waits."""
-    cfg = _policy.split_kernel_config("float16", 128)
-    assert "PDL_WAIT" not in cfg.defines()
-    for build in _policy.builds(cfg):
-        assert "griddepcontrol.wait" not in _ptx("decode_split.cu", build.defines())
-        pdl = dataclasses.replace(build, pdl_wait=True)
-        assert "griddepcontrol.wait" in _ptx("decode_split.cu", pdl.defines())
-    merge = {"IN_DTYPE": 0, "OUT_DTYPE": _policy.DTYPE_IDS["float16"], "VEC": 4}
-    assert "griddepcontrol.wait" in _ptx("merge_states.cu", merge)
 
 
 def test_compile_error_carries_the_log(nvrtc):
