@@ -18,6 +18,7 @@ import helpers  # noqa: E402
 SHARD_ENV = "CUPYDECODE_TEST_SHARD"
 EXCLUDE_ENV = "CUPYDECODE_TEST_EXCLUDE"
 PASSED_ENV = "CUPYDECODE_TEST_PASSED"
+FAILED_ENV = "CUPYDECODE_TEST_FAILED"
 
 
 def _exclude(config, items) -> None:
@@ -41,25 +42,34 @@ def _shard(config, items) -> None:
     """With CUPYDECODE_TEST_SHARD=i/n, keep the i-th (0-based) of n equal runs of the collected
     tests: n processes, each under its own compute-sanitizer (tools/sanitize_suite.sh), run the
     whole suite between them. Runs, not every n-th test, so that the tests of one file, which
-    share compiled kernels, mostly fall into one process."""
+    share compiled kernels, mostly fall into one process. With i%n, every n-th test from the
+    i-th instead: the slow tests of one file (the CLI's, under racecheck) spread over the
+    shards, the better order for the tail left after an EXCLUDE= run."""
     spec = os.environ.get(SHARD_ENV)
     if not spec:
         return
+    sep = "%" if "%" in spec else "/"
     try:
-        index, count = (int(x) for x in spec.split("/"))
+        index, count = (int(x) for x in spec.split(sep))
         assert 0 <= index < count
     except (ValueError, AssertionError):
-        raise pytest.UsageError(f"{SHARD_ENV}: expected i/n with 0 <= i < n, got {spec!r}") from None
-    lo, hi = len(items) * index // count, len(items) * (index + 1) // count
-    config.hook.pytest_deselected(items=items[:lo] + items[hi:])
-    items[:] = items[lo:hi]
+        raise pytest.UsageError(
+            f"{SHARD_ENV}: expected i/n or i%n with 0 <= i < n, got {spec!r}") from None
+    if sep == "%":
+        keep = items[index::count]
+    else:
+        keep = items[len(items) * index // count:len(items) * (index + 1) // count]
+    kept = {id(item) for item in keep}
+    config.hook.pytest_deselected(items=[item for item in items if id(item) not in kept])
+    items[:] = keep
 
 
-def _record_passed(nodeid: str) -> None:
-    """With CUPYDECODE_TEST_PASSED=FILE, append each passed test's node id to FILE as it passes
-    (a line, flushed at once): a run that a timeout stops still leaves the list of what it
-    passed, for an EXCLUDE= run after it (tools/sanitize_suite.sh)."""
-    path = os.environ.get(PASSED_ENV)
+def _record(env: str, nodeid: str) -> None:
+    """With CUPYDECODE_TEST_PASSED=FILE (CUPYDECODE_TEST_FAILED=FILE), append each passed
+    (failed) test's node id to FILE as it passes (fails), a line flushed at once: a run that a
+    timeout stops still leaves the lists of what it passed and failed, for an EXCLUDE= run after
+    it and for the summary (tools/sanitize_suite.sh)."""
+    path = os.environ.get(env)
     if path:
         with open(path, "a") as f:
             f.write(nodeid + "\n")
@@ -106,7 +116,9 @@ def pytest_runtest_makereport(item, call):
     outcome = yield
     report = outcome.get_result()
     if report.when == "call" and report.passed:
-        _record_passed(report.nodeid)
+        _record(PASSED_ENV, report.nodeid)
+    elif report.failed:  # in the test, or in its set-up or tear-down
+        _record(FAILED_ENV, report.nodeid)
     value = getattr(item, "_cupydecode_seed", None)
     if value is not None and report.failed:
         report.sections.append(("random seed",

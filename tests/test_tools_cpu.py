@@ -66,6 +66,8 @@ def test_shards_split_the_suite_and_exclusion_comes_first(tmp_path):
     assert len(every) > 20
     shards = [_collected({"CUPYDECODE_TEST_SHARD": f"{i}/3"}) for i in range(3)]
     assert sum(shards, []) == every
+    spread = [_collected({"CUPYDECODE_TEST_SHARD": f"{i}%3"}) for i in range(3)]
+    assert spread == [every[i::3] for i in range(3)]
     done = tmp_path / "done.txt"
     done.write_text("\n".join(every[::2]) + "\n")
     left = [_collected({"CUPYDECODE_TEST_EXCLUDE": str(done), "CUPYDECODE_TEST_SHARD": f"{i}/2"})
@@ -80,9 +82,10 @@ def test_shards_split_the_suite_and_exclusion_comes_first(tmp_path):
     assert bad.returncode != 0 and "CUPYDECODE_TEST_EXCLUDE" in bad.stdout + bad.stderr
 
 
-def test_passed_tests_are_listed_as_they_pass(tmp_path):
+def test_passed_and_failed_tests_are_listed_as_they_end(tmp_path):
     """CUPYDECODE_TEST_PASSED=FILE lists exactly the tests that passed (not the failed or
-    skipped ones), one node id a line: the list a stopped sanitizer shard leaves behind."""
+    skipped ones), one node id a line: the list a stopped sanitizer shard leaves behind;
+    CUPYDECODE_TEST_FAILED=FILE those that failed."""
     tests = tmp_path / "test_some.py"
     tests.write_text("import pytest\n"
                      "def test_a(): pass\n"
@@ -91,13 +94,78 @@ def test_passed_tests_are_listed_as_they_pass(tmp_path):
                      "def test_c(): pass\n"
                      "@pytest.mark.parametrize('x', [1, 2])\n"
                      "def test_d(x): assert x == 2\n")
-    passed = tmp_path / "passed.txt"
+    passed, failed = tmp_path / "passed.txt", tmp_path / "failed.txt"
     # the suite's conftest as a plugin (it holds the hook) over a file outside the suite
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                           "-p", "conftest", str(tests)],
                          cwd=tmp_path, text=True, capture_output=True,
                          env={**os.environ, "CUPYDECODE_TEST_PASSED": str(passed),
+                              "CUPYDECODE_TEST_FAILED": str(failed),
                               "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), str(ROOT)])})
     assert run.returncode == 1, run.stdout + run.stderr  # test_b and test_d[1] fail
     names = [line.rsplit("::", 1)[-1] for line in passed.read_text().splitlines()]
     assert names == ["test_a", "test_d[2]"], names
+    names = [line.rsplit("::", 1)[-1] for line in failed.read_text().splitlines()]
+    assert names == ["test_b", "test_d[1]"], names
+
+
+# a stand-in for compute-sanitizer: runs the command after "env", passes its output through,
+# and ends with a summary counting the report lines in it; on SIGTERM (timeout's) it kills the
+# command and writes no summary, as a stopped sanitizer leaves a shard's log
+FAKE_SANITIZER = """#!/usr/bin/env bash
+tool=memcheck
+while [ $# -gt 0 ] && [ "$1" != env ]; do [ "$1" = --tool ] && tool=$2; shift; done
+log=$(mktemp)
+"$@" > "$log" 2>&1 &
+pid=$!
+trap 'kill -9 $pid; cat "$log"; exit 143' TERM
+wait $pid; rc=$?
+cat "$log"
+n=$(grep -E '========= +(Error|Invalid)' "$log" | grep -vc terminate)
+if [ "$tool" = racecheck ]; then
+  echo "========= RACECHECK SUMMARY: $n hazards displayed ($n errors, 0 warnings)"
+else
+  echo "========= ERROR SUMMARY: $n errors"
+fi
+exit $rc
+"""
+
+FAKE_TESTS = """import time
+def test_ok(): pass
+def test_bad(): assert False
+def test_report(): print("========= Invalid __shared__ write of size 4 bytes")
+def test_child():  # a command the test runs writes its own summary, then the test passes
+    print("========= RACECHECK SUMMARY: 2 hazards displayed (2 errors, 0 warnings)")
+    print("========= Error: process didn't terminate successfully")
+def test_slow():
+    print("========= Error: Race reported between Write access and Read access")
+    time.sleep(600)
+"""
+
+
+def test_sanitize_suite_counts_stopped_shards_and_child_summaries(tmp_path):
+    """tools/sanitize_suite.sh's line: passed and failed from the lists the tests write, a shard
+    stopped by the timeout told by its exit status (not by a summary a child process wrote into
+    its log), and the errors of every summary plus the reports after a stopped shard's last
+    one; a child's non-zero exit is not an error. Over a stand-in sanitizer, no GPU."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "compute-sanitizer"
+    fake.write_text(FAKE_SANITIZER)
+    fake.chmod(0o755)
+    (tmp_path / "test_fake.py").write_text(FAKE_TESTS)
+    out = tmp_path / "out"
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+           "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), str(ROOT)]),
+           "PYTEST_ADDOPTS": "-p conftest -s", "PY": sys.executable, "SHARDS": "5",
+           "SPREAD": "1", "TIMEOUT": "45", "FILES": "test_fake.py"}
+    run = subprocess.run(["bash", str(ROOT / "tools" / "sanitize_suite.sh"), str(out),
+                          "racecheck"], cwd=tmp_path, env=env, text=True, capture_output=True,
+                         timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    line = (out / "0_sanitize.txt").read_text().strip()
+    assert line.startswith("racecheck: "), line
+    assert ", 3 passed, 1 failed, 4 errors; 4 of 5 shards finished (5, spread)" in line, line
+    names = lambda f: sorted(x.rsplit("::", 1)[-1] for x in (out / f).read_text().split())
+    assert names("racecheck_passed.txt") == ["test_child", "test_ok", "test_report"]
+    assert names("racecheck_failed.txt") == ["test_bad"]

@@ -25,12 +25,15 @@
 # start-up probes the device with CUDA calls that fail by design (cudaErrorNoKernelImageForDevice
 # in ncclInitKernelsForDevice, cudaFuncGetAttributes), which every tool counts as errors (16 in
 # memcheck, none in cupydecode's code; seen on the H200).
-# Every test a tool passed is listed in OUTDIR/TOOL_passed.txt (its node id, written as it passes:
-# CUPYDECODE_TEST_PASSED, tests/conftest.py), also from shards the timeout stopped: a tool too
-# slow for one call (racecheck over the whole suite) goes on in the next with EXCLUDE= the lists
-# so far, until no test is left. The reports of a stopped shard
-# are in its log as they happen, so its errors count (lines "========= Error"/"Warning"/"Race")
-# for the tests it passed.
+# Every test a tool passed (failed) is listed in OUTDIR/TOOL_passed.txt (TOOL_failed.txt), its
+# node id written as it ends (CUPYDECODE_TEST_PASSED, CUPYDECODE_TEST_FAILED, tests/conftest.py),
+# also in shards the timeout stopped: a tool too slow for one call (racecheck over the whole
+# suite) goes on in the next with EXCLUDE= the lists so far, until no test is left; SPREAD=1
+# then gives each shard every SHARDS-th test (CUPYDECODE_TEST_SHARD=i%n) rather than a run, so
+# that the slow tests left (the CLI's, whose commands run under the sanitizer too) spread over
+# the shards. A shard is stopped when timeout ended it (its exit status, not its log: a child
+# process writes a summary of its own). Its reports are in its log as they happen, so those
+# after its last summary count as its errors.
 set -u
 OUT_DIR=${1:-${OUT:-./sanitize_out}}
 shift || true
@@ -39,6 +42,8 @@ mkdir -p "$OUT_DIR"
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$(pwd) PYTHONUNBUFFERED=1
 PY=${PY:-python3}
 SHARDS=${SHARDS:-12}
+SEP=/
+[ -n "${SPREAD:-}" ] && SEP=%
 FILES=${FILES:-"tests/test_gpu_*.py tests/test_cli_gpu.py tests/test_examples_gpu.py"}
 summary="$OUT_DIR/0_sanitize.txt"
 if [ "${WARM:-0}" = 1 ]; then
@@ -53,43 +58,58 @@ for tool in $TOOLS; do
   logs=$(mktemp -d)
   start=$(date +%s)
   for i in ${ONLY:-$(seq 0 $((SHARDS - 1)))}; do
+    # each shard's exit status in $logs/$i.rc: timeout's 124 (or 137) marks a stopped shard
     # shellcheck disable=SC2086
-    CUPYDECODE_TEST_SHARD="$i/$SHARDS" timeout "${TIMEOUT:-540}" \
+    ( CUPYDECODE_TEST_SHARD="$i$SEP$SHARDS" timeout "${TIMEOUT:-540}" \
       compute-sanitizer --tool "$tool" --error-exitcode 3 --print-limit 20 \
       ${kns:+--kernel-name kns="$kns"} \
       env ${EXCLUDE:+CUPYDECODE_TEST_EXCLUDE="$EXCLUDE"} CUPYDECODE_TEST_PASSED="$logs/$i.passed" \
+      CUPYDECODE_TEST_FAILED="$logs/$i.failed" \
       $PY -m pytest -v -p no:cacheprovider -p no:xdist --tb=line -m "not nccl" \
-      ${FILTER:+-k "$FILTER"} $FILES > "$logs/$i.log" 2>&1 &
+      ${FILTER:+-k "$FILTER"} $FILES > "$logs/$i.log" 2>&1
+      echo $? > "$logs/$i.rc" ) &
   done
   wait
   took=$(( $(date +%s) - start ))
-  # the shards' pytest counts of WORD ("passed", "failed"), summed
-  count() { grep -hoE "[0-9]+ $1" "$logs"/*.log | awk '{s += $1} END {print s + 0}'; }
-  passed=$(count passed)
-  failed=$(count failed)
-  # one summary a shard: "ERROR SUMMARY: N errors" (racecheck: "RACECHECK SUMMARY: N hazards
-  # displayed (…)"), N summed
+  touch "$logs/x.passed" "$logs/x.failed"
+  # the tests passed and failed, from the lists the tests write as they end (also in the
+  # stopped shards); a test failed in two phases counts once
+  sort -u "$logs"/*.passed >> "$OUT_DIR/${tool}_passed.txt"
+  passed=$(sort -u "$logs"/*.passed | wc -l)
+  sort -u "$logs"/*.failed >> "$OUT_DIR/${tool}_failed.txt"
+  failed=$(sort -u "$logs"/*.failed | wc -l)
+  # the errors of a shard (the sanitizer's lines may follow pytest -v's line of the test on
+  # the same line): its processes' summaries ("ERROR SUMMARY: N errors"; racecheck:
+  # "RACECHECK SUMMARY: N hazards displayed (…)"; a child process, e.g. the CLI a test runs,
+  # prints one of its own) summed, plus the reports after the last summary (a stopped shard's,
+  # whose main process wrote none). Not reports: "process didn't terminate successfully" and
+  # "Target application returned an error" (a process's non-zero exit, which some CLI tests
+  # expect). Internal errors of the sanitizer itself are counted apart.
   tag="ERROR SUMMARY"
   [ "$tool" = racecheck ] && tag="RACECHECK SUMMARY"
-  errors=$(grep -hoE "$tag: [0-9]+" "$logs"/*.log | awk '{s += $NF} END {print s + 0}')
-  finished=$(grep -l "$tag" "$logs"/*.log | wc -l)
-  # the stopped shards (no summary): their tests passed so far and the reports in their logs
-  stopped_passed=0 stopped_errors=0
-  for f in $(grep -L "$tag" "$logs"/*.log); do
-    stopped_passed=$((stopped_passed + $(cat "${f%.log}.passed" 2>/dev/null | wc -l)))
-    stopped_errors=$((stopped_errors + $(grep -cE "^========= +(Error|Warning|Race)" "$f")))
+  errors=0 internal=0 finished=0 ran=0
+  for f in "$logs"/*.log; do
+    ran=$((ran + 1))
+    rc=$(cat "${f%.log}.rc" 2>/dev/null || echo 124)
+    [ "$rc" != 124 ] && [ "$rc" != 137 ] && finished=$((finished + 1))
+    errors=$((errors + $(awk -v tag="========= $tag: " '
+      { i = index($0, tag) }
+      i > 0 { split(substr($0, i + length(tag)), w, " "); sum += w[1]; tail = 0; next }
+      /========= +(Error|Warning|Race|Invalid|Uninitialized|Barrier|Program hit)/ &&
+        !/process didn.t terminate successfully/ { tail++ }
+      END { print sum + tail }' "$f")))
+    internal=$((internal + $(grep -c "Internal Sanitizer Error" "$f")))
   done
-  cat "$logs"/*.passed >> "$OUT_DIR/${tool}_passed.txt" 2>/dev/null
-  # the reports themselves: the sanitizer's lines ("========= " first), its banner, summaries
-  # and empty lines left out
-  grep -h -E "^========= " "$logs"/*.log | grep -vE "SUMMARY|COMPUTE-SANITIZER|^=+ *$" \
+  # the reports themselves: the sanitizer's lines (from "========= " on: pytest -v's line of
+  # the test may come first), its banner, summaries and empty lines left out
+  grep -h -o -E "========= .*" "$logs"/*.log | grep -vE "SUMMARY|COMPUTE-SANITIZER|^=+ *$" \
     | head -n 300 > "$OUT_DIR/${tool}_reports.log"
   grep -h -E "FAILED|Error|^E " "$logs"/*.log | head -n 100 > "$OUT_DIR/${tool}_failures.log"
-  ran=$(ls "$logs"/*.log | wc -l)
   kdesc=", every kernel checked"
   [ -n "$kns" ] && kdesc=", kernels *$kns* checked"
-  line="$tool: ${took}s, $passed passed, $failed failed, $errors errors; $finished of $ran shards finished (${ONLY:+shards $ONLY of }$SHARDS)$kdesc${EXCLUDE:+, $(wc -l < "$EXCLUDE") tests excluded}"
-  [ "$finished" -lt "$ran" ] && line="$line; the $((ran - finished)) stopped: $stopped_passed passed, $stopped_errors reports"
+  line="$tool: ${took}s, $passed passed, $failed failed, $errors errors"
+  [ "$internal" -gt 0 ] && line="$line, $internal internal sanitizer errors"
+  line="$line; $finished of $ran shards finished (${ONLY:+shards $ONLY of }$SHARDS${SPREAD:+, spread})$kdesc${EXCLUDE:+, $(wc -l < "$EXCLUDE") tests excluded}"
   echo "$line" | tee -a "$summary"
   rm -rf "$logs"
 done
