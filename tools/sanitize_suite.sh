@@ -71,13 +71,15 @@ for tool in $TOOLS; do
   done
   wait
   took=$(( $(date +%s) - start ))
-  touch "$logs/x.passed" "$logs/x.failed"
   # the tests passed and failed, from the lists the tests write as they end (also in the
   # stopped shards); a test failed in two phases counts once
-  sort -u "$logs"/*.passed >> "$OUT_DIR/${tool}_passed.txt"
-  passed=$(sort -u "$logs"/*.passed | wc -l)
-  sort -u "$logs"/*.failed >> "$OUT_DIR/${tool}_failed.txt"
-  failed=$(sort -u "$logs"/*.failed | wc -l)
+  for outcome in passed failed; do
+    touch "$logs/x.$outcome"
+    sort -u "$logs"/*."$outcome" > "$logs/$outcome.all"
+    cat "$logs/$outcome.all" >> "$OUT_DIR/${tool}_$outcome.txt"
+  done
+  passed=$(wc -l < "$logs/passed.all")
+  failed=$(wc -l < "$logs/failed.all")
   # the errors of a shard (the sanitizer's lines may follow pytest -v's line of the test on
   # the same line): its processes' summaries ("ERROR SUMMARY: N errors"; racecheck:
   # "RACECHECK SUMMARY: N hazards displayed (…)"; a child process, e.g. the CLI a test runs,
