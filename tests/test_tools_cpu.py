@@ -118,7 +118,7 @@ while [ $# -gt 0 ] && [ "$1" != env ]; do [ "$1" = --tool ] && tool=$2; shift; d
 log=$(mktemp)
 "$@" > "$log" 2>&1 &
 pid=$!
-trap 'kill -9 $pid; cat "$log"; exit 143' TERM
+trap 'trap "" TERM; kill -9 $pid; cat "$log"; exit 143' TERM  # once: timeout may signal twice
 wait $pid; rc=$?
 cat "$log"
 n=$(grep -E '========= +(Error|Invalid)' "$log" | grep -vc terminate)
