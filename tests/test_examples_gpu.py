@@ -42,6 +42,7 @@ def test_jax_interop_example(cupy):
     assert "flash_decode on JAX arrays" in _run_example("jax_interop.py")
 
 
+@pytest.mark.torch
 def test_transformers_example(cupy):
     for name in ("torch", "transformers"):
         if importlib.util.find_spec(name) is None:

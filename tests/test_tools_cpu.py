@@ -169,3 +169,32 @@ def test_sanitize_suite_counts_stopped_shards_and_child_summaries(tmp_path):
     names = lambda f: sorted(x.rsplit("::", 1)[-1] for x in (out / f).read_text().split())
     assert names("racecheck_passed.txt") == ["test_child", "test_ok", "test_report"]
     assert names("racecheck_failed.txt") == ["test_bad"]
+
+
+def test_sanitize_suite_leaves_torch_tests_out_of_racecheck_only(tmp_path):
+    """Tests marked torch run under every tool but racecheck (tools/sanitize_suite.sh says why),
+    nccl tests under none. Over the stand-in sanitizer, no GPU."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "compute-sanitizer"
+    fake.write_text(FAKE_SANITIZER)
+    fake.chmod(0o755)
+    (tmp_path / "test_marked.py").write_text(
+        "import pytest\n"
+        "def test_plain(): pass\n"
+        "@pytest.mark.torch\n"
+        "def test_torch(): pass\n"
+        "@pytest.mark.nccl\n"
+        "def test_nccl(): pass\n")
+    out = tmp_path / "out"
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+           "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), str(ROOT)]),
+           "PYTEST_ADDOPTS": "-p conftest", "PY": sys.executable, "SHARDS": "1",
+           "TIMEOUT": "45", "FILES": "test_marked.py"}
+    run = subprocess.run(["bash", str(ROOT / "tools" / "sanitize_suite.sh"), str(out),
+                          "memcheck", "racecheck"], cwd=tmp_path, env=env, text=True,
+                         capture_output=True, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    names = lambda f: sorted(x.rsplit("::", 1)[-1] for x in (out / f).read_text().split())
+    assert names("memcheck_passed.txt") == ["test_plain", "test_torch"]
+    assert names("racecheck_passed.txt") == ["test_plain"]
