@@ -143,30 +143,37 @@ def test_slow():
 """
 
 
-def test_sanitize_suite_counts_stopped_shards_and_child_summaries(tmp_path):
-    """tools/sanitize_suite.sh's line: passed and failed from the lists the tests write, a shard
-    stopped by the timeout told by its exit status (not by a summary a child process wrote into
-    its log), and the errors of every summary plus the reports after a stopped shard's last
-    one; a child's non-zero exit is not an error. Over a stand-in sanitizer, no GPU."""
+def _sanitize_suite(tmp_path, tests: str, tools: list[str], **env):
+    """tools/sanitize_suite.sh over the test file ``tests`` (its text) under the stand-in
+    sanitizer, with ``env`` added; returns a function giving the test names listed in an output
+    file, sorted, and the summary's text."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     fake = bin_dir / "compute-sanitizer"
     fake.write_text(FAKE_SANITIZER)
     fake.chmod(0o755)
-    (tmp_path / "test_fake.py").write_text(FAKE_TESTS)
+    (tmp_path / "test_fake.py").write_text(tests)
     out = tmp_path / "out"
     env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
            "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), str(ROOT)]),
-           "PYTEST_ADDOPTS": "-p conftest -s", "PY": sys.executable, "SHARDS": "5",
-           "SPREAD": "1", "TIMEOUT": "45", "FILES": "test_fake.py"}
-    run = subprocess.run(["bash", str(ROOT / "tools" / "sanitize_suite.sh"), str(out),
-                          "racecheck"], cwd=tmp_path, env=env, text=True, capture_output=True,
-                         timeout=120)
+           "PYTEST_ADDOPTS": "-p conftest -s", "PY": sys.executable, "TIMEOUT": "45",
+           "FILES": "test_fake.py", **env}
+    run = subprocess.run(["bash", str(ROOT / "tools" / "sanitize_suite.sh"), str(out), *tools],
+                         cwd=tmp_path, env=env, text=True, capture_output=True, timeout=120)
     assert run.returncode == 0, run.stdout + run.stderr
-    line = (out / "0_sanitize.txt").read_text().strip()
+    names = lambda f: sorted(x.rsplit("::", 1)[-1] for x in (out / f).read_text().split())
+    return names, (out / "0_sanitize.txt").read_text()
+
+
+def test_sanitize_suite_counts_stopped_shards_and_child_summaries(tmp_path):
+    """tools/sanitize_suite.sh's line: passed and failed from the lists the tests write, a shard
+    stopped by the timeout told by its exit status (not by a summary a child process wrote into
+    its log), and the errors of every summary plus the reports after a stopped shard's last
+    one; a child's non-zero exit is not an error. Over a stand-in sanitizer, no GPU."""
+    names, summary = _sanitize_suite(tmp_path, FAKE_TESTS, ["racecheck"], SHARDS="5", SPREAD="1")
+    line = summary.strip()
     assert line.startswith("racecheck: "), line
     assert ", 3 passed, 1 failed, 4 errors; 4 of 5 shards finished (5, spread)" in line, line
-    names = lambda f: sorted(x.rsplit("::", 1)[-1] for x in (out / f).read_text().split())
     assert names("racecheck_passed.txt") == ["test_child", "test_ok", "test_report"]
     assert names("racecheck_failed.txt") == ["test_bad"]
 
@@ -174,27 +181,12 @@ def test_sanitize_suite_counts_stopped_shards_and_child_summaries(tmp_path):
 def test_sanitize_suite_leaves_torch_tests_out_of_racecheck_only(tmp_path):
     """Tests marked torch run under every tool but racecheck (tools/sanitize_suite.sh says why),
     nccl tests under none. Over the stand-in sanitizer, no GPU."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    fake = bin_dir / "compute-sanitizer"
-    fake.write_text(FAKE_SANITIZER)
-    fake.chmod(0o755)
-    (tmp_path / "test_marked.py").write_text(
-        "import pytest\n"
-        "def test_plain(): pass\n"
-        "@pytest.mark.torch\n"
-        "def test_torch(): pass\n"
-        "@pytest.mark.nccl\n"
-        "def test_nccl(): pass\n")
-    out = tmp_path / "out"
-    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
-           "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), str(ROOT)]),
-           "PYTEST_ADDOPTS": "-p conftest", "PY": sys.executable, "SHARDS": "1",
-           "TIMEOUT": "45", "FILES": "test_marked.py"}
-    run = subprocess.run(["bash", str(ROOT / "tools" / "sanitize_suite.sh"), str(out),
-                          "memcheck", "racecheck"], cwd=tmp_path, env=env, text=True,
-                         capture_output=True, timeout=120)
-    assert run.returncode == 0, run.stdout + run.stderr
-    names = lambda f: sorted(x.rsplit("::", 1)[-1] for x in (out / f).read_text().split())
+    tests = ("import pytest\n"
+             "def test_plain(): pass\n"
+             "@pytest.mark.torch\n"
+             "def test_torch(): pass\n"
+             "@pytest.mark.nccl\n"
+             "def test_nccl(): pass\n")
+    names, _ = _sanitize_suite(tmp_path, tests, ["memcheck", "racecheck"], SHARDS="1")
     assert names("memcheck_passed.txt") == ["test_plain", "test_torch"]
     assert names("racecheck_passed.txt") == ["test_plain"]
