@@ -190,3 +190,17 @@ def test_sanitize_suite_leaves_torch_tests_out_of_racecheck_only(tmp_path):
     names, _ = _sanitize_suite(tmp_path, tests, ["memcheck", "racecheck"], SHARDS="1")
     assert names("memcheck_passed.txt") == ["test_plain", "test_torch"]
     assert names("racecheck_passed.txt") == ["test_plain"]
+
+
+@pytest.mark.parametrize("var, value", [("SHARDS", "0"), ("SHARDS", "two"), ("TIMEOUT", "-5")])
+def test_sanitize_suite_refuses_counts_that_are_not_positive(tmp_path, var, value):
+    """A shard count or timeout that is not a positive integer (e.g. the seconds left in a call,
+    computed by the caller, gone negative) is refused before any run, naming the variable and
+    the value; nothing is written. No GPU, no sanitizer."""
+    out = tmp_path / "out"
+    run = subprocess.run(["bash", str(ROOT / "tools" / "sanitize_suite.sh"), str(out), "memcheck"],
+                         cwd=tmp_path, env={**os.environ, var: value}, text=True,
+                         capture_output=True, timeout=60)
+    assert run.returncode == 2, run.stdout + run.stderr
+    assert f"{var} must be a positive integer, got '{value}'" in run.stderr
+    assert not out.exists()

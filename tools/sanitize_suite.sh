@@ -42,10 +42,19 @@ set -u
 OUT_DIR=${1:-${OUT:-./sanitize_out}}
 shift || true
 TOOLS=${*:-"memcheck racecheck initcheck synccheck"}
+SHARDS=${SHARDS:-12}
+# SHARDS and TIMEOUT (often computed by the caller, e.g. the seconds left in a call) must be
+# positive integers: 0 shards or a negative timeout would run nothing and summarise no logs
+for var in SHARDS TIMEOUT; do
+  val=${!var:-540}
+  case $val in
+    *[!0-9]* | 0*) echo "sanitize_suite.sh: $var must be a positive integer, got '$val'" >&2
+                   exit 2 ;;
+  esac
+done
 mkdir -p "$OUT_DIR"
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$(pwd) PYTHONUNBUFFERED=1
 PY=${PY:-python3}
-SHARDS=${SHARDS:-12}
 SEP=/
 [ -n "${SPREAD:-}" ] && SEP=%
 FILES=${FILES:-"tests/test_gpu_*.py tests/test_cli_gpu.py tests/test_examples_gpu.py"}
