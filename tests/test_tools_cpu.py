@@ -143,6 +143,12 @@ def test_slow():
 """
 
 
+def _run_sanitize_suite(cwd, out, tools: list[str], env: dict) -> subprocess.CompletedProcess:
+    """tools/sanitize_suite.sh writing to ``out`` with ``tools``, in ``cwd`` under ``env``."""
+    return subprocess.run(["bash", str(ROOT / "tools" / "sanitize_suite.sh"), str(out), *tools],
+                          cwd=cwd, env=env, text=True, capture_output=True, timeout=120)
+
+
 def _sanitize_suite(tmp_path, tests: str, tools: list[str], **env):
     """tools/sanitize_suite.sh over the test file ``tests`` (its text) under the stand-in
     sanitizer, with ``env`` added; returns a function giving the test names listed in an output
@@ -158,8 +164,7 @@ def _sanitize_suite(tmp_path, tests: str, tools: list[str], **env):
            "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), str(ROOT)]),
            "PYTEST_ADDOPTS": "-p conftest -s", "PY": sys.executable, "TIMEOUT": "45",
            "FILES": "test_fake.py", **env}
-    run = subprocess.run(["bash", str(ROOT / "tools" / "sanitize_suite.sh"), str(out), *tools],
-                         cwd=tmp_path, env=env, text=True, capture_output=True, timeout=120)
+    run = _run_sanitize_suite(tmp_path, out, tools, env)
     assert run.returncode == 0, run.stdout + run.stderr
     names = lambda f: sorted(x.rsplit("::", 1)[-1] for x in (out / f).read_text().split())
     return names, (out / "0_sanitize.txt").read_text()
@@ -198,9 +203,7 @@ def test_sanitize_suite_refuses_counts_that_are_not_positive(tmp_path, var, valu
     computed by the caller, gone negative) is refused before any run, naming the variable and
     the value; nothing is written. No GPU, no sanitizer."""
     out = tmp_path / "out"
-    run = subprocess.run(["bash", str(ROOT / "tools" / "sanitize_suite.sh"), str(out), "memcheck"],
-                         cwd=tmp_path, env={**os.environ, var: value}, text=True,
-                         capture_output=True, timeout=60)
+    run = _run_sanitize_suite(tmp_path, out, ["memcheck"], {**os.environ, var: value})
     assert run.returncode == 2, run.stdout + run.stderr
     assert f"{var} must be a positive integer, got '{value}'" in run.stderr
     assert not out.exists()

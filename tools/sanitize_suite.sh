@@ -42,11 +42,11 @@ set -u
 OUT_DIR=${1:-${OUT:-./sanitize_out}}
 shift || true
 TOOLS=${*:-"memcheck racecheck initcheck synccheck"}
-SHARDS=${SHARDS:-12}
+SHARDS=${SHARDS:-12} TIMEOUT=${TIMEOUT:-540}
 # SHARDS and TIMEOUT (often computed by the caller, e.g. the seconds left in a call) must be
 # positive integers: 0 shards or a negative timeout would run nothing and summarise no logs
 for var in SHARDS TIMEOUT; do
-  val=${!var:-540}
+  val=${!var}
   case $val in
     *[!0-9]* | 0*) echo "sanitize_suite.sh: $var must be a positive integer, got '$val'" >&2
                    exit 2 ;;
@@ -75,7 +75,7 @@ for tool in $TOOLS; do
   for i in ${ONLY:-$(seq 0 $((SHARDS - 1)))}; do
     # each shard's exit status in $logs/$i.rc: timeout's 124 (or 137) marks a stopped shard
     # shellcheck disable=SC2086
-    ( CUPYDECODE_TEST_SHARD="$i$SEP$SHARDS" timeout "${TIMEOUT:-540}" \
+    ( CUPYDECODE_TEST_SHARD="$i$SEP$SHARDS" timeout "$TIMEOUT" \
       compute-sanitizer --tool "$tool" --error-exitcode 3 --print-limit 20 \
       ${kns:+--kernel-name kns="$kns"} \
       env ${EXCLUDE:+CUPYDECODE_TEST_EXCLUDE="$EXCLUDE"} CUPYDECODE_TEST_PASSED="$logs/$i.passed" \
