@@ -597,15 +597,823 @@ __device__ __forceinline__ cd_options cd_options_of(const cd_decode_params& p) {
 static_assert(SMEM_BYTES == SMEM_BYTES_HOST,
               "the host's dynamic shared memory (SplitKernelConfig.smem_bytes) is not SMEM_BYTES");
 
+// ================================================================ appended rows
+// Where an appended token's K and V rows go in the cache: their offsets kr, vr (elements, KV
+// head 0's) and the row's index `at` among the cache's rows (batch · max_seqlen + position, or
+// page · page_size + row: the per-token scales' index); ok is false where a page index is outside
+// [0, num_pages), and nothing is written there.
+struct cd_cache_row {
+    bool ok;
+    long long at, kr, vr;
+};
+
+#if KV_FP8
+// fp8 KV: the chunk's appended tokens j0 … j0 + new_rows − 1 (k_new, v_new: q's 16-bit type),
+// quantised as quantize_kv.cu quantises (code = encode(x / s), an IEEE division; per-token scales
+// s = amax / the largest finite value, 1 where that is 0 or not finite), one warp per (token, K
+// or V) row, lane c its 16-bit chunk c: into sm_codes and sm_new_scale (row 2j: K of appended
+// token j, 2j + 1: V) and, by head tile 0's block, into the cache and (per token) the scale array
+// (cache_row: where; a page index outside [0, num_pages) writes nothing, and its row counts for
+// nothing: tile_live).
+template <class CacheRow>
+__device__ __forceinline__ void cd_quantize_new_rows(const cd_decode_params& p, int b, int new_lo,
+                                                     int j0, int new_rows, int kv_head,
+                                                     int head_tile, int num_kv_heads,
+                                                     unsigned char* sm_codes, float* sm_new_scale,
+                                                     CacheRow cache_row) {
+    static_assert(QCPR <= 32, "a lane per 16-bit chunk of a new row");
+    const kv_t* __restrict__ k = p.k;
+    const kv_t* __restrict__ v = p.v;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    for (int item = warp; item < 2 * new_rows; item += NUM_WARPS) {
+        const int j = j0 + item / 2, kvi = item & 1, tok = new_lo + j;
+        const q_t* src = kvi ? p.v_new + b * p.vn_sb + j * p.vn_ss + (long long)kv_head * p.vn_sh
+                             : p.k_new + b * p.kn_sb + j * p.kn_ss + (long long)kv_head * p.kn_sh;
+        const int c = lane;
+        float x[8];
+        float amax = 0.f;
+        {
+            uint4 raw = make_uint4(0u, 0u, 0u, 0u);
+            if (c < QCPR && Q_CHUNK_IN_MEMORY(c))
+                raw = *reinterpret_cast<const uint4*>(src + c * QEPC);
+            const q_t* e = reinterpret_cast<const q_t*>(&raw);
+#pragma unroll
+            for (int u = 0; u < 8; ++u) {
+                x[u] = E::to_float(e[u]);
+                const float a = fabsf(x[u]);
+                amax = (a > amax || a != a) ? a : amax;  // a NaN wins
+            }
+        }
+#if KV_SCALE_TOKEN
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            const float a = __shfl_xor_sync(0xffffffffu, amax, o);
+            amax = (a > amax || a != a) ? a : amax;
+        }
+        float sc = amax / cd_fp8_max<kv_fmt>();
+        if (!(sc > 0.0f && sc <= 3.402823466e38f)) sc = 1.0f;  // 0, inf or NaN
+#else
+        const float* arr = kvi ? p.v_scale : p.k_scale;
+        const float sc = arr ? arr[kv_head] : (kvi ? p.v_scale_all : p.k_scale_all);
+        (void)num_kv_heads;
+#endif
+        u32 w[2] = {0u, 0u};
+#pragma unroll
+        for (int u = 0; u < 8; ++u)
+            w[u >> 2] |= (u32)cd_fp8_encode<kv_fmt>(__fdiv_rn(x[u], sc)) << (8 * (u & 3));
+        const uint2 codes = make_uint2(w[0], w[1]);
+        if (c < QCPR)
+            *reinterpret_cast<uint2*>(sm_codes + (2 * j + kvi) * HEAD_DIM + 8 * c) = codes;
+        if (lane == 0) sm_new_scale[2 * j + kvi] = sc;
+        if (head_tile != 0) continue;
+        const cd_cache_row cr = cache_row(tok);
+        if (!cr.ok) continue;
+        kv_t* dst = const_cast<kv_t*>(kvi ? v + cr.vr + (long long)kv_head * p.v_sh
+                                          : k + cr.kr + (long long)kv_head * p.k_sh);
+        if (c < QCPR && Q_CHUNK_IN_MEMORY(c)) *reinterpret_cast<uint2*>(dst + 8 * c) = codes;
+#if KV_SCALE_TOKEN
+        if (lane == 0) (kvi ? p.v_scale : p.k_scale)[cr.at * num_kv_heads + kv_head] = sc;
+#endif
+    }
+}
+#elif MULTI_Q
+// MULTI_Q: the chunk's appended tokens [new_in, new_out) (one KV head per block): k_new's and
+// v_new's token j into sm_new's rows 2j, 2j + 1, and, by head tile 0's block, into the cache
+// (cache_row: where; a page index outside [0, num_pages) writes nothing, and its row counts for
+// nothing: tile_live).
+template <class CacheRow>
+__device__ __forceinline__ void cd_stage_new_rows(const cd_decode_params& p, int b, int new_lo,
+                                                  int new_in, int new_out, int kv_head,
+                                                  int head_tile, uint4* sm_new,
+                                                  CacheRow cache_row) {
+    const kv_t* __restrict__ k = p.k;
+    const kv_t* __restrict__ v = p.v;
+    for (int i = threadIdx.x; i < (new_out - new_in) * CPR; i += NUM_THREADS) {
+        const int j = new_in - new_lo + i / CPR, c = i % CPR, tok = new_lo + j;
+        uint4 nk = make_uint4(0u, 0u, 0u, 0u), nv = nk;
+        if (CHUNK_IN_MEMORY(c)) {
+            nk = *reinterpret_cast<const uint4*>(p.k_new + b * p.kn_sb + j * p.kn_ss
+                                                 + (long long)kv_head * p.kn_sh + c * EPC);
+            nv = *reinterpret_cast<const uint4*>(p.v_new + b * p.vn_sb + j * p.vn_ss
+                                                 + (long long)kv_head * p.vn_sh + c * EPC);
+        }
+        sm_new[(2 * j) * CPR + c] = nk;
+        sm_new[(2 * j + 1) * CPR + c] = nv;
+        if (head_tile != 0 || !CHUNK_IN_MEMORY(c)) continue;
+        const cd_cache_row cr = cache_row(tok);
+        if (!cr.ok) continue;
+        *reinterpret_cast<uint4*>(const_cast<kv_t*>(k) + cr.kr + (long long)kv_head * p.k_sh + c * EPC) = nk;
+        *reinterpret_cast<uint4*>(const_cast<kv_t*>(v) + cr.vr + (long long)kv_head * p.v_sh + c * EPC) = nv;
+    }
+}
+#endif
+
+// ================================================================ 3. tile compute
+// What the tile compute sees of the KV view (phase 2): this warp's `count` tiles, and the
+// `loops` turns its slot takes (more than count only where an M-tile slot has fewer tiles than
+// the first: its idle turns); tile i is in the ring (`ring`, `ring_u32`) at stage i % STAGES
+// once next(i) has returned, from token start(i), its rows with a key live(i) (all but where a
+// page index was out of range), and, per-token fp8 scales, its K and V scales at scales(i).
+// The callables are held by value (they reference the kernel's view): held by reference, ptxas
+// gave the M-tile paths more registers (and spills at head_dim 192/256).
+template <class Next, class Start, class Live, class Scales>
+struct cd_kv_tiles {
+    int count, loops;
+    unsigned char* ring;
+    u32 ring_u32;
+    Next next;
+    Start start;
+    Live live;
+    Scales scales;
+};
+template <class Next, class Start, class Live, class Scales>
+__device__ __forceinline__ cd_kv_tiles<Next, Start, Live, Scales> cd_kv_tiles_of(
+    int count, int loops, unsigned char* ring, Next next, Start start, Live live, Scales scales) {
+    return {count, loops, ring, smem_u32(ring), next, start, live, scales};
+}
+
+// The block's query rows as one warp computes them: the first query row h0 (MULTI_Q: a row of
+// qrow_of), G query heads per KV head, vgroup = q_len · G rows per KV head, the block's live rows,
+// the window (window_left, −1: none), and the warp's KV head within the block (kh), M-tile (mt)
+// and KV head (kv_head).
+struct cd_rows {
+    int h0, group, vgroup, rows, window, kh, mt, kv_head;
+};
+
+#if DTYPE_ID != 2
+// A tensor-core lane's coordinates in the mma.m16n8k16 fragments: g = lane / 4, t = lane % 4,
+// and the ldmatrix row addresses of pattern A (Q as the A operand, V transposed) and pattern B
+// (K as the col-major B operand).
+struct cd_mma_lane {
+    int g, t, rowA, offA, rowB, offB;
+};
+__device__ __forceinline__ cd_mma_lane cd_mma_lane_of(int lane) {
+    return {lane >> 2, lane & 3, (lane & 7) + ((lane >> 3) & 1) * 8, lane >> 4,
+            (lane & 7) + (lane >> 4) * 8, (lane >> 3) & 1};
+}
+#endif
+
+#if DTYPE_ID != 2 && HEADS_AS_N
+// The heads-as-N path over the warp's tiles, then its state into shared memory (sm_m, sm_l: row
+// r of warp w at w · ROWS + r; sm_acc: ROWS rows of ACC_STRIDE floats per warp).
+template <class Tiles>
+__device__ __forceinline__ void cd_chunk_heads_as_n(const Tiles& kv, const cd_decode_params& p,
+                                                    const cd_score_params& score_params,
+                                                    const cd_rows rw, const q_t* sq, float* sm_m,
+                                                    float* sm_l, float* sm_acc) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int my_tiles = kv.count;
+    const int h0 = rw.h0, group = rw.group, vgroup = rw.vgroup, rows = rw.rows;
+    const int window = rw.window;
+    (void)group; (void)vgroup; (void)window; (void)rows;
+    const auto& next_tile = kv.next;
+    const auto& tile_start = kv.start;
+    const auto& tile_live = kv.live;
+    const cd_mma_lane ml = cd_mma_lane_of(lane);
+    const int g = ml.g, t = ml.t, rowA = ml.rowA, offA = ml.offA, rowB = ml.rowB, offB = ml.offB;
+    (void)rowA; (void)offA; (void)rowB; (void)offB;  // (fp8 tiles are read by plain loads)
+    const u32 ring_u32 = kv.ring_u32, sq_u32 = smem_u32(sq);
+    const int kh = rw.kh, kv_head = rw.kv_head;
+    (void)kv_head; (void)p; (void)kh;
+#if KV_SCALE_TOKEN
+    const auto& tile_scales = kv.scales;
+#endif
+    // ---------------------------------------------------- heads as N: Sᵀ = K·Qᵀ, Oᵀ = Vᵀ·Pᵀ
+    // The mma's N holds 8 heads: a launch with more (a host bug) must not read unset rows.
+    // (Blocks of several KV heads checked their group at entry, before any write.)
+    if (KV_PER_BLOCK == 1 && rows > 8) __trap();
+    // Here pattern A reads K as the A operand and pattern B reads Vᵀ (V transposed) as the A
+    // operand. The thread's query heads (columns of Sᵀ and Oᵀ) are 2t and 2t + 1.
+    // Qᵀ as B operands (k = head dims, n = query heads 0..7), in registers for the whole chunk:
+    // qb[kk] holds Q[g][16kk + 2t, +1] and Q[g][16kk + 8 + 2t, +1]. One ldmatrix.x4 reads the
+    // 16-byte chunks 4kk2 .. 4kk2 + 3 of query rows 0..7 (lanes 8j..8j+7 address chunk j).
+    // (WIDE: the same loads, inside the tile loop; q_frags.)
+#if !WIDE
+    u32 qb[HEAD_DIM / 16][2];
+#endif
+#if !KV_FP8
+    auto q_frags = [&](u32 (&qw)[4], int kk2) {
+        ldsm_x4(qw[0], qw[1], qw[2], qw[3], sq_u32 + swz(8 * kh + (lane & 7), 4 * kk2 + (lane >> 3)) * 16);
+    };
+#endif
+#if KV_FP8
+    // fp8 KV: the K·Qᵀ step takes each lane's K codes as whole 16-byte chunks (below), which
+    // orders the head dims differently: k step 4·grp + j (grp a 64-dim group) pairs logical
+    // k 2t, 2t + 1 with dims 64·grp + 16t + 4j + {0, 1} and k 2t + 8, 2t + 9 with + {2, 3}
+    // (a permutation of the dims: the dot products are the same). Q follows it.
+#pragma unroll
+    for (int grp = 0; grp < HEAD_DIM / 64; ++grp)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const uint2 w = *reinterpret_cast<const uint2*>(
+                reinterpret_cast<const unsigned char*>(sq) + swz_q(g, 8 * grp + 2 * t + (j >> 1)) * 16
+                + 8 * (j & 1));
+            qb[4 * grp + j][0] = w.x;
+            qb[4 * grp + j][1] = w.y;
+        }
+    // the K and V scales: per KV head (and tensor) here; per token from the tile's (below)
+#if !KV_SCALE_TOKEN
+    const float k_mul = (p.k_scale ? p.k_scale[kv_head] : 1.f) * p.k_scale_all;
+    const float v_mul = (p.v_scale ? p.v_scale[kv_head] : 1.f) * p.v_scale_all;
+#endif
+#elif !WIDE
+#pragma unroll
+    for (int kk2 = 0; kk2 < HEAD_DIM / 32; ++kk2) {
+        u32 qw[4];
+        q_frags(qw, kk2);
+        qb[2 * kk2][0] = qw[0];
+        qb[2 * kk2][1] = qw[1];
+        qb[2 * kk2 + 1][0] = qw[2];
+        qb[2 * kk2 + 1][1] = qw[3];
+    }
+#endif
+
+    // The state of query heads 2t, 2t + 1; Oᵀ accumulators: st.acc[d][e] is head dim
+    // 16d + g + 8·(e >> 1) of query head 2t + (e & 1).
+    cd_tc_state<HEAD_DIM / 16, 0, 4, 16> st;
+    // the score hook's row of this thread's heads 2t (e even) and 2t + 1 (e odd)
+#if MULTI_Q
+    const cd_qmask qrow_n[2] = {qmask_of(h0 + 2 * t, group, vgroup, window, score_params),
+                                qmask_of(h0 + 2 * t + 1, group, vgroup, window,
+                                         score_params)};
+#define SCORE_ROW_N(e) qrow_n[(e) & 1]
+#else
+#define SCORE_ROW_N(e) (h0 + kh * group + 2 * t + ((e) & 1))
+#endif
+    st.init();
+
+    for (int i = 0; i < my_tiles; ++i) {
+        next_tile(i);
+        const u32 live = tile_live(i);  // the KV view's rows with a key (all, unpaged)
+        const u32 ks = ring_u32 + (i % STAGES) * 2 * TILE_BYTES;
+        const u32 vs = ks + TILE_BYTES;
+        // Sᵀ for 16 tokens × 8 heads; two accumulators (even and odd k steps) so that two mma
+        // chains are in flight. s[e]: token g + 8·(e >> 1) of the tile, head 2t + (e & 1).
+        float s[4] = {0.f, 0.f, 0.f, 0.f}, s_odd[4] = {0.f, 0.f, 0.f, 0.f};
+#if KV_FP8
+        // K codes as the A operand (16 tokens × 16 dims per k step): rows g and g + 8, one
+        // 16-byte chunk each per 64-dim group (its 16 codes are 4 k steps: the order above),
+        // decoded in registers, two codes per conversion.
+#pragma unroll
+        for (int grp = 0; grp < HEAD_DIM / 64; ++grp) {
+            uint4 klo, khi;
+            asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(klo.x), "=r"(klo.y),
+                         "=r"(klo.z), "=r"(klo.w) : "r"(ks + ring_chunk(g, 4 * grp + t) * 16));
+            asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(khi.x), "=r"(khi.y),
+                         "=r"(khi.z), "=r"(khi.w) : "r"(ks + ring_chunk(g + 8, 4 * grp + t) * 16));
+            const u32 lo4[4] = {klo.x, klo.y, klo.z, klo.w}, hi4[4] = {khi.x, khi.y, khi.z, khi.w};
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                u32 a[4];
+                cd_fp8x4_to_16x2<kv_fmt, DTYPE_ID>(lo4[j], a[0], a[2]);
+                cd_fp8x4_to_16x2<kv_fmt, DTYPE_ID>(hi4[j], a[1], a[3]);
+                if (j % 2) mma16816(s_odd, a, qb[4 * grp + j][0], qb[4 * grp + j][1]);
+                else       mma16816(s, a, qb[4 * grp + j][0], qb[4 * grp + j][1]);
+            }
+        }
+        // the scores' K scale (k_mul; per token: tile rows g and g + 8's), and per token the
+        // log2 of the V scale of those rows (−inf for a row without a key: zero-filled)
+#if KV_SCALE_TOKEN
+        const float* tsc = tile_scales(i);
+        const float kmul[2] = {tsc[g], tsc[g + 8]};
+        const float lv[2] = {log2f(tsc[TILE_N + g]), log2f(tsc[TILE_N + g + 8])};
+#else
+        const float kmul[2] = {k_mul, k_mul};
+#endif
+#define KV_SCORE_MUL(e) * kmul[(e) >> 1]
+#else
+        u32 qw[4];  // WIDE: Qᵀ's fragments of k steps kk, kk + 1 (kk even)
+#pragma unroll
+        for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
+            u32 a[4];
+            ldsm_x4(a[0], a[1], a[2], a[3], ks + swz(rowA, 2 * kk + offA) * 16);
+#if WIDE
+            if (kk % 2 == 0) q_frags(qw, kk / 2);
+            const u32 q0 = qw[2 * (kk % 2)], q1 = qw[2 * (kk % 2) + 1];
+#else
+            const u32 q0 = qb[kk][0], q1 = qb[kk][1];
+#endif
+            if (kk % 2) mma16816(s_odd, a, q0, q1);
+            else        mma16816(s, a, q0, q1);
+        }
+        (void)qw;
+#define KV_SCORE_MUL(e)
+#endif
+        // Online softmax per head, one max and one rescale per tile: the head's 16 tokens are
+        // in the 8 lanes of its t (lane bits 2..4), two per lane.
+        const int t0 = tile_start(i);
+        float mx[2] = {CD_NEG_INF, CD_NEG_INF};
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            s[e] = kv_mask(score_mod((s[e] + s_odd[e]) KV_SCORE_MUL(e), t0 + g + 8 * (e >> 1),
+                                     SCORE_ROW_N(e), score_params),
+                           live, g + 8 * (e >> 1));
+            mx[e & 1] = fmaxf(mx[e & 1], s[e]);
+        }
+#undef KV_SCORE_MUL
+        float alpha[2], ref[2];
+        st.max_step(mx, alpha, ref);
+        float rs[2] = {0.f, 0.f};
+#if KV_SCALE_TOKEN
+        // per-token V scales: the weights that multiply the codes are 2^(s + lv − mv), with
+        // their own running maximum mv (cd_tc_state), so that none exceeds 1
+        float mxv[2] = {CD_NEG_INF, CD_NEG_INF}, alpha_v[2], ref_v[2], pv[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) mxv[e & 1] = fmaxf(mxv[e & 1], s[e] + lv[e >> 1]);
+        st.max_step_of(st.mv, mxv, alpha_v, ref_v);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) pv[e] = cd_exp2(s[e] + lv[e >> 1] - ref_v[e & 1]);
+#endif
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            s[e] = cd_exp2(s[e] - ref[e & 1]);
+            rs[e & 1] += s[e];
+        }
+#if KV_SCALE_TOKEN
+        st.rescale(alpha, rs, alpha_v);
+        const u32 pb0 = movmatrix_t(pack2(pv[0], pv[1]));
+        const u32 pb1 = movmatrix_t(pack2(pv[2], pv[3]));
+#else
+        st.rescale(alpha, rs);
+        // Pᵀ as the B operand (k = tokens, n = heads) is the transpose of the Sᵀ accumulator
+        // (tokens × heads) in fragment layout: one movmatrix per 8 tokens.
+        const u32 pb0 = movmatrix_t(pack2(s[0], s[1]));
+        const u32 pb1 = movmatrix_t(pack2(s[2], s[3]));
+#endif
+#if KV_FP8
+        // Vᵀ codes as the A operand (16 dims × 16 tokens): lane (g, t) reads the 8 codes of
+        // dims 64·grp + 8g … + 7 of tokens 2t, 2t + 1, 2t + 8, 2t + 9 (the k order of Pᵀ);
+        // byte-permutes pair the two tokens of one dim, and d-block 4·grp + k holds dims
+        // 64·grp + 8g + 2k (row g) and + 1 (row g + 8): the epilogue knows that order.
+#pragma unroll
+        for (int grp = 0; grp < HEAD_DIM / 64; ++grp) {
+            uint2 w[4];
+#pragma unroll
+            for (int q4 = 0; q4 < 4; ++q4) {
+                const int row = 2 * t + (q4 & 1) + 8 * (q4 >> 1);
+                asm volatile("ld.shared.v2.u32 {%0,%1}, [%2];" : "=r"(w[q4].x), "=r"(w[q4].y)
+                             : "r"(vs + ring_chunk(row, 4 * grp + (g >> 1)) * 16 + 8 * (g & 1)));
+            }
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const u32 w0 = h ? w[0].y : w[0].x, w1 = h ? w[1].y : w[1].x;
+                const u32 w2 = h ? w[2].y : w[2].x, w3 = h ? w[3].y : w[3].x;
+#pragma unroll
+                for (int bsel = 0; bsel < 2; ++bsel) {
+                    u32 x01, x23, a[4];
+                    if (bsel) {
+                        asm("prmt.b32 %0, %1, %2, 0x7362;" : "=r"(x01) : "r"(w0), "r"(w1));
+                        asm("prmt.b32 %0, %1, %2, 0x7362;" : "=r"(x23) : "r"(w2), "r"(w3));
+                    } else {
+                        asm("prmt.b32 %0, %1, %2, 0x5140;" : "=r"(x01) : "r"(w0), "r"(w1));
+                        asm("prmt.b32 %0, %1, %2, 0x5140;" : "=r"(x23) : "r"(w2), "r"(w3));
+                    }
+                    cd_fp8x4_to_16x2<kv_fmt, DTYPE_ID>(x01, a[0], a[1]);
+                    cd_fp8x4_to_16x2<kv_fmt, DTYPE_ID>(x23, a[2], a[3]);
+                    mma16816(st.acc[4 * grp + 2 * h + bsel], a, pb0, pb1);
+                }
+            }
+        }
+#else
+#pragma unroll
+        for (int d = 0; d < HEAD_DIM / 16; ++d) {
+            u32 a[4];
+            ldsm_x4_t(a[0], a[1], a[2], a[3], vs + swz(rowB, 2 * d + offB) * 16);
+            mma16816(st.acc[d], a, pb0, pb1);
+        }
+#endif
+        __syncwarp();
+    }
+    cp_async_wait<0>();
+    __syncthreads();  // every warp is done with the ring before it becomes sm_acc
+
+    // Warp state → shared: the eight lanes of a head sum their shares of l.
+    st.sum_rows();
+    if (g == 0) {  // rows 8..15 (no query head here) are never read: rows ≤ 8
+        sm_m[warp * ROWS + 2 * t] = st.m2[0];     sm_l[warp * ROWS + 2 * t] = st.l2[0];
+        sm_m[warp * ROWS + 2 * t + 1] = st.m2[1]; sm_l[warp * ROWS + 2 * t + 1] = st.l2[1];
+    }
+    float* wacc = sm_acc + warp * ROWS * ACC_STRIDE;
+#if KV_FP8
+    // fp8 KV: the V scale (per head and tensor; per token: acc's own maximum mv, 2^(mv − m2)
+    // brings it to m2's, 0 for a row that saw no key) on the way out, and d-block 4·grp + k's
+    // rows are dims 64·grp + 8g + 2k (+ 1: row g + 8)
+    float vfac[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#if KV_SCALE_TOKEN
+        vfac[h] = st.m2[h] == CD_NEG_INF ? 0.f : cd_exp2(st.mv[h] - st.m2[h]);
+#else
+        vfac[h] = v_mul;
+#endif
+#pragma unroll
+    for (int d = 0; d < HEAD_DIM / 16; ++d)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+            wacc[(2 * t + (e & 1)) * ACC_STRIDE + 64 * (d >> 2) + 8 * g + 2 * (d & 3) + (e >> 1)] =
+                st.acc[d][e] * vfac[e & 1];
+#else
+#pragma unroll
+    for (int d = 0; d < HEAD_DIM / 16; ++d)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+            wacc[(2 * t + (e & 1)) * ACC_STRIDE + 16 * d + g + 8 * (e >> 1)] = st.acc[d][e];
+#endif
+}
+#endif
+
+#if DTYPE_ID != 2 && !HEADS_AS_N
+// The M-tile path (16 query rows as the mma's M) over the warp's tiles, then its state into
+// shared memory, as cd_chunk_heads_as_n.
+template <class Tiles>
+__device__ __forceinline__ void cd_chunk_m_tiles(const Tiles& kv,
+                                                 const cd_score_params& score_params,
+                                                 const cd_rows rw, const q_t* sq, float* sm_m,
+                                                 float* sm_l, float* sm_acc) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int my_tiles = kv.count;
+    const int h0 = rw.h0, group = rw.group, vgroup = rw.vgroup, rows = rw.rows;
+    const int window = rw.window;
+    (void)group; (void)vgroup; (void)window; (void)rows;
+    const auto& next_tile = kv.next;
+    const auto& tile_start = kv.start;
+    const auto& tile_live = kv.live;
+    const cd_mma_lane ml = cd_mma_lane_of(lane);
+    const int g = ml.g, t = ml.t, rowA = ml.rowA, offA = ml.offA, rowB = ml.rowB, offB = ml.offB;
+    (void)rowA; (void)offA; (void)rowB; (void)offB;  // (fp8 tiles are read by plain loads)
+    const u32 ring_u32 = kv.ring_u32, sq_u32 = smem_u32(sq);
+    const int mt = rw.mt, loop_tiles = kv.loops;
+    cd_tc_state<HEAD_DIM / 8, 1, 1, 2> st;  // rows g, g + 8; st.acc[n][e]: row g + 8 · (e >> 1)
+    // the score hook's row of this thread's rows g (e < 2) and g + 8 (e ≥ 2)
+#if MULTI_Q
+    const cd_qmask qrow_m[2] = {
+        qmask_of(h0 + mt * ROWS + g, group, vgroup, window, score_params),
+        qmask_of(h0 + mt * ROWS + g + 8, group, vgroup, window, score_params)};
+#define SCORE_ROW_M(e) qrow_m[(e) >> 1]
+#else
+#define SCORE_ROW_M(e) (h0 + mt * ROWS + g + 8 * ((e) >> 1))
+#endif
+    st.init();
+
+#if HEAD_DIM <= 128
+    u32 qf[HEAD_DIM / 16][4];  // Q fragments stay in registers for the whole chunk
+#pragma unroll
+    for (int kk = 0; kk < HEAD_DIM / 16; ++kk)
+        ldsm_x4(qf[kk][0], qf[kk][1], qf[kk][2], qf[kk][3],
+                sq_u32 + swz(mt * ROWS + rowA, 2 * kk + offA) * 16);
+#endif
+
+    for (int i = 0; i < my_tiles; ++i) {
+        next_tile(i);
+        const u32 live = tile_live(i);  // the KV view's rows with a key (all, unpaged)
+        const u32 ks = ring_u32 + (i % STAGES) * 2 * TILE_BYTES;
+        const u32 vs = ks + TILE_BYTES;
+        // S = Q·Kᵀ for 16 rows × 16 tokens: two n-tiles of 8 tokens.
+        float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+#pragma unroll
+        for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
+            u32 b0, b1, b2, b3;
+            ldsm_x4(b0, b1, b2, b3, ks + swz(rowB, 2 * kk + offB) * 16);
+#if HEAD_DIM <= 128
+            mma16816(s[0], qf[kk], b0, b1);
+            mma16816(s[1], qf[kk], b2, b3);
+#else
+            u32 qa[4];
+            ldsm_x4(qa[0], qa[1], qa[2], qa[3], sq_u32 + swz(mt * ROWS + rowA, 2 * kk + offA) * 16);
+            mma16816(s[0], qa, b0, b1);
+            mma16816(s[1], qa, b2, b3);
+#endif
+        }
+        // Online softmax, one max and one rescale per tile. s[j][e]: row g (e<2) or g+8,
+        // token 8j + 2t + (e&1) of the tile.
+        const int t0 = tile_start(i);
+        float mx[2] = {CD_NEG_INF, CD_NEG_INF};
+#pragma unroll
+        for (int j = 0; j < 2; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                s[j][e] = kv_mask(score_mod(s[j][e], t0 + 8 * j + 2 * t + (e & 1),
+                                            SCORE_ROW_M(e), score_params),
+                                  live, 8 * j + 2 * t + (e & 1));
+                mx[e >> 1] = fmaxf(mx[e >> 1], s[j][e]);
+            }
+        float alpha[2], ref[2];
+        st.max_step(mx, alpha, ref);
+        float rs[2] = {0.f, 0.f};
+#pragma unroll
+        for (int j = 0; j < 2; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                s[j][e] = cd_exp2(s[j][e] - ref[e >> 1]);
+                rs[e >> 1] += s[j][e];
+            }
+        st.rescale(alpha, rs);
+        // The S accumulator layout of two n-tiles is exactly the A layout of one k16 step.
+        const u32 pa[4] = {pack2(s[0][0], s[0][1]), pack2(s[0][2], s[0][3]),
+                           pack2(s[1][0], s[1][1]), pack2(s[1][2], s[1][3])};
+#pragma unroll
+        for (int jj = 0; jj < HEAD_DIM / 16; ++jj) {
+            u32 b0, b1, b2, b3;
+            ldsm_x4_t(b0, b1, b2, b3, vs + swz(rowA, 2 * jj + offA) * 16);
+            mma16816(st.acc[2 * jj], pa, b0, b1);
+            mma16816(st.acc[2 * jj + 1], pa, b2, b3);
+        }
+        if (MTILES == 1) __syncwarp();
+    }
+    for (int i = my_tiles; i < loop_tiles; ++i) next_tile(i);  // the idle turn (MTILES > 1)
+    cp_async_wait<0>();
+    __syncthreads();  // every warp is done with the ring before it becomes sm_acc
+
+    // Warp state → shared: the four lanes of a row group sum their shares of l.
+    st.sum_rows();
+    if (t == 0) {
+        sm_m[warp * ROWS + g] = st.m2[0];     sm_l[warp * ROWS + g] = st.l2[0];
+        sm_m[warp * ROWS + g + 8] = st.m2[1]; sm_l[warp * ROWS + g + 8] = st.l2[1];
+    }
+    float* wacc = sm_acc + warp * ROWS * ACC_STRIDE;
+#pragma unroll
+    for (int n = 0; n < HEAD_DIM / 8; ++n) {
+        *reinterpret_cast<float2*>(wacc + g * ACC_STRIDE + 8 * n + 2 * t) =
+            make_float2(st.acc[n][0], st.acc[n][1]);
+        *reinterpret_cast<float2*>(wacc + (g + 8) * ACC_STRIDE + 8 * n + 2 * t) =
+            make_float2(st.acc[n][2], st.acc[n][3]);
+    }
+}
+#endif
+
+#if DTYPE_ID == 2
+// The float32 path (CUDA cores) over the warp's tiles, then its state into shared memory, as
+// cd_chunk_heads_as_n.
+template <class Tiles>
+__device__ __forceinline__ void cd_chunk_f32(const Tiles& kv, const cd_score_params& score_params,
+                                             const cd_rows rw, const q_t* sq, float* sm_m,
+                                             float* sm_l, float* sm_acc) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int my_tiles = kv.count;
+    const int h0 = rw.h0, group = rw.group, vgroup = rw.vgroup, rows = rw.rows;
+    const int window = rw.window;
+    (void)group; (void)vgroup; (void)window; (void)rows;
+    const auto& next_tile = kv.next;
+    const auto& tile_start = kv.start;
+    const auto& tile_live = kv.live;
+    unsigned char* ring = kv.ring;
+    // ---------------------------------------------------------------- float32 path
+    // Scores: lane owns token (lane & 15) and half (lane >> 4) of the head dimension.
+    // P·V: lane owns dims 2·lane + 64·i (float2), i < HEAD_DIM / 64.
+    const int tn = lane & 15, hf = lane >> 4;
+    const float* sqf = reinterpret_cast<const float*>(sq);
+    cd_f32_state st;
+    st.init();
+    for (int i = 0; i < my_tiles; ++i) {
+        next_tile(i);
+        const u32 live = tile_live(i);  // the KV view's rows with a key (all, unpaged)
+        const float4* ks = reinterpret_cast<const float4*>(ring + (i % STAGES) * 2 * TILE_BYTES);
+        const float* vs = reinterpret_cast<const float*>(ring + (i % STAGES) * 2 * TILE_BYTES + TILE_BYTES);
+        float s[ROWS];
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) s[r] = 0.f;
+#pragma unroll 4
+        for (int cc = 0; cc < CPR / 2; ++cc) {
+            const int c = hf * (CPR / 2) + cc;
+            const float4 kv = ks[swz(tn, c)];
+#pragma unroll
+            for (int r = 0; r < ROWS; ++r) {
+                if (r < rows) {
+                    const float4 qv = reinterpret_cast<const float4*>(sqf)[r * CPR + c];
+                    s[r] = fmaf(qv.x, kv.x, fmaf(qv.y, kv.y, fmaf(qv.z, kv.z, fmaf(qv.w, kv.w, s[r]))));
+                }
+            }
+        }
+        const int key = tile_start(i) + tn;
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) {
+            if (r < rows) {
+                s[r] += __shfl_xor_sync(0xffffffffu, s[r], 16);
+#if MULTI_Q
+                const cd_qmask qm = qmask_of(h0 + r, group, vgroup, window, score_params);
+#define SCORE_ROW_F qm
+#else
+#define SCORE_ROW_F (h0 + r)
+#endif
+                s[r] = st.step(r, kv_mask(score_mod(s[r], key, SCORE_ROW_F, score_params), live, tn));
+#undef SCORE_ROW_F
+            }
+        }
+#pragma unroll 2
+        for (int n = 0; n < TILE_N; ++n) {
+            float2 vv[HEAD_DIM / 64];
+#pragma unroll
+            for (int d = 0; d < HEAD_DIM / 64; ++d) {
+                const int e = 2 * lane + 64 * d;  // element index within the row
+                vv[d] = *reinterpret_cast<const float2*>(vs + swz(n, e / 4) * 4 + (e & 3));
+            }
+#pragma unroll
+            for (int r = 0; r < ROWS; ++r) {
+                if (r < rows) {
+                    const float p = __shfl_sync(0xffffffffu, s[r], n);
+#pragma unroll
+                    for (int d = 0; d < HEAD_DIM / 64; ++d) {
+                        st.acc[r][d][0] = fmaf(p, vv[d].x, st.acc[r][d][0]);
+                        st.acc[r][d][1] = fmaf(p, vv[d].y, st.acc[r][d][1]);
+                    }
+                }
+            }
+        }
+        __syncwarp();  // (MTILES is 1 here)
+    }
+    cp_async_wait<0>();
+    __syncthreads();
+    if (lane == 0) {
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) {
+            sm_m[warp * ROWS + r] = st.m2[r];
+            sm_l[warp * ROWS + r] = st.l2[r];
+        }
+    }
+    float* wacc = sm_acc + warp * ROWS * ACC_STRIDE;
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r)
+        if (r < rows)
+#pragma unroll
+            for (int d = 0; d < HEAD_DIM / 64; ++d)
+                *reinterpret_cast<float2*>(wacc + r * ACC_STRIDE + 2 * lane + 64 * d) =
+                    make_float2(st.acc[r][d][0], st.acc[r][d][1]);
+}
+#endif
+
+// ================================================================ 4. epilogue
+// The block's place in the grid and in its sequence, as the epilogue needs it (phase 1 finds it).
+struct cd_block {
+    int b, batch, split, num_splits, unit, num_units, head_tile, head_tiles;
+    int q_len, group, vgroup, rows, h0, seqlen, chunk_tokens;
+};
+
+// Phase 4: the warps' states (sm_m, sm_l, sm_acc: every warp's, an empty chunk's too) merge into
+// the block's rows, which go out as the final output (a single split) or as partials; with the
+// fused merge the last block of its (batch, unit, head tile) to arrive then merges the splits.
+__device__ __forceinline__ void cd_epilogue(const cd_decode_params& p, const cd_options& opt,
+                                            const cd_block blk, float* sm_m, float* sm_l,
+                                            float* sm_acc) {
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int b = blk.b, batch = blk.batch, split = blk.split, num_splits = blk.num_splits;
+    const int unit = blk.unit, num_units = blk.num_units, head_tile = blk.head_tile;
+    const int head_tiles = blk.head_tiles, group = blk.group, rows = blk.rows, h0 = blk.h0;
+    const int seqlen = blk.seqlen, chunk_tokens = blk.chunk_tokens, num_heads = p.num_heads;
+#if MULTI_Q
+    const int q_len = blk.q_len, vgroup = blk.vgroup;
+#else
+    constexpr int q_len = 1;
+    (void)blk.q_len;
+    (void)blk.vgroup;
+#endif
+    float* __restrict__ o_part = p.o_part;
+    float* __restrict__ lse_part = p.lse_part;
+    out_t* __restrict__ out = p.out;
+    float* __restrict__ lse_out = p.lse_out;
+    int* __restrict__ counters = p.counters;
+    const long long out_sb = p.out_sb, out_sh = p.out_sh;
+    // ---------------------------------------------------------------- merge the warps, write
+    // Block row R is row R % 16 of M-tile R / 16, held by that M-tile's warp in every slot:
+    // warps R / 16 + MTILES·t, t < SLOTS (the index of (warp, row) in sm_m, sm_l, sm_acc is below).
+    // One thread per row turns those warps' (m, l) into final weights, in place: sm_l[w][r]
+    // becomes 2^(m_w − m) / l (0 for an empty row) and s_lse[R] the row's LSE (natural log).
+    __shared__ float s_lse[KV_PER_BLOCK > 1 ? KV_PER_BLOCK * 8 : BLOCK_ROWS];
+    // With several KV heads, row R is query head R % G of KV head R / G, held by warps
+    // (R / G + KV_PER_BLOCK·t), t < SLOTS.
+    auto wrow = [group](int R, int t) {
+        return KV_PER_BLOCK > 1 ? (R / group + t * KV_PER_BLOCK) * ROWS + R % group
+                                : (R / ROWS + t * MTILES) * ROWS + R % ROWS;
+    };
+#if MULTI_Q
+    __shared__ int s_qt[BLOCK_ROWS], s_qh[BLOCK_ROWS];  // each row's token and head (qrow_of)
+#endif
+    if (tid < rows) {
+        const int R = tid;
+#if MULTI_Q
+        const cd_qrow qr = qrow_of(h0 + R, group, vgroup);
+        s_qt[R] = qr.t;
+        s_qh[R] = qr.head;
+        const int head = qr.head;
+#else
+        const int head = h0 + R;
+#endif
+        // A single split's output is final: its sink (sinks: a logit per query head, a key with
+        // no value) joins here. Partials never hold it: the merge adds it once (cd_merge_sink).
+        const float sink2 = !o_part && opt.sinks ? opt.sinks[head] * CD_LOG2E : CD_NEG_INF;
+        float mmax = sink2;
+#pragma unroll
+        for (int t = 0; t < SLOTS; ++t) mmax = fmaxf(mmax, sm_m[wrow(R, t)]);
+        const float ref = (mmax == CD_NEG_INF) ? 0.f : mmax;
+        float sc[SLOTS], l = cd_exp2(sink2 - ref);  // 0 without a sink
+#pragma unroll
+        for (int t = 0; t < SLOTS; ++t) {
+            sc[t] = cd_exp2(sm_m[wrow(R, t)] - ref);
+            l += sm_l[wrow(R, t)] * sc[t];
+        }
+        // empty: l is exactly 0; a NaN l (a NaN in a key or value this row attends) must reach
+        // the row, so the test is != 0, not > 0 (which would turn it into an empty row)
+        const float inv = l != 0.f ? 1.f / l : 0.f;
+#pragma unroll
+        for (int t = 0; t < SLOTS; ++t) sm_l[wrow(R, t)] = sc[t] * inv;
+        s_lse[R] = l != 0.f ? (mmax + log2f(l)) * CD_LN2 : CD_NEG_INF;
+    }
+    __syncthreads();
+    // Row r's token and head (MULTI_Q: from shared memory, above; else token 0, head h0 + r),
+    // its state: row (b·q_len + t)·num_heads + head of the (batch, q_len, num_heads) outputs (lse,
+    // each split's partials), and its output row.
+#if MULTI_Q
+    auto row_t = [&](int r) { return s_qt[r]; };
+    auto row_head = [&](int r) { return s_qh[r]; };
+#else
+    auto row_t = [](int r) { (void)r; return 0; };
+    auto row_head = [&](int r) { return h0 + r; };
+#endif
+    auto state_row = [&](int r) -> long long {
+        return ((long long)b * q_len + row_t(r)) * num_heads + row_head(r);
+    };
+    auto out_row = [&](int r) -> out_t* {
+        return out + b * out_sb + row_t(r) * p.out_st + (long long)row_head(r) * out_sh;
+    };
+    if (!o_part) {  // single split: the final output, in the input dtype
+        for (int i = tid; i < rows * REAL_DIM; i += NUM_THREADS) {
+            const int r = i / REAL_DIM, d = i % REAL_DIM;
+            float o = 0.f;
+#pragma unroll
+            for (int t = 0; t < SLOTS; ++t) {
+                const float wt = sm_l[wrow(r, t)];
+                o = wt != 0.f ? fmaf(wt, sm_acc[wrow(r, t) * ACC_STRIDE + d], o) : o;
+            }
+            out_row(r)[d] = E::from_float(o);
+            if (lse_out && d == 0) lse_out[state_row(r)] = s_lse[r];
+        }
+    } else {  // partials (float32, 16-byte aligned workspace): four elements per thread
+        for (int i = tid; i < rows * (REAL_DIM / 4); i += NUM_THREADS) {
+            const int r = i / (REAL_DIM / 4), d = (i % (REAL_DIM / 4)) * 4;
+            float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+            for (int t = 0; t < SLOTS; ++t) {
+                const float wt = sm_l[wrow(r, t)];
+                if (wt != 0.f) {
+                    const float4 a = *reinterpret_cast<const float4*>(sm_acc + wrow(r, t) * ACC_STRIDE + d);
+                    o.x = fmaf(wt, a.x, o.x); o.y = fmaf(wt, a.y, o.y);
+                    o.z = fmaf(wt, a.z, o.z); o.w = fmaf(wt, a.w, o.w);
+                }
+            }
+            const long long row = (long long)split * batch * q_len * num_heads + state_row(r);
+            *reinterpret_cast<float4*>(o_part + row * REAL_DIM + d) = o;
+            if (d == 0) lse_part[row] = s_lse[r];
+        }
+    }
+    if (!o_part || !counters) return;
+
+    // ---------------------------------------------------------------- fused merge (last block)
+    // Arrival count with acquire-release semantics at GPU scope (PTX memory model): the barrier
+    // orders every thread's partial stores before thread 0's release; the last block's acquire,
+    // spread to its threads by the next barrier, orders its loads of all partials after them.
+    // No sequentially consistent fences (__threadfence) are needed on either side.
+    __shared__ int s_last;
+    __syncthreads();
+    if (tid == 0) {
+        unsigned* ctr = reinterpret_cast<unsigned*>(counters) +
+                        ((long long)b * num_units + unit) * head_tiles + head_tile;
+        // inc wraps to 0 on the last arrival: the counter is clean for the next launch without a
+        // second access.
+        s_last = cd_atomic_inc_acq_rel(ctr, num_splits - 1) == (unsigned)(num_splits - 1);
+    }
+    __syncthreads();
+    if (!s_last) return;
+    // the tokens the splits cover: seqlen − lo (recomputed: no register held through the loop)
+    const int covered = opt.window_left >= 0
+        ? max(0, min(seqlen, opt.window_left + q_len - cd_tokens_after(opt.tokens_after, b))) : seqlen;
+    const int live_splits = min(num_splits, (covered + chunk_tokens - 1) / chunk_tokens);
+    const long long state_rows = (long long)batch * q_len * num_heads;
+    // One warp per pass of a row (32 lanes × MERGE_NV elements). merge="auto" picks this merge
+    // only where every warp gets at most one pass of ≤ 16 splits: one trip to L2
+    // (_policy.merge_mode; FUSED_PASS there is 32 · MERGE_NV).
+    constexpr int MERGE_NV = 4;
+    constexpr int PASSES = (REAL_DIM + 32 * MERGE_NV - 1) / (32 * MERGE_NV);
+    for (int item = warp; item < rows * PASSES; item += NUM_WARPS) {
+        const int r = item / PASSES, pass = item % PASSES;
+        const long long row = state_row(r);
+        const int head = row_head(r);
+        cd_merge_row_pass<cd_elem<2>, E, MERGE_NV>(o_part + row * REAL_DIM, state_rows * REAL_DIM,
+                                           lse_part + row, state_rows, live_splits, REAL_DIM,
+                                           pass, out_row(r), lse_out ? lse_out + row : nullptr,
+                                           lane, opt.sinks ? opt.sinks[head] : CD_NEG_INF);
+    }
+}
+
 // One block per SM by design for G ≤ 16 (its shared memory alone fills most of an SM), so the
 // register budget is the whole SM's: stated as minBlocks = 1, ptxas no longer caps 256-thread
 // shapes at 128 registers (head_dim 64 spilled 24 bytes there) or spills the float32 path. (Some
 // M-tile shapes leave room for a second block; the host asks the driver's occupancy calculator.)
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
 cd_decode_split(const cd_decode_params p) {
-    // Phases (docs/DESIGN.md): 1 entry — 2 KV view (load_tile) — 3 tile compute (one of three
-    // math paths, every score through score_mod, the state in cd_tc_state) — 4 epilogue (merge
-    // the warps, write the output or the partials, the fused merge's last block).
+    // Phases (docs/DESIGN.md): 1 entry (here) — 2 KV view (here: load_tile, next_tile, the
+    // appended rows; cd_quantize_new_rows, cd_stage_new_rows) — 3 tile compute (one math path:
+    // cd_chunk_heads_as_n, cd_chunk_m_tiles or cd_chunk_f32, every score through score_mod, the
+    // state in cd_tc_state or cd_f32_state) — 4 epilogue (cd_epilogue: merge the warps, write the
+    // output or the partials, the fused merge's last block).
     // ================================================================ 1. entry
     // Launched as a programmatic dependent of the kernel before it (DecodePlan(enable_pdl=True)),
     // the grid may be resident before that kernel ends: nothing it wrote (q, lengths, the cache's
@@ -615,13 +1423,8 @@ cd_decode_split(const cd_decode_params p) {
     const kv_t* __restrict__ k = p.k;
     const kv_t* __restrict__ v = p.v;
     const int* __restrict__ seqlens = p.seqlens;
-    float* __restrict__ o_part = p.o_part;
-    float* __restrict__ lse_part = p.lse_part;
-    out_t* __restrict__ out = p.out;
-    float* __restrict__ lse_out = p.lse_out;
-    int* __restrict__ counters = p.counters;
     const long long q_sb = p.q_sb, q_sh = p.q_sh, k_sb = p.k_sb, k_ss = p.k_ss, k_sh = p.k_sh;
-    const long long v_sb = p.v_sb, v_ss = p.v_ss, v_sh = p.v_sh, out_sb = p.out_sb, out_sh = p.out_sh;
+    const long long v_sb = p.v_sb, v_ss = p.v_ss, v_sh = p.v_sh;
     const int seqlen_all = p.seqlen_all, max_seqlen = p.max_seqlen, num_heads = p.num_heads;
     const int group = p.group, head_tiles = p.head_tiles, chunk_tokens = p.chunk_tokens;
     const float scale_log2 = p.scale_log2;
@@ -782,6 +1585,7 @@ cd_decode_split(const cd_decode_params p) {
                       ok ? src + at : src, ok);
         };
 #else
+        auto tile_scales = [](int i) -> const float* { (void)i; return nullptr; };
         auto copy_scales = [](int stage, bool ok, long long at) { (void)stage; (void)ok; (void)at; };
 #endif
 #if PAGED
@@ -887,6 +1691,21 @@ cd_decode_split(const cd_decode_params p) {
         float* sm_new_scale = reinterpret_cast<float*>(reinterpret_cast<unsigned char*>(sm_new)
                                                        + NEW_CODE_BYTES);
 #endif
+#if KV_FP8 || MULTI_Q
+        // where appended token tok goes in the cache (the KV view's rows; cd_cache_row)
+        auto cache_row = [&](int tok) -> cd_cache_row {
+#if PAGED
+            const int pj = tok / page_size;
+            const int page = entry(pj);
+            const int row = tok - pj * page_size;
+            return {(unsigned)page < (unsigned)num_pages, (long long)page * page_size + row,
+                    page * k_sb + (long long)row * k_ss, page * v_sb + (long long)row * v_ss};
+#else
+            return {true, (long long)b * max_seqlen + tok, b * k_sb + (long long)tok * k_ss,
+                    b * v_sb + (long long)tok * v_ss};
+#endif
+        };
+#endif
         // KV_SCALE_TOKEN: tile i's row r is appended token j: its scales into the tile's, by the
         // lanes that copied them (r: K's, TILE_N + r: V's)
         auto patch_new_scales = [&](int i, int r, int j) {
@@ -986,112 +1805,18 @@ cd_decode_split(const cd_decode_params p) {
 #endif
         }
 #if KV_FP8
-        // fp8 KV: the chunk's appended tokens (k_new, v_new: q's 16-bit type), quantised as
-        // quantize_kv.cu quantises (code = encode(x / s), an IEEE division; per-token scales
-        // s = amax / the largest finite value, 1 where that is 0 or not finite), one warp per
-        // (token, K or V) row, lane c its 16-bit chunk c: into sm_new (codes and scale) and, by
-        // head tile 0's block, into the cache and (per token) the scale array. A page index
-        // outside [0, num_pages) writes nothing (and its row counts for nothing: tile_live).
+        // fp8 KV: the chunk's appended tokens, quantised into sm_new and the cache (below)
         {
-            static_assert(QCPR <= 32, "a lane per 16-bit chunk of a new row");
 #if MULTI_Q
             const int new_rows = new_out - new_in, j0 = new_in - new_lo;
 #else
             const int new_rows = has_new ? 1 : 0, j0 = 0;
 #endif
-            unsigned char* sm_codes = reinterpret_cast<unsigned char*>(sm_new);
-            for (int item = warp; item < 2 * new_rows; item += NUM_WARPS) {
-                const int j = j0 + item / 2, kvi = item & 1, tok = new_lo + j;
-                const q_t* src = kvi ? p.v_new + b * p.vn_sb + j * p.vn_ss + (long long)kv_head * p.vn_sh
-                                     : p.k_new + b * p.kn_sb + j * p.kn_ss + (long long)kv_head * p.kn_sh;
-                const int c = lane;
-                float x[8];
-                float amax = 0.f;
-                {
-                    uint4 raw = make_uint4(0u, 0u, 0u, 0u);
-                    if (c < QCPR && Q_CHUNK_IN_MEMORY(c))
-                        raw = *reinterpret_cast<const uint4*>(src + c * QEPC);
-                    const q_t* e = reinterpret_cast<const q_t*>(&raw);
-#pragma unroll
-                    for (int u = 0; u < 8; ++u) {
-                        x[u] = E::to_float(e[u]);
-                        const float a = fabsf(x[u]);
-                        amax = (a > amax || a != a) ? a : amax;  // a NaN wins
-                    }
-                }
-#if KV_SCALE_TOKEN
-#pragma unroll
-                for (int o = 16; o > 0; o >>= 1) {
-                    const float a = __shfl_xor_sync(0xffffffffu, amax, o);
-                    amax = (a > amax || a != a) ? a : amax;
-                }
-                float sc = amax / cd_fp8_max<kv_fmt>();
-                if (!(sc > 0.0f && sc <= 3.402823466e38f)) sc = 1.0f;  // 0, inf or NaN
-#else
-                const float* arr = kvi ? p.v_scale : p.k_scale;
-                const float sc = arr ? arr[kv_head] : (kvi ? p.v_scale_all : p.k_scale_all);
-#endif
-                u32 w[2] = {0u, 0u};
-#pragma unroll
-                for (int u = 0; u < 8; ++u)
-                    w[u >> 2] |= (u32)cd_fp8_encode<kv_fmt>(__fdiv_rn(x[u], sc)) << (8 * (u & 3));
-                const uint2 codes = make_uint2(w[0], w[1]);
-                if (c < QCPR)
-                    *reinterpret_cast<uint2*>(sm_codes + (2 * j + kvi) * HEAD_DIM + 8 * c) = codes;
-                if (lane == 0) sm_new_scale[2 * j + kvi] = sc;
-                if (head_tile != 0) continue;
-#if PAGED
-                const int pj = tok / page_size;
-                const int page = entry(pj);
-                if ((unsigned)page >= (unsigned)num_pages) continue;
-                const long long at = (long long)page * page_size + (tok - pj * page_size);
-                const long long kr = page * k_sb + (long long)(tok - pj * page_size) * k_ss;
-                const long long vr = page * v_sb + (long long)(tok - pj * page_size) * v_ss;
-#else
-                const long long at = (long long)b * max_seqlen + tok;
-                const long long kr = b * k_sb + (long long)tok * k_ss;
-                const long long vr = b * v_sb + (long long)tok * v_ss;
-#endif
-                kv_t* dst = const_cast<kv_t*>(kvi ? v + vr + (long long)kv_head * v_sh
-                                                  : k + kr + (long long)kv_head * k_sh);
-                if (c < QCPR && Q_CHUNK_IN_MEMORY(c)) *reinterpret_cast<uint2*>(dst + 8 * c) = codes;
-#if KV_SCALE_TOKEN
-                if (lane == 0) (kvi ? p.v_scale : p.k_scale)[at * num_kv_heads + kv_head] = sc;
-#else
-                (void)at;
-#endif
-            }
+            cd_quantize_new_rows(p, b, new_lo, j0, new_rows, kv_head, head_tile, num_kv_heads,
+                                 reinterpret_cast<unsigned char*>(sm_new), sm_new_scale, cache_row);
         }
-#endif
-#if MULTI_Q && !KV_FP8
-        // the chunk's appended rows (one KV head per block): k_new's and v_new's token j into
-        // sm_new, and, by head tile 0's block, into the cache (paged: through the table; a page
-        // index outside [0, num_pages) writes nothing and its row counts for nothing)
-        for (int i = tid; i < (new_out - new_in) * CPR; i += NUM_THREADS) {
-            const int j = new_in - new_lo + i / CPR, c = i % CPR, tok = new_lo + j;
-            uint4 nk = make_uint4(0u, 0u, 0u, 0u), nv = nk;
-            if (CHUNK_IN_MEMORY(c)) {
-                nk = *reinterpret_cast<const uint4*>(p.k_new + b * p.kn_sb + j * p.kn_ss
-                                                     + (long long)kv_head * p.kn_sh + c * EPC);
-                nv = *reinterpret_cast<const uint4*>(p.v_new + b * p.vn_sb + j * p.vn_ss
-                                                     + (long long)kv_head * p.vn_sh + c * EPC);
-            }
-            sm_new[(2 * j) * CPR + c] = nk;
-            sm_new[(2 * j + 1) * CPR + c] = nv;
-            if (head_tile != 0 || !CHUNK_IN_MEMORY(c)) continue;
-#if PAGED
-            const int pj = tok / page_size;
-            const int page = entry(pj);
-            if ((unsigned)page >= (unsigned)num_pages) continue;
-            const long long kr = page * k_sb + (long long)(tok - pj * page_size) * k_ss;
-            const long long vr = page * v_sb + (long long)(tok - pj * page_size) * v_ss;
-#else
-            const long long kr = b * k_sb + (long long)tok * k_ss;
-            const long long vr = b * v_sb + (long long)tok * v_ss;
-#endif
-            *reinterpret_cast<uint4*>(const_cast<kv_t*>(k) + kr + (long long)kv_head * k_sh + c * EPC) = nk;
-            *reinterpret_cast<uint4*>(const_cast<kv_t*>(v) + vr + (long long)kv_head * v_sh + c * EPC) = nv;
-        }
+#elif MULTI_Q
+        cd_stage_new_rows(p, b, new_lo, new_in, new_out, kv_head, head_tile, sm_new, cache_row);
 #endif
         if (app) {
             sm_new[(2 * (tid / CPR)) * CPR + app_c] = app_k;
@@ -1127,443 +1852,16 @@ cd_decode_split(const cd_decode_params p) {
             }
         };
 
-#if DTYPE_ID != 2
-        // ---------------------------------------------------------------- tensor-core paths
-        const int g = lane >> 2, t = lane & 3;
-        // ldmatrix row addresses: pattern A (Q as the A operand, V transposed),
-        // pattern B (K as the col-major B operand). See the fragment layouts of mma.m16n8k16.
-        const int rowA = (lane & 7) + ((lane >> 3) & 1) * 8, offA = lane >> 4;
-        const int rowB = (lane & 7) + (lane >> 4) * 8, offB = (lane >> 3) & 1;
-#if KV_FP8
-        (void)rowA; (void)offA; (void)rowB; (void)offB;  // (fp8 tiles are read by plain loads)
-#endif
-        const u32 sq_u32 = smem_u32(sq);
-
-#if HEADS_AS_N
-        // ---------------------------------------------------- heads as N: Sᵀ = K·Qᵀ, Oᵀ = Vᵀ·Pᵀ
-        // The mma's N holds 8 heads: a launch with more (a host bug) must not read unset rows.
-        // (Blocks of several KV heads checked their group at entry, before any write.)
-        if (KV_PER_BLOCK == 1 && rows > 8) __trap();
-        // Here pattern A reads K as the A operand and pattern B reads Vᵀ (V transposed) as the A
-        // operand. The thread's query heads (columns of Sᵀ and Oᵀ) are 2t and 2t + 1.
-        // Qᵀ as B operands (k = head dims, n = query heads 0..7), in registers for the whole chunk:
-        // qb[kk] holds Q[g][16kk + 2t, +1] and Q[g][16kk + 8 + 2t, +1]. One ldmatrix.x4 reads the
-        // 16-byte chunks 4kk2 .. 4kk2 + 3 of query rows 0..7 (lanes 8j..8j+7 address chunk j).
-        // (WIDE: the same loads, inside the tile loop; q_frags.)
-#if !WIDE
-        u32 qb[HEAD_DIM / 16][2];
-#endif
-#if !KV_FP8
-        auto q_frags = [&](u32 (&qw)[4], int kk2) {
-            ldsm_x4(qw[0], qw[1], qw[2], qw[3], sq_u32 + swz(8 * kh + (lane & 7), 4 * kk2 + (lane >> 3)) * 16);
-        };
-#endif
-#if KV_FP8
-        // fp8 KV: the K·Qᵀ step takes each lane's K codes as whole 16-byte chunks (below), which
-        // orders the head dims differently: k step 4·grp + j (grp a 64-dim group) pairs logical
-        // k 2t, 2t + 1 with dims 64·grp + 16t + 4j + {0, 1} and k 2t + 8, 2t + 9 with + {2, 3}
-        // (a permutation of the dims: the dot products are the same). Q follows it.
-#pragma unroll
-        for (int grp = 0; grp < HEAD_DIM / 64; ++grp)
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                const uint2 w = *reinterpret_cast<const uint2*>(
-                    reinterpret_cast<const unsigned char*>(sq) + swz_q(g, 8 * grp + 2 * t + (j >> 1)) * 16
-                    + 8 * (j & 1));
-                qb[4 * grp + j][0] = w.x;
-                qb[4 * grp + j][1] = w.y;
-            }
-        // the K and V scales: per KV head (and tensor) here; per token from the tile's (below)
-#if !KV_SCALE_TOKEN
-        const float k_mul = (p.k_scale ? p.k_scale[kv_head] : 1.f) * p.k_scale_all;
-        const float v_mul = (p.v_scale ? p.v_scale[kv_head] : 1.f) * p.v_scale_all;
-#endif
-#elif !WIDE
-#pragma unroll
-        for (int kk2 = 0; kk2 < HEAD_DIM / 32; ++kk2) {
-            u32 qw[4];
-            q_frags(qw, kk2);
-            qb[2 * kk2][0] = qw[0];
-            qb[2 * kk2][1] = qw[1];
-            qb[2 * kk2 + 1][0] = qw[2];
-            qb[2 * kk2 + 1][1] = qw[3];
-        }
-#endif
-
-        // The state of query heads 2t, 2t + 1; Oᵀ accumulators: st.acc[d][e] is head dim
-        // 16d + g + 8·(e >> 1) of query head 2t + (e & 1).
-        cd_tc_state<HEAD_DIM / 16, 0, 4, 16> st;
-        // the score hook's row of this thread's heads 2t (e even) and 2t + 1 (e odd)
-#if MULTI_Q
-        const cd_qmask qrow_n[2] = {qmask_of(h0 + 2 * t, group, vgroup, opt.window_left, score_params),
-                                    qmask_of(h0 + 2 * t + 1, group, vgroup, opt.window_left,
-                                             score_params)};
-#define SCORE_ROW_N(e) qrow_n[(e) & 1]
+        // the warp's tiles through the block's math path, its state into sm_m, sm_l, sm_acc
+        const auto tiles = cd_kv_tiles_of(my_tiles, loop_tiles, ring, next_tile, tile_start,
+                                          tile_live, tile_scales);
+        const cd_rows qrows{h0, group, vgroup, rows, opt.window_left, kh, mt, kv_head};
+#if DTYPE_ID == 2
+        cd_chunk_f32(tiles, score_params, qrows, sq, sm_m, sm_l, sm_acc);
+#elif HEADS_AS_N
+        cd_chunk_heads_as_n(tiles, p, score_params, qrows, sq, sm_m, sm_l, sm_acc);
 #else
-#define SCORE_ROW_N(e) (h0 + kh * group + 2 * t + ((e) & 1))
-#endif
-        st.init();
-
-        for (int i = 0; i < my_tiles; ++i) {
-            next_tile(i);
-            const u32 live = tile_live(i);  // the KV view's rows with a key (all, unpaged)
-            const u32 ks = ring_u32 + (i % STAGES) * 2 * TILE_BYTES;
-            const u32 vs = ks + TILE_BYTES;
-            // Sᵀ for 16 tokens × 8 heads; two accumulators (even and odd k steps) so that two mma
-            // chains are in flight. s[e]: token g + 8·(e >> 1) of the tile, head 2t + (e & 1).
-            float s[4] = {0.f, 0.f, 0.f, 0.f}, s_odd[4] = {0.f, 0.f, 0.f, 0.f};
-#if KV_FP8
-            // K codes as the A operand (16 tokens × 16 dims per k step): rows g and g + 8, one
-            // 16-byte chunk each per 64-dim group (its 16 codes are 4 k steps: the order above),
-            // decoded in registers, two codes per conversion.
-#pragma unroll
-            for (int grp = 0; grp < HEAD_DIM / 64; ++grp) {
-                uint4 klo, khi;
-                asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(klo.x), "=r"(klo.y),
-                             "=r"(klo.z), "=r"(klo.w) : "r"(ks + ring_chunk(g, 4 * grp + t) * 16));
-                asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(khi.x), "=r"(khi.y),
-                             "=r"(khi.z), "=r"(khi.w) : "r"(ks + ring_chunk(g + 8, 4 * grp + t) * 16));
-                const u32 lo4[4] = {klo.x, klo.y, klo.z, klo.w}, hi4[4] = {khi.x, khi.y, khi.z, khi.w};
-#pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                    u32 a[4];
-                    cd_fp8x4_to_16x2<kv_fmt, DTYPE_ID>(lo4[j], a[0], a[2]);
-                    cd_fp8x4_to_16x2<kv_fmt, DTYPE_ID>(hi4[j], a[1], a[3]);
-                    if (j % 2) mma16816(s_odd, a, qb[4 * grp + j][0], qb[4 * grp + j][1]);
-                    else       mma16816(s, a, qb[4 * grp + j][0], qb[4 * grp + j][1]);
-                }
-            }
-            // the scores' K scale (k_mul; per token: tile rows g and g + 8's), and per token the
-            // log2 of the V scale of those rows (−inf for a row without a key: zero-filled)
-#if KV_SCALE_TOKEN
-            const float* tsc = tile_scales(i);
-            const float kmul[2] = {tsc[g], tsc[g + 8]};
-            const float lv[2] = {log2f(tsc[TILE_N + g]), log2f(tsc[TILE_N + g + 8])};
-#else
-            const float kmul[2] = {k_mul, k_mul};
-#endif
-#define KV_SCORE_MUL(e) * kmul[(e) >> 1]
-#else
-            u32 qw[4];  // WIDE: Qᵀ's fragments of k steps kk, kk + 1 (kk even)
-#pragma unroll
-            for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
-                u32 a[4];
-                ldsm_x4(a[0], a[1], a[2], a[3], ks + swz(rowA, 2 * kk + offA) * 16);
-#if WIDE
-                if (kk % 2 == 0) q_frags(qw, kk / 2);
-                const u32 q0 = qw[2 * (kk % 2)], q1 = qw[2 * (kk % 2) + 1];
-#else
-                const u32 q0 = qb[kk][0], q1 = qb[kk][1];
-#endif
-                if (kk % 2) mma16816(s_odd, a, q0, q1);
-                else        mma16816(s, a, q0, q1);
-            }
-            (void)qw;
-#define KV_SCORE_MUL(e)
-#endif
-            // Online softmax per head, one max and one rescale per tile: the head's 16 tokens are
-            // in the 8 lanes of its t (lane bits 2..4), two per lane.
-            const int t0 = tile_start(i);
-            float mx[2] = {CD_NEG_INF, CD_NEG_INF};
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                s[e] = kv_mask(score_mod((s[e] + s_odd[e]) KV_SCORE_MUL(e), t0 + g + 8 * (e >> 1),
-                                         SCORE_ROW_N(e), score_params),
-                               live, g + 8 * (e >> 1));
-                mx[e & 1] = fmaxf(mx[e & 1], s[e]);
-            }
-#undef KV_SCORE_MUL
-            float alpha[2], ref[2];
-            st.max_step(mx, alpha, ref);
-            float rs[2] = {0.f, 0.f};
-#if KV_SCALE_TOKEN
-            // per-token V scales: the weights that multiply the codes are 2^(s + lv − mv), with
-            // their own running maximum mv (cd_tc_state), so that none exceeds 1
-            float mxv[2] = {CD_NEG_INF, CD_NEG_INF}, alpha_v[2], ref_v[2], pv[4];
-#pragma unroll
-            for (int e = 0; e < 4; ++e) mxv[e & 1] = fmaxf(mxv[e & 1], s[e] + lv[e >> 1]);
-            st.max_step_of(st.mv, mxv, alpha_v, ref_v);
-#pragma unroll
-            for (int e = 0; e < 4; ++e) pv[e] = cd_exp2(s[e] + lv[e >> 1] - ref_v[e & 1]);
-#endif
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                s[e] = cd_exp2(s[e] - ref[e & 1]);
-                rs[e & 1] += s[e];
-            }
-#if KV_SCALE_TOKEN
-            st.rescale(alpha, rs, alpha_v);
-            const u32 pb0 = movmatrix_t(pack2(pv[0], pv[1]));
-            const u32 pb1 = movmatrix_t(pack2(pv[2], pv[3]));
-#else
-            st.rescale(alpha, rs);
-            // Pᵀ as the B operand (k = tokens, n = heads) is the transpose of the Sᵀ accumulator
-            // (tokens × heads) in fragment layout: one movmatrix per 8 tokens.
-            const u32 pb0 = movmatrix_t(pack2(s[0], s[1]));
-            const u32 pb1 = movmatrix_t(pack2(s[2], s[3]));
-#endif
-#if KV_FP8
-            // Vᵀ codes as the A operand (16 dims × 16 tokens): lane (g, t) reads the 8 codes of
-            // dims 64·grp + 8g … + 7 of tokens 2t, 2t + 1, 2t + 8, 2t + 9 (the k order of Pᵀ);
-            // byte-permutes pair the two tokens of one dim, and d-block 4·grp + k holds dims
-            // 64·grp + 8g + 2k (row g) and + 1 (row g + 8): the epilogue knows that order.
-#pragma unroll
-            for (int grp = 0; grp < HEAD_DIM / 64; ++grp) {
-                uint2 w[4];
-#pragma unroll
-                for (int q4 = 0; q4 < 4; ++q4) {
-                    const int row = 2 * t + (q4 & 1) + 8 * (q4 >> 1);
-                    asm volatile("ld.shared.v2.u32 {%0,%1}, [%2];" : "=r"(w[q4].x), "=r"(w[q4].y)
-                                 : "r"(vs + ring_chunk(row, 4 * grp + (g >> 1)) * 16 + 8 * (g & 1)));
-                }
-#pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const u32 w0 = h ? w[0].y : w[0].x, w1 = h ? w[1].y : w[1].x;
-                    const u32 w2 = h ? w[2].y : w[2].x, w3 = h ? w[3].y : w[3].x;
-#pragma unroll
-                    for (int bsel = 0; bsel < 2; ++bsel) {
-                        u32 x01, x23, a[4];
-                        if (bsel) {
-                            asm("prmt.b32 %0, %1, %2, 0x7362;" : "=r"(x01) : "r"(w0), "r"(w1));
-                            asm("prmt.b32 %0, %1, %2, 0x7362;" : "=r"(x23) : "r"(w2), "r"(w3));
-                        } else {
-                            asm("prmt.b32 %0, %1, %2, 0x5140;" : "=r"(x01) : "r"(w0), "r"(w1));
-                            asm("prmt.b32 %0, %1, %2, 0x5140;" : "=r"(x23) : "r"(w2), "r"(w3));
-                        }
-                        cd_fp8x4_to_16x2<kv_fmt, DTYPE_ID>(x01, a[0], a[1]);
-                        cd_fp8x4_to_16x2<kv_fmt, DTYPE_ID>(x23, a[2], a[3]);
-                        mma16816(st.acc[4 * grp + 2 * h + bsel], a, pb0, pb1);
-                    }
-                }
-            }
-#else
-#pragma unroll
-            for (int d = 0; d < HEAD_DIM / 16; ++d) {
-                u32 a[4];
-                ldsm_x4_t(a[0], a[1], a[2], a[3], vs + swz(rowB, 2 * d + offB) * 16);
-                mma16816(st.acc[d], a, pb0, pb1);
-            }
-#endif
-            __syncwarp();
-        }
-        cp_async_wait<0>();
-        __syncthreads();  // every warp is done with the ring before it becomes sm_acc
-
-        // Warp state → shared: the eight lanes of a head sum their shares of l.
-        st.sum_rows();
-        if (g == 0) {  // rows 8..15 (no query head here) are never read: rows ≤ 8
-            sm_m[warp * ROWS + 2 * t] = st.m2[0];     sm_l[warp * ROWS + 2 * t] = st.l2[0];
-            sm_m[warp * ROWS + 2 * t + 1] = st.m2[1]; sm_l[warp * ROWS + 2 * t + 1] = st.l2[1];
-        }
-        float* wacc = sm_acc + warp * ROWS * ACC_STRIDE;
-#if KV_FP8
-        // fp8 KV: the V scale (per head and tensor; per token: acc's own maximum mv, 2^(mv − m2)
-        // brings it to m2's, 0 for a row that saw no key) on the way out, and d-block 4·grp + k's
-        // rows are dims 64·grp + 8g + 2k (+ 1: row g + 8)
-        float vfac[2];
-#pragma unroll
-        for (int h = 0; h < 2; ++h)
-#if KV_SCALE_TOKEN
-            vfac[h] = st.m2[h] == CD_NEG_INF ? 0.f : cd_exp2(st.mv[h] - st.m2[h]);
-#else
-            vfac[h] = v_mul;
-#endif
-#pragma unroll
-        for (int d = 0; d < HEAD_DIM / 16; ++d)
-#pragma unroll
-            for (int e = 0; e < 4; ++e)
-                wacc[(2 * t + (e & 1)) * ACC_STRIDE + 64 * (d >> 2) + 8 * g + 2 * (d & 3) + (e >> 1)] =
-                    st.acc[d][e] * vfac[e & 1];
-#else
-#pragma unroll
-        for (int d = 0; d < HEAD_DIM / 16; ++d)
-#pragma unroll
-            for (int e = 0; e < 4; ++e)
-                wacc[(2 * t + (e & 1)) * ACC_STRIDE + 16 * d + g + 8 * (e >> 1)] = st.acc[d][e];
-#endif
-        (void)loop_tiles;  // one M-tile per block here: no slot ever idles
-#else
-        cd_tc_state<HEAD_DIM / 8, 1, 1, 2> st;  // rows g, g + 8; st.acc[n][e]: row g + 8 · (e >> 1)
-        // the score hook's row of this thread's rows g (e < 2) and g + 8 (e ≥ 2)
-#if MULTI_Q
-        const cd_qmask qrow_m[2] = {
-            qmask_of(h0 + mt * ROWS + g, group, vgroup, opt.window_left, score_params),
-            qmask_of(h0 + mt * ROWS + g + 8, group, vgroup, opt.window_left, score_params)};
-#define SCORE_ROW_M(e) qrow_m[(e) >> 1]
-#else
-#define SCORE_ROW_M(e) (h0 + mt * ROWS + g + 8 * ((e) >> 1))
-#endif
-        st.init();
-
-#if HEAD_DIM <= 128
-        u32 qf[HEAD_DIM / 16][4];  // Q fragments stay in registers for the whole chunk
-#pragma unroll
-        for (int kk = 0; kk < HEAD_DIM / 16; ++kk)
-            ldsm_x4(qf[kk][0], qf[kk][1], qf[kk][2], qf[kk][3],
-                    sq_u32 + swz(mt * ROWS + rowA, 2 * kk + offA) * 16);
-#endif
-
-        for (int i = 0; i < my_tiles; ++i) {
-            next_tile(i);
-            const u32 live = tile_live(i);  // the KV view's rows with a key (all, unpaged)
-            const u32 ks = ring_u32 + (i % STAGES) * 2 * TILE_BYTES;
-            const u32 vs = ks + TILE_BYTES;
-            // S = Q·Kᵀ for 16 rows × 16 tokens: two n-tiles of 8 tokens.
-            float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-#pragma unroll
-            for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
-                u32 b0, b1, b2, b3;
-                ldsm_x4(b0, b1, b2, b3, ks + swz(rowB, 2 * kk + offB) * 16);
-#if HEAD_DIM <= 128
-                mma16816(s[0], qf[kk], b0, b1);
-                mma16816(s[1], qf[kk], b2, b3);
-#else
-                u32 qa[4];
-                ldsm_x4(qa[0], qa[1], qa[2], qa[3], sq_u32 + swz(mt * ROWS + rowA, 2 * kk + offA) * 16);
-                mma16816(s[0], qa, b0, b1);
-                mma16816(s[1], qa, b2, b3);
-#endif
-            }
-            // Online softmax, one max and one rescale per tile. s[j][e]: row g (e<2) or g+8,
-            // token 8j + 2t + (e&1) of the tile.
-            const int t0 = tile_start(i);
-            float mx[2] = {CD_NEG_INF, CD_NEG_INF};
-#pragma unroll
-            for (int j = 0; j < 2; ++j)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    s[j][e] = kv_mask(score_mod(s[j][e], t0 + 8 * j + 2 * t + (e & 1),
-                                                SCORE_ROW_M(e), score_params),
-                                      live, 8 * j + 2 * t + (e & 1));
-                    mx[e >> 1] = fmaxf(mx[e >> 1], s[j][e]);
-                }
-            float alpha[2], ref[2];
-            st.max_step(mx, alpha, ref);
-            float rs[2] = {0.f, 0.f};
-#pragma unroll
-            for (int j = 0; j < 2; ++j)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    s[j][e] = cd_exp2(s[j][e] - ref[e >> 1]);
-                    rs[e >> 1] += s[j][e];
-                }
-            st.rescale(alpha, rs);
-            // The S accumulator layout of two n-tiles is exactly the A layout of one k16 step.
-            const u32 pa[4] = {pack2(s[0][0], s[0][1]), pack2(s[0][2], s[0][3]),
-                               pack2(s[1][0], s[1][1]), pack2(s[1][2], s[1][3])};
-#pragma unroll
-            for (int jj = 0; jj < HEAD_DIM / 16; ++jj) {
-                u32 b0, b1, b2, b3;
-                ldsm_x4_t(b0, b1, b2, b3, vs + swz(rowA, 2 * jj + offA) * 16);
-                mma16816(st.acc[2 * jj], pa, b0, b1);
-                mma16816(st.acc[2 * jj + 1], pa, b2, b3);
-            }
-            if (MTILES == 1) __syncwarp();
-        }
-        for (int i = my_tiles; i < loop_tiles; ++i) next_tile(i);  // the idle turn (MTILES > 1)
-        cp_async_wait<0>();
-        __syncthreads();  // every warp is done with the ring before it becomes sm_acc
-
-        // Warp state → shared: the four lanes of a row group sum their shares of l.
-        st.sum_rows();
-        if (t == 0) {
-            sm_m[warp * ROWS + g] = st.m2[0];     sm_l[warp * ROWS + g] = st.l2[0];
-            sm_m[warp * ROWS + g + 8] = st.m2[1]; sm_l[warp * ROWS + g + 8] = st.l2[1];
-        }
-        float* wacc = sm_acc + warp * ROWS * ACC_STRIDE;
-#pragma unroll
-        for (int n = 0; n < HEAD_DIM / 8; ++n) {
-            *reinterpret_cast<float2*>(wacc + g * ACC_STRIDE + 8 * n + 2 * t) =
-                make_float2(st.acc[n][0], st.acc[n][1]);
-            *reinterpret_cast<float2*>(wacc + (g + 8) * ACC_STRIDE + 8 * n + 2 * t) =
-                make_float2(st.acc[n][2], st.acc[n][3]);
-        }
-#endif  // HEADS_AS_N
-#undef SCORE_ROW_N
-#undef SCORE_ROW_M
-#else
-        // ---------------------------------------------------------------- float32 path
-        (void)loop_tiles;  // one M-tile per block here: no slot ever idles
-        // Scores: lane owns token (lane & 15) and half (lane >> 4) of the head dimension.
-        // P·V: lane owns dims 2·lane + 64·i (float2), i < HEAD_DIM / 64.
-        const int tn = lane & 15, hf = lane >> 4;
-        const float* sqf = reinterpret_cast<const float*>(sq);
-        cd_f32_state st;
-        st.init();
-        for (int i = 0; i < my_tiles; ++i) {
-            next_tile(i);
-            const u32 live = tile_live(i);  // the KV view's rows with a key (all, unpaged)
-            const float4* ks = reinterpret_cast<const float4*>(ring + (i % STAGES) * 2 * TILE_BYTES);
-            const float* vs = reinterpret_cast<const float*>(ring + (i % STAGES) * 2 * TILE_BYTES + TILE_BYTES);
-            float s[ROWS];
-#pragma unroll
-            for (int r = 0; r < ROWS; ++r) s[r] = 0.f;
-#pragma unroll 4
-            for (int cc = 0; cc < CPR / 2; ++cc) {
-                const int c = hf * (CPR / 2) + cc;
-                const float4 kv = ks[swz(tn, c)];
-#pragma unroll
-                for (int r = 0; r < ROWS; ++r) {
-                    if (r < rows) {
-                        const float4 qv = reinterpret_cast<const float4*>(sqf)[r * CPR + c];
-                        s[r] = fmaf(qv.x, kv.x, fmaf(qv.y, kv.y, fmaf(qv.z, kv.z, fmaf(qv.w, kv.w, s[r]))));
-                    }
-                }
-            }
-            const int key = tile_start(i) + tn;
-#pragma unroll
-            for (int r = 0; r < ROWS; ++r) {
-                if (r < rows) {
-                    s[r] += __shfl_xor_sync(0xffffffffu, s[r], 16);
-#if MULTI_Q
-                    const cd_qmask qm = qmask_of(h0 + r, group, vgroup, opt.window_left, score_params);
-#define SCORE_ROW_F qm
-#else
-#define SCORE_ROW_F (h0 + r)
-#endif
-                    s[r] = st.step(r, kv_mask(score_mod(s[r], key, SCORE_ROW_F, score_params), live, tn));
-#undef SCORE_ROW_F
-                }
-            }
-#pragma unroll 2
-            for (int n = 0; n < TILE_N; ++n) {
-                float2 vv[HEAD_DIM / 64];
-#pragma unroll
-                for (int d = 0; d < HEAD_DIM / 64; ++d) {
-                    const int e = 2 * lane + 64 * d;  // element index within the row
-                    vv[d] = *reinterpret_cast<const float2*>(vs + swz(n, e / 4) * 4 + (e & 3));
-                }
-#pragma unroll
-                for (int r = 0; r < ROWS; ++r) {
-                    if (r < rows) {
-                        const float p = __shfl_sync(0xffffffffu, s[r], n);
-#pragma unroll
-                        for (int d = 0; d < HEAD_DIM / 64; ++d) {
-                            st.acc[r][d][0] = fmaf(p, vv[d].x, st.acc[r][d][0]);
-                            st.acc[r][d][1] = fmaf(p, vv[d].y, st.acc[r][d][1]);
-                        }
-                    }
-                }
-            }
-            __syncwarp();  // (MTILES is 1 here)
-        }
-        cp_async_wait<0>();
-        __syncthreads();
-        if (lane == 0) {
-#pragma unroll
-            for (int r = 0; r < ROWS; ++r) {
-                sm_m[warp * ROWS + r] = st.m2[r];
-                sm_l[warp * ROWS + r] = st.l2[r];
-            }
-        }
-        float* wacc = sm_acc + warp * ROWS * ACC_STRIDE;
-#pragma unroll
-        for (int r = 0; r < ROWS; ++r)
-            if (r < rows)
-#pragma unroll
-                for (int d = 0; d < HEAD_DIM / 64; ++d)
-                    *reinterpret_cast<float2*>(wacc + r * ACC_STRIDE + 2 * lane + 64 * d) =
-                        make_float2(st.acc[r][d][0], st.acc[r][d][1]);
+        cd_chunk_m_tiles(tiles, score_params, qrows, sq, sm_m, sm_l, sm_acc);
 #endif
     } else {
         // Empty chunk (or empty sequence): every warp holds the empty state (−inf, 0, 0).
@@ -1572,134 +1870,7 @@ cd_decode_split(const cd_decode_params p) {
     }
     __syncthreads();
 
-    // ================================================================ 4. epilogue
-    // ---------------------------------------------------------------- merge the warps, write
-    // Block row R is row R % 16 of M-tile R / 16, held by that M-tile's warp in every slot:
-    // warps R / 16 + MTILES·t, t < SLOTS (the index of (warp, row) in sm_m, sm_l, sm_acc is below).
-    // One thread per row turns those warps' (m, l) into final weights, in place: sm_l[w][r]
-    // becomes 2^(m_w − m) / l (0 for an empty row) and s_lse[R] the row's LSE (natural log).
-    __shared__ float s_lse[KV_PER_BLOCK > 1 ? KV_PER_BLOCK * 8 : BLOCK_ROWS];
-    // With several KV heads, row R is query head R % G of KV head R / G, held by warps
-    // (R / G + KV_PER_BLOCK·t), t < SLOTS.
-    auto wrow = [group](int R, int t) {
-        return KV_PER_BLOCK > 1 ? (R / group + t * KV_PER_BLOCK) * ROWS + R % group
-                                : (R / ROWS + t * MTILES) * ROWS + R % ROWS;
-    };
-#if MULTI_Q
-    __shared__ int s_qt[BLOCK_ROWS], s_qh[BLOCK_ROWS];  // each row's token and head (qrow_of)
-#endif
-    if (tid < rows) {
-        const int R = tid;
-#if MULTI_Q
-        const cd_qrow qr = qrow_of(h0 + R, group, vgroup);
-        s_qt[R] = qr.t;
-        s_qh[R] = qr.head;
-        const int head = qr.head;
-#else
-        const int head = h0 + R;
-#endif
-        // A single split's output is final: its sink (sinks: a logit per query head, a key with
-        // no value) joins here. Partials never hold it: the merge adds it once (cd_merge_sink).
-        const float sink2 = !o_part && opt.sinks ? opt.sinks[head] * CD_LOG2E : CD_NEG_INF;
-        float mmax = sink2;
-#pragma unroll
-        for (int t = 0; t < SLOTS; ++t) mmax = fmaxf(mmax, sm_m[wrow(R, t)]);
-        const float ref = (mmax == CD_NEG_INF) ? 0.f : mmax;
-        float sc[SLOTS], l = cd_exp2(sink2 - ref);  // 0 without a sink
-#pragma unroll
-        for (int t = 0; t < SLOTS; ++t) {
-            sc[t] = cd_exp2(sm_m[wrow(R, t)] - ref);
-            l += sm_l[wrow(R, t)] * sc[t];
-        }
-        // empty: l is exactly 0; a NaN l (a NaN in a key or value this row attends) must reach
-        // the row, so the test is != 0, not > 0 (which would turn it into an empty row)
-        const float inv = l != 0.f ? 1.f / l : 0.f;
-#pragma unroll
-        for (int t = 0; t < SLOTS; ++t) sm_l[wrow(R, t)] = sc[t] * inv;
-        s_lse[R] = l != 0.f ? (mmax + log2f(l)) * CD_LN2 : CD_NEG_INF;
-    }
-    __syncthreads();
-    // Row r's token and head (MULTI_Q: from shared memory, above; else token 0, head h0 + r),
-    // its state: row (b·q_len + t)·num_heads + head of the (batch, q_len, num_heads) outputs (lse,
-    // each split's partials), and its output row.
-#if MULTI_Q
-    auto row_t = [&](int r) { return s_qt[r]; };
-    auto row_head = [&](int r) { return s_qh[r]; };
-#else
-    auto row_t = [](int r) { (void)r; return 0; };
-    auto row_head = [&](int r) { return h0 + r; };
-#endif
-    auto state_row = [&](int r) -> long long {
-        return ((long long)b * q_len + row_t(r)) * num_heads + row_head(r);
-    };
-    auto out_row = [&](int r) -> out_t* {
-        return out + b * out_sb + row_t(r) * p.out_st + (long long)row_head(r) * out_sh;
-    };
-    if (!o_part) {  // single split: the final output, in the input dtype
-        for (int i = tid; i < rows * REAL_DIM; i += NUM_THREADS) {
-            const int r = i / REAL_DIM, d = i % REAL_DIM;
-            float o = 0.f;
-#pragma unroll
-            for (int t = 0; t < SLOTS; ++t) {
-                const float wt = sm_l[wrow(r, t)];
-                o = wt != 0.f ? fmaf(wt, sm_acc[wrow(r, t) * ACC_STRIDE + d], o) : o;
-            }
-            out_row(r)[d] = E::from_float(o);
-            if (lse_out && d == 0) lse_out[state_row(r)] = s_lse[r];
-        }
-    } else {  // partials (float32, 16-byte aligned workspace): four elements per thread
-        for (int i = tid; i < rows * (REAL_DIM / 4); i += NUM_THREADS) {
-            const int r = i / (REAL_DIM / 4), d = (i % (REAL_DIM / 4)) * 4;
-            float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-            for (int t = 0; t < SLOTS; ++t) {
-                const float wt = sm_l[wrow(r, t)];
-                if (wt != 0.f) {
-                    const float4 a = *reinterpret_cast<const float4*>(sm_acc + wrow(r, t) * ACC_STRIDE + d);
-                    o.x = fmaf(wt, a.x, o.x); o.y = fmaf(wt, a.y, o.y);
-                    o.z = fmaf(wt, a.z, o.z); o.w = fmaf(wt, a.w, o.w);
-                }
-            }
-            const long long row = (long long)split * batch * q_len * num_heads + state_row(r);
-            *reinterpret_cast<float4*>(o_part + row * REAL_DIM + d) = o;
-            if (d == 0) lse_part[row] = s_lse[r];
-        }
-    }
-    if (!o_part || !counters) return;
-
-    // ---------------------------------------------------------------- fused merge (last block)
-    // Arrival count with acquire-release semantics at GPU scope (PTX memory model): the barrier
-    // orders every thread's partial stores before thread 0's release; the last block's acquire,
-    // spread to its threads by the next barrier, orders its loads of all partials after them.
-    // No sequentially consistent fences (__threadfence) are needed on either side.
-    __shared__ int s_last;
-    __syncthreads();
-    if (tid == 0) {
-        unsigned* ctr = reinterpret_cast<unsigned*>(counters) +
-                        ((long long)b * num_units + unit) * head_tiles + head_tile;
-        // inc wraps to 0 on the last arrival: the counter is clean for the next launch without a
-        // second access.
-        s_last = cd_atomic_inc_acq_rel(ctr, num_splits - 1) == (unsigned)(num_splits - 1);
-    }
-    __syncthreads();
-    if (!s_last) return;
-    // the tokens the splits cover: seqlen − lo (recomputed: no register held through the loop)
-    const int covered = opt.window_left >= 0
-        ? max(0, min(seqlen, opt.window_left + q_len - cd_tokens_after(opt.tokens_after, b))) : seqlen;
-    const int live_splits = min(num_splits, (covered + chunk_tokens - 1) / chunk_tokens);
-    const long long state_rows = (long long)batch * q_len * num_heads;
-    // One warp per pass of a row (32 lanes × MERGE_NV elements). merge="auto" picks this merge
-    // only where every warp gets at most one pass of ≤ 16 splits: one trip to L2
-    // (_policy.merge_mode; FUSED_PASS there is 32 · MERGE_NV).
-    constexpr int MERGE_NV = 4;
-    constexpr int PASSES = (REAL_DIM + 32 * MERGE_NV - 1) / (32 * MERGE_NV);
-    for (int item = warp; item < rows * PASSES; item += NUM_WARPS) {
-        const int r = item / PASSES, pass = item % PASSES;
-        const long long row = state_row(r);
-        const int head = row_head(r);
-        cd_merge_row_pass<cd_elem<2>, E, MERGE_NV>(o_part + row * REAL_DIM, state_rows * REAL_DIM,
-                                           lse_part + row, state_rows, live_splits, REAL_DIM,
-                                           pass, out_row(r), lse_out ? lse_out + row : nullptr,
-                                           lane, opt.sinks ? opt.sinks[head] : CD_NEG_INF);
-    }
+    cd_epilogue(p, opt, {b, batch, split, num_splits, unit, num_units, head_tile, head_tiles,
+                         q_len, group, vgroup, rows, h0, seqlen, chunk_tokens},
+                sm_m, sm_l, sm_acc);
 }
