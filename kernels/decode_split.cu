@@ -762,26 +762,16 @@ __device__ __forceinline__ void cd_chunk_heads_as_n(const Tiles& kv, const cd_de
                                                     const cd_rows rw, const q_t* sq, float* sm_m,
                                                     float* sm_l, float* sm_acc) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int my_tiles = kv.count;
-    const int h0 = rw.h0, group = rw.group, vgroup = rw.vgroup, rows = rw.rows;
-    const int window = rw.window;
-    (void)group; (void)vgroup; (void)window; (void)rows;
-    const auto& next_tile = kv.next;
-    const auto& tile_start = kv.start;
-    const auto& tile_live = kv.live;
     const cd_mma_lane ml = cd_mma_lane_of(lane);
     const int g = ml.g, t = ml.t, rowA = ml.rowA, offA = ml.offA, rowB = ml.rowB, offB = ml.offB;
+    const u32 sq_u32 = smem_u32(sq);
+#if KV_FP8
     (void)rowA; (void)offA; (void)rowB; (void)offB;  // (fp8 tiles are read by plain loads)
-    const u32 ring_u32 = kv.ring_u32, sq_u32 = smem_u32(sq);
-    const int kh = rw.kh, kv_head = rw.kv_head;
-    (void)kv_head; (void)p; (void)kh;
-#if KV_SCALE_TOKEN
-    const auto& tile_scales = kv.scales;
 #endif
     // ---------------------------------------------------- heads as N: Sᵀ = K·Qᵀ, Oᵀ = Vᵀ·Pᵀ
     // The mma's N holds 8 heads: a launch with more (a host bug) must not read unset rows.
     // (Blocks of several KV heads checked their group at entry, before any write.)
-    if (KV_PER_BLOCK == 1 && rows > 8) __trap();
+    if (KV_PER_BLOCK == 1 && rw.rows > 8) __trap();
     // Here pattern A reads K as the A operand and pattern B reads Vᵀ (V transposed) as the A
     // operand. The thread's query heads (columns of Sᵀ and Oᵀ) are 2t and 2t + 1.
     // Qᵀ as B operands (k = head dims, n = query heads 0..7), in registers for the whole chunk:
@@ -793,7 +783,7 @@ __device__ __forceinline__ void cd_chunk_heads_as_n(const Tiles& kv, const cd_de
 #endif
 #if !KV_FP8
     auto q_frags = [&](u32 (&qw)[4], int kk2) {
-        ldsm_x4(qw[0], qw[1], qw[2], qw[3], sq_u32 + swz(8 * kh + (lane & 7), 4 * kk2 + (lane >> 3)) * 16);
+        ldsm_x4(qw[0], qw[1], qw[2], qw[3], sq_u32 + swz(8 * rw.kh + (lane & 7), 4 * kk2 + (lane >> 3)) * 16);
     };
 #endif
 #if KV_FP8
@@ -813,8 +803,8 @@ __device__ __forceinline__ void cd_chunk_heads_as_n(const Tiles& kv, const cd_de
         }
     // the K and V scales: per KV head (and tensor) here; per token from the tile's (below)
 #if !KV_SCALE_TOKEN
-    const float k_mul = (p.k_scale ? p.k_scale[kv_head] : 1.f) * p.k_scale_all;
-    const float v_mul = (p.v_scale ? p.v_scale[kv_head] : 1.f) * p.v_scale_all;
+    const float k_mul = (p.k_scale ? p.k_scale[rw.kv_head] : 1.f) * p.k_scale_all;
+    const float v_mul = (p.v_scale ? p.v_scale[rw.kv_head] : 1.f) * p.v_scale_all;
 #endif
 #elif !WIDE
 #pragma unroll
@@ -833,19 +823,19 @@ __device__ __forceinline__ void cd_chunk_heads_as_n(const Tiles& kv, const cd_de
     cd_tc_state<HEAD_DIM / 16, 0, 4, 16> st;
     // the score hook's row of this thread's heads 2t (e even) and 2t + 1 (e odd)
 #if MULTI_Q
-    const cd_qmask qrow_n[2] = {qmask_of(h0 + 2 * t, group, vgroup, window, score_params),
-                                qmask_of(h0 + 2 * t + 1, group, vgroup, window,
+    const cd_qmask qrow_n[2] = {qmask_of(rw.h0 + 2 * t, rw.group, rw.vgroup, rw.window, score_params),
+                                qmask_of(rw.h0 + 2 * t + 1, rw.group, rw.vgroup, rw.window,
                                          score_params)};
 #define SCORE_ROW_N(e) qrow_n[(e) & 1]
 #else
-#define SCORE_ROW_N(e) (h0 + kh * group + 2 * t + ((e) & 1))
+#define SCORE_ROW_N(e) (rw.h0 + rw.kh * rw.group + 2 * t + ((e) & 1))
 #endif
     st.init();
 
-    for (int i = 0; i < my_tiles; ++i) {
-        next_tile(i);
-        const u32 live = tile_live(i);  // the KV view's rows with a key (all, unpaged)
-        const u32 ks = ring_u32 + (i % STAGES) * 2 * TILE_BYTES;
+    for (int i = 0; i < kv.count; ++i) {
+        kv.next(i);
+        const u32 live = kv.live(i);  // the KV view's rows with a key (all, unpaged)
+        const u32 ks = kv.ring_u32 + (i % STAGES) * 2 * TILE_BYTES;
         const u32 vs = ks + TILE_BYTES;
         // Sᵀ for 16 tokens × 8 heads; two accumulators (even and odd k steps) so that two mma
         // chains are in flight. s[e]: token g + 8·(e >> 1) of the tile, head 2t + (e & 1).
@@ -874,7 +864,7 @@ __device__ __forceinline__ void cd_chunk_heads_as_n(const Tiles& kv, const cd_de
         // the scores' K scale (k_mul; per token: tile rows g and g + 8's), and per token the
         // log2 of the V scale of those rows (−inf for a row without a key: zero-filled)
 #if KV_SCALE_TOKEN
-        const float* tsc = tile_scales(i);
+        const float* tsc = kv.scales(i);
         const float kmul[2] = {tsc[g], tsc[g + 8]};
         const float lv[2] = {log2f(tsc[TILE_N + g]), log2f(tsc[TILE_N + g + 8])};
 #else
@@ -901,7 +891,7 @@ __device__ __forceinline__ void cd_chunk_heads_as_n(const Tiles& kv, const cd_de
 #endif
         // Online softmax per head, one max and one rescale per tile: the head's 16 tokens are
         // in the 8 lanes of its t (lane bits 2..4), two per lane.
-        const int t0 = tile_start(i);
+        const int t0 = kv.start(i);
         float mx[2] = {CD_NEG_INF, CD_NEG_INF};
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
@@ -1031,27 +1021,18 @@ __device__ __forceinline__ void cd_chunk_m_tiles(const Tiles& kv,
                                                  const cd_rows rw, const q_t* sq, float* sm_m,
                                                  float* sm_l, float* sm_acc) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int my_tiles = kv.count;
-    const int h0 = rw.h0, group = rw.group, vgroup = rw.vgroup, rows = rw.rows;
-    const int window = rw.window;
-    (void)group; (void)vgroup; (void)window; (void)rows;
-    const auto& next_tile = kv.next;
-    const auto& tile_start = kv.start;
-    const auto& tile_live = kv.live;
     const cd_mma_lane ml = cd_mma_lane_of(lane);
     const int g = ml.g, t = ml.t, rowA = ml.rowA, offA = ml.offA, rowB = ml.rowB, offB = ml.offB;
-    (void)rowA; (void)offA; (void)rowB; (void)offB;  // (fp8 tiles are read by plain loads)
-    const u32 ring_u32 = kv.ring_u32, sq_u32 = smem_u32(sq);
-    const int mt = rw.mt, loop_tiles = kv.loops;
+    const u32 sq_u32 = smem_u32(sq);
     cd_tc_state<HEAD_DIM / 8, 1, 1, 2> st;  // rows g, g + 8; st.acc[n][e]: row g + 8 · (e >> 1)
     // the score hook's row of this thread's rows g (e < 2) and g + 8 (e ≥ 2)
 #if MULTI_Q
     const cd_qmask qrow_m[2] = {
-        qmask_of(h0 + mt * ROWS + g, group, vgroup, window, score_params),
-        qmask_of(h0 + mt * ROWS + g + 8, group, vgroup, window, score_params)};
+        qmask_of(rw.h0 + rw.mt * ROWS + g, rw.group, rw.vgroup, rw.window, score_params),
+        qmask_of(rw.h0 + rw.mt * ROWS + g + 8, rw.group, rw.vgroup, rw.window, score_params)};
 #define SCORE_ROW_M(e) qrow_m[(e) >> 1]
 #else
-#define SCORE_ROW_M(e) (h0 + mt * ROWS + g + 8 * ((e) >> 1))
+#define SCORE_ROW_M(e) (rw.h0 + rw.mt * ROWS + g + 8 * ((e) >> 1))
 #endif
     st.init();
 
@@ -1060,13 +1041,13 @@ __device__ __forceinline__ void cd_chunk_m_tiles(const Tiles& kv,
 #pragma unroll
     for (int kk = 0; kk < HEAD_DIM / 16; ++kk)
         ldsm_x4(qf[kk][0], qf[kk][1], qf[kk][2], qf[kk][3],
-                sq_u32 + swz(mt * ROWS + rowA, 2 * kk + offA) * 16);
+                sq_u32 + swz(rw.mt * ROWS + rowA, 2 * kk + offA) * 16);
 #endif
 
-    for (int i = 0; i < my_tiles; ++i) {
-        next_tile(i);
-        const u32 live = tile_live(i);  // the KV view's rows with a key (all, unpaged)
-        const u32 ks = ring_u32 + (i % STAGES) * 2 * TILE_BYTES;
+    for (int i = 0; i < kv.count; ++i) {
+        kv.next(i);
+        const u32 live = kv.live(i);  // the KV view's rows with a key (all, unpaged)
+        const u32 ks = kv.ring_u32 + (i % STAGES) * 2 * TILE_BYTES;
         const u32 vs = ks + TILE_BYTES;
         // S = Q·Kᵀ for 16 rows × 16 tokens: two n-tiles of 8 tokens.
         float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
@@ -1079,14 +1060,14 @@ __device__ __forceinline__ void cd_chunk_m_tiles(const Tiles& kv,
             mma16816(s[1], qf[kk], b2, b3);
 #else
             u32 qa[4];
-            ldsm_x4(qa[0], qa[1], qa[2], qa[3], sq_u32 + swz(mt * ROWS + rowA, 2 * kk + offA) * 16);
+            ldsm_x4(qa[0], qa[1], qa[2], qa[3], sq_u32 + swz(rw.mt * ROWS + rowA, 2 * kk + offA) * 16);
             mma16816(s[0], qa, b0, b1);
             mma16816(s[1], qa, b2, b3);
 #endif
         }
         // Online softmax, one max and one rescale per tile. s[j][e]: row g (e<2) or g+8,
         // token 8j + 2t + (e&1) of the tile.
-        const int t0 = tile_start(i);
+        const int t0 = kv.start(i);
         float mx[2] = {CD_NEG_INF, CD_NEG_INF};
 #pragma unroll
         for (int j = 0; j < 2; ++j)
@@ -1120,7 +1101,7 @@ __device__ __forceinline__ void cd_chunk_m_tiles(const Tiles& kv,
         }
         if (MTILES == 1) __syncwarp();
     }
-    for (int i = my_tiles; i < loop_tiles; ++i) next_tile(i);  // the idle turn (MTILES > 1)
+    for (int i = kv.count; i < kv.loops; ++i) kv.next(i);  // the idle turn (MTILES > 1)
     cp_async_wait<0>();
     __syncthreads();  // every warp is done with the ring before it becomes sm_acc
 
@@ -1149,14 +1130,6 @@ __device__ __forceinline__ void cd_chunk_f32(const Tiles& kv, const cd_score_par
                                              const cd_rows rw, const q_t* sq, float* sm_m,
                                              float* sm_l, float* sm_acc) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int my_tiles = kv.count;
-    const int h0 = rw.h0, group = rw.group, vgroup = rw.vgroup, rows = rw.rows;
-    const int window = rw.window;
-    (void)group; (void)vgroup; (void)window; (void)rows;
-    const auto& next_tile = kv.next;
-    const auto& tile_start = kv.start;
-    const auto& tile_live = kv.live;
-    unsigned char* ring = kv.ring;
     // ---------------------------------------------------------------- float32 path
     // Scores: lane owns token (lane & 15) and half (lane >> 4) of the head dimension.
     // P·V: lane owns dims 2·lane + 64·i (float2), i < HEAD_DIM / 64.
@@ -1164,36 +1137,36 @@ __device__ __forceinline__ void cd_chunk_f32(const Tiles& kv, const cd_score_par
     const float* sqf = reinterpret_cast<const float*>(sq);
     cd_f32_state st;
     st.init();
-    for (int i = 0; i < my_tiles; ++i) {
-        next_tile(i);
-        const u32 live = tile_live(i);  // the KV view's rows with a key (all, unpaged)
-        const float4* ks = reinterpret_cast<const float4*>(ring + (i % STAGES) * 2 * TILE_BYTES);
-        const float* vs = reinterpret_cast<const float*>(ring + (i % STAGES) * 2 * TILE_BYTES + TILE_BYTES);
+    for (int i = 0; i < kv.count; ++i) {
+        kv.next(i);
+        const u32 live = kv.live(i);  // the KV view's rows with a key (all, unpaged)
+        const float4* ks = reinterpret_cast<const float4*>(kv.ring + (i % STAGES) * 2 * TILE_BYTES);
+        const float* vs = reinterpret_cast<const float*>(kv.ring + (i % STAGES) * 2 * TILE_BYTES + TILE_BYTES);
         float s[ROWS];
 #pragma unroll
         for (int r = 0; r < ROWS; ++r) s[r] = 0.f;
 #pragma unroll 4
         for (int cc = 0; cc < CPR / 2; ++cc) {
             const int c = hf * (CPR / 2) + cc;
-            const float4 kv = ks[swz(tn, c)];
+            const float4 k4 = ks[swz(tn, c)];
 #pragma unroll
             for (int r = 0; r < ROWS; ++r) {
-                if (r < rows) {
+                if (r < rw.rows) {
                     const float4 qv = reinterpret_cast<const float4*>(sqf)[r * CPR + c];
-                    s[r] = fmaf(qv.x, kv.x, fmaf(qv.y, kv.y, fmaf(qv.z, kv.z, fmaf(qv.w, kv.w, s[r]))));
+                    s[r] = fmaf(qv.x, k4.x, fmaf(qv.y, k4.y, fmaf(qv.z, k4.z, fmaf(qv.w, k4.w, s[r]))));
                 }
             }
         }
-        const int key = tile_start(i) + tn;
+        const int key = kv.start(i) + tn;
 #pragma unroll
         for (int r = 0; r < ROWS; ++r) {
-            if (r < rows) {
+            if (r < rw.rows) {
                 s[r] += __shfl_xor_sync(0xffffffffu, s[r], 16);
 #if MULTI_Q
-                const cd_qmask qm = qmask_of(h0 + r, group, vgroup, window, score_params);
+                const cd_qmask qm = qmask_of(rw.h0 + r, rw.group, rw.vgroup, rw.window, score_params);
 #define SCORE_ROW_F qm
 #else
-#define SCORE_ROW_F (h0 + r)
+#define SCORE_ROW_F (rw.h0 + r)
 #endif
                 s[r] = st.step(r, kv_mask(score_mod(s[r], key, SCORE_ROW_F, score_params), live, tn));
 #undef SCORE_ROW_F
@@ -1209,7 +1182,7 @@ __device__ __forceinline__ void cd_chunk_f32(const Tiles& kv, const cd_score_par
             }
 #pragma unroll
             for (int r = 0; r < ROWS; ++r) {
-                if (r < rows) {
+                if (r < rw.rows) {
                     const float p = __shfl_sync(0xffffffffu, s[r], n);
 #pragma unroll
                     for (int d = 0; d < HEAD_DIM / 64; ++d) {
@@ -1233,7 +1206,7 @@ __device__ __forceinline__ void cd_chunk_f32(const Tiles& kv, const cd_score_par
     float* wacc = sm_acc + warp * ROWS * ACC_STRIDE;
 #pragma unroll
     for (int r = 0; r < ROWS; ++r)
-        if (r < rows)
+        if (r < rw.rows)
 #pragma unroll
             for (int d = 0; d < HEAD_DIM / 64; ++d)
                 *reinterpret_cast<float2*>(wacc + r * ACC_STRIDE + 2 * lane + 64 * d) =
