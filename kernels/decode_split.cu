@@ -600,8 +600,8 @@ static_assert(SMEM_BYTES == SMEM_BYTES_HOST,
 // ================================================================ appended rows
 // Where an appended token's K and V rows go in the cache: their offsets kr, vr (elements, KV
 // head 0's) and the row's index `at` among the cache's rows (batch · max_seqlen + position, or
-// page · page_size + row: the per-token scales' index); ok is false where a page index is outside
-// [0, num_pages), and nothing is written there.
+// page · page_size + row; the per-token scales of KV head h are at at · num_kv_heads + h); ok is
+// false where a page index is outside [0, num_pages), and nothing is written there.
 struct cd_cache_row {
     bool ok;
     long long at, kr, vr;
@@ -1010,6 +1010,7 @@ __device__ __forceinline__ void cd_chunk_heads_as_n(const Tiles& kv, const cd_de
             wacc[(2 * t + (e & 1)) * ACC_STRIDE + 16 * d + g + 8 * (e >> 1)] = st.acc[d][e];
 #endif
 }
+#undef SCORE_ROW_N
 #endif
 
 #if DTYPE_ID != 2 && !HEADS_AS_N
@@ -1120,6 +1121,7 @@ __device__ __forceinline__ void cd_chunk_m_tiles(const Tiles& kv,
             make_float2(st.acc[n][2], st.acc[n][3]);
     }
 }
+#undef SCORE_ROW_M
 #endif
 
 #if DTYPE_ID == 2
@@ -1383,7 +1385,8 @@ __device__ __forceinline__ void cd_epilogue(const cd_decode_params& p, const cd_
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
 cd_decode_split(const cd_decode_params p) {
     // Phases (docs/DESIGN.md): 1 entry (here) — 2 KV view (here: load_tile, next_tile, the
-    // appended rows; cd_quantize_new_rows, cd_stage_new_rows) — 3 tile compute (one math path:
+    // appended rows; cd_quantize_new_rows, cd_stage_new_rows; and the Q tile into shared
+    // memory) — 3 tile compute (one math path:
     // cd_chunk_heads_as_n, cd_chunk_m_tiles or cd_chunk_f32, every score through score_mod, the
     // state in cd_tc_state or cd_f32_state) — 4 epilogue (cd_epilogue: merge the warps, write the
     // output or the partials, the fused merge's last block).
@@ -1759,7 +1762,6 @@ cd_decode_split(const cd_decode_params p) {
             app_vr = b * v_sb + (long long)new_lo * v_ss;
 #endif
         }
-        // ================================================================ 3. tile compute
         // ---------------------------------------------------------------- Q tile → shared
         for (int i = tid; i < Q_ROWS * QCPR; i += NUM_THREADS) {
             const int r = i / QCPR, c = i % QCPR;
@@ -1778,7 +1780,7 @@ cd_decode_split(const cd_decode_params p) {
 #endif
         }
 #if KV_FP8
-        // fp8 KV: the chunk's appended tokens, quantised into sm_new and the cache (below)
+        // fp8 KV: the chunk's appended tokens, quantised into sm_new and the cache
         {
 #if MULTI_Q
             const int new_rows = new_out - new_in, j0 = new_in - new_lo;
