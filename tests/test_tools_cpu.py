@@ -41,7 +41,8 @@ def test_ab_tree_arm_imports_another_version_beside_this_one(tmp_path):
         ab.package_of(str(tmp_path / "nowhere"), "none")
 
 
-@pytest.mark.parametrize("tool", ["ab.py", "profile_shape.py", "host_cost.py"])
+@pytest.mark.parametrize("tool", ["ab.py", "profile_shape.py", "host_cost.py",
+                                  "sass_compare.py"])
 def test_tools_print_their_usage_without_a_gpu(tool):
     result = subprocess.run([sys.executable, str(ROOT / "tools" / tool), "--help"],
                             capture_output=True, text=True, timeout=120)
@@ -207,3 +208,26 @@ def test_sanitize_suite_refuses_counts_that_are_not_positive(tmp_path, var, valu
     assert run.returncode == 2, run.stdout + run.stderr
     assert f"{var} must be a positive integer, got '{value}'" in run.stderr
     assert not out.exists()
+
+
+def test_sass_compare_reads_instructions_in_order_and_counts_opcodes(tmp_path):
+    """tools/sass_compare.py over a stand-in nvdisasm: addresses and non-instruction lines go,
+    registers stay (--exact compares them), opcodes count without predicate or modifiers."""
+    import sass_compare
+
+    fake = tmp_path / "nvdisasm"
+    fake.write_text("#!/bin/sh\ncat <<'EOF'\n"
+                    "\t.section\t.text.cd_decode_split\n"
+                    ".L_x_0:\n"
+                    "        /*0000*/                   LDC R1, c[0x0][0x28] ;\n"
+                    "        /*0010*/              @!P0 BRA `(.L_x_1) ;\n"
+                    "        /*0020*/                   HMMA.16816.F32 R4, R8, R12, R4 ;\n"
+                    "        /*0030*/                   HMMA.16816.F32 R16, R8, R14, R16 ;\n"
+                    "EOF\n")
+    fake.chmod(0o755)
+    listing = sass_compare.instructions(str(fake), b"cubin")
+    assert listing == ["LDC R1, c[0x0][0x28] ;", "@!P0 BRA `(.L_x_1) ;",
+                       "HMMA.16816.F32 R4, R8, R12, R4 ;", "HMMA.16816.F32 R16, R8, R14, R16 ;"]
+    assert sass_compare.opcodes(listing) == {"LDC": 1, "BRA": 1, "HMMA": 2}
+    renamed = [line.replace("R16", "R20") for line in listing]
+    assert sass_compare.opcodes(renamed) == sass_compare.opcodes(listing) and renamed != listing
