@@ -11,9 +11,9 @@
 # Env: SHARDS (default 12; on an 80 GB H100, 10 memcheck shards left the sanitizer short of
 # device memory while the CLI's bench tests ran: "Internal Sanitizer Error ... Unable to allocate
 # enough memory", those launches untracked, and the transformers example failed; each passed
-# alone with 0 errors: rerun such tests alone, or take fewer shards there), ONLY (the shards to run, e.g. "0 1 2": a tool's run split across
-# calls; default all), TIMEOUT (seconds per tool, default 540: keep it inside the call's own
-# limit, or the summary is never written), FILTER (pytest -k), EXCLUDE (a file of node ids, one
+# alone with 0 errors: rerun such tests alone, or take fewer shards there), ONLY (the shards to
+# run, e.g. "0 1 2": a tool's run split across calls; default all), TIMEOUT (seconds per tool,
+# default 540: keep it inside the call's own limit, or the summary is never written), FILTER (pytest -k), EXCLUDE (a file of node ids, one
 # a line, left out before sharding: CUPYDECODE_TEST_EXCLUDE, tests/conftest.py),
 # KERNELS (default cd_: only kernels whose names hold it are checked, i.e. cupydecode's own; CuPy's
 # kernels that the tests use to make inputs and compare results launch unchecked; KERNELS= checks

@@ -105,10 +105,12 @@ def main():
     a = ap.parse_args()
     if not a.nvrtc or not a.nvdisasm:
         sys.exit("NVRTC or nvdisasm not found: pip install nvidia-cuda-nvrtc nvidia-cuda-nvdisasm")
+    if any("=" not in m for m in a.match):
+        ap.error(f"--match takes K=V, got {a.match}")
     wanted = dict(m.split("=", 1) for m in a.match)
-    jobs = [(c.defines(), a.folder, a.nvrtc, a.nvdisasm, a.arch)
-            for c in _policy.compile_check_configs()
-            if all(str(c.defines().get(k, "")) == v for k, v in wanted.items())]
+    builds = [c.defines() for c in _policy.compile_check_configs()]
+    jobs = [(d, a.folder, a.nvrtc, a.nvdisasm, a.arch) for d in builds
+            if all(str(d.get(k, "")) == v for k, v in wanted.items())]
     if not jobs:
         sys.exit(f"no specialisation matches {a.match}")
     with ProcessPoolExecutor() as ex:
