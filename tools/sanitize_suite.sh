@@ -13,8 +13,9 @@
 # enough memory", those launches untracked, and the transformers example failed; each passed
 # alone with 0 errors: rerun such tests alone, or take fewer shards there), ONLY (the shards to
 # run, e.g. "0 1 2": a tool's run split across calls; default all), TIMEOUT (seconds per tool,
-# default 540: keep it inside the call's own limit, or the summary is never written), FILTER (pytest -k), EXCLUDE (a file of node ids, one
-# a line, left out before sharding: CUPYDECODE_TEST_EXCLUDE, tests/conftest.py),
+# default 540: keep it inside the call's own limit, or the summary is never written), FILTER
+# (pytest -k), EXCLUDE (a file of node ids, one a line, left out before sharding:
+# CUPYDECODE_TEST_EXCLUDE, tests/conftest.py),
 # KERNELS (default cd_: only kernels whose names hold it are checked, i.e. cupydecode's own; CuPy's
 # kernels that the tests use to make inputs and compare results launch unchecked; KERNELS= checks
 # every kernel; initcheck's default is every kernel: it does not see the stores of a kernel it
