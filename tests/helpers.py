@@ -230,3 +230,37 @@ def shard(k, v, lens, cuts):
             vr[b, :n[b]] = v[b, lo[b]:hi[b]]
         out.append((kr, vr, n, np.asarray(lens) - hi))
     return out
+
+
+# Deliberately broken kernels, for tests that a check catches them: each mutant is a list of
+# (line as it stands in kernels/decode_split.cu, its broken replacement). A CPU test
+# (tests/test_compile.py) checks that every line still stands in the source exactly
+# once, so that a change to the kernel that moves one fails without a GPU, not only on one.
+KERNEL_MUTANTS = {
+    # the new token's K and V rows never stored into the cache
+    "append_not_stored": [("if (head_tile == 0 && app_kr >= 0) {", "if (false) {")],
+    # every K scale taken as 1: the per-tensor/per-head factor and the per-token scales
+    "k_scales_ignored": [
+        ("const float k_mul = (p.k_scale ? p.k_scale[rw.kv_head] : 1.f) * p.k_scale_all;",
+         "const float k_mul = 1.f;"),
+        ("const float kmul[2] = {tsc[g], tsc[g + 8]};", "const float kmul[2] = {1.f, 1.f};")],
+    # every V scale taken as 1 (per token: the weights' factor 2^(mv − m2), which carries
+    # log2 v_scale, dropped)
+    "v_scales_ignored": [
+        ("const float v_mul = (p.v_scale ? p.v_scale[rw.kv_head] : 1.f) * p.v_scale_all;",
+         "const float v_mul = 1.f;"),
+        ("vfac[h] = st.m2[h] == CD_NEG_INF ? 0.f : cd_exp2(st.mv[h] - st.m2[h]);",
+         "vfac[h] = st.m2[h] == CD_NEG_INF ? 0.f : 1.f;")],
+}
+
+
+def mutant_source(name: str) -> str:
+    """kernels/decode_split.cu with the mutant ``name``'s lines replaced (each must stand in the
+    source exactly once)."""
+    from cupydecode._kernels import kernel_dir
+
+    text = (kernel_dir() / "decode_split.cu").read_text()
+    for old, new in KERNEL_MUTANTS[name]:
+        assert text.count(old) == 1, f"mutant {name}: {old!r} stands {text.count(old)} times"
+        text = text.replace(old, new)
+    return text

@@ -10,6 +10,7 @@ import pytest
 
 from cupydecode import cli, explain
 from cupydecode import reference as R
+from helpers import mutant_source
 
 pytestmark = pytest.mark.gpu
 
@@ -94,10 +95,7 @@ def test_check_catches_a_missing_append(cupy, tmp_path):
         return Workload(3, 300, 32, 8, 128, "float16", None, (299, 0, 17), append=True,
                         page_size=page_size)
     assert C.run_check(workload(16))["passed"]
-    text = (_kernels.kernel_dir() / "decode_split.cu").read_text()
-    store = "if (head_tile == 0 && app_kr >= 0) {"
-    assert text.count(store) == 1
-    (tmp_path / "decode_split.cu").write_text(text.replace(store, "if (false) {"))
+    (tmp_path / "decode_split.cu").write_text(mutant_source("append_not_stored"))
     with _kernels.kernel_sources(tmp_path):
         for page_size in (None, 16):
             row = C.run_check(workload(page_size))
@@ -241,22 +239,9 @@ def test_check_catches_a_kernel_that_ignores_the_scales(cupy, tmp_path, ignored)
     def workload(mode):
         return Workload(3, 700, 32, 8, 128, "float16", None, (700, 300, 0), kv_dtype="e4m3",
                         kv_scale=mode)
-    text = (_kernels.kernel_dir() / "decode_split.cu").read_text()
-    if ignored == "k":
-        swaps = [("const float k_mul = (p.k_scale ? p.k_scale[kv_head] : 1.f) * p.k_scale_all;",
-                  "const float k_mul = 1.f;"),
-                 ("const float kmul[2] = {tsc[g], tsc[g + 8]};", "const float kmul[2] = {1.f, 1.f};")]
-    else:
-        swaps = [("const float v_mul = (p.v_scale ? p.v_scale[kv_head] : 1.f) * p.v_scale_all;",
-                  "const float v_mul = 1.f;"),
-                 ("vfac[h] = st.m2[h] == CD_NEG_INF ? 0.f : cd_exp2(st.mv[h] - st.m2[h]);",
-                  "vfac[h] = st.m2[h] == CD_NEG_INF ? 0.f : 1.f;")]
-    for old, new in swaps:
-        assert text.count(old) == 1, old
-        text = text.replace(old, new)
     modes = ("tensor", "head", "token")
     assert all(C.run_check(workload(mode))["passed"] for mode in modes)
-    (tmp_path / "decode_split.cu").write_text(text)
+    (tmp_path / "decode_split.cu").write_text(mutant_source(f"{ignored}_scales_ignored"))
     with _kernels.kernel_sources(tmp_path):
         for mode in modes:
             row = C.run_check(workload(mode))

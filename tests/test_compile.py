@@ -9,6 +9,7 @@ import re
 import pytest
 
 from cupydecode import _kernels, _policy
+from helpers import KERNEL_MUTANTS, mutant_source
 
 ARCHS = ("sm_80", "sm_90")
 
@@ -206,3 +207,19 @@ def test_kernel_sources_override_is_scoped(tmp_path):
         assert "// variant\n" in _kernels.program_source("decode_split.cu", defines)
         assert _kernels.program_source("hold.cu", {}) == _kernels.program_source("hold.cu", {}, None)
     assert _kernels.program_source("decode_split.cu", defines) == shipped
+
+
+@pytest.mark.parametrize("name", sorted(KERNEL_MUTANTS))
+def test_kernel_mutants_still_apply_and_compile(nvrtc, tmp_path, name):
+    """The broken kernels that GPU tests expect a check to catch (tests/helpers.py): each line a
+    mutant replaces still stands in the source once, and the mutant builds — the fp8 shapes of the
+    scale mutants, per tensor or head and per token, with the runtime options the append
+    mutant's store sits in — so a kernel change that moves those lines fails here, on any machine."""
+    (tmp_path / "decode_split.cu").write_text(mutant_source(name))
+    configs = [c for c in _policy.fp8_kernel_configs("float16", 128, "e4m3")
+               if c.l2_evict_first and c.num_warps == 8]
+    assert {c.kv_scale_token for c in configs} == {False, True}
+    with _kernels.kernel_sources(tmp_path):
+        for cfg in configs:
+            cubin, _ = _kernels.compile_for_arch("decode_split.cu", cfg.defines(), "sm_90")
+            assert cubin[:4] == b"\x7fELF"
