@@ -15,6 +15,7 @@ from helpers import mutant_source
 pytestmark = pytest.mark.gpu
 
 
+@pytest.mark.heavy
 def test_check_default_matrix_passes(runner, tmp_path):
     out = tmp_path / "check.json"
     result = runner.invoke(cli.main, ["check", "--json", str(out)])
@@ -119,6 +120,7 @@ def test_gpu_reference_matches_numpy(cupy, seed):
     assert live.any() and np.allclose(got_lse[live], want_lse[live], rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.heavy
 def test_bench_tiny_sweep_writes_files(runner, tmp_path):
     csv_path, json_path = tmp_path / "b.csv", tmp_path / "b.json"
     result = runner.invoke(cli.main, ["bench", "--seqlens", "1024", "--batch", "1",
@@ -139,6 +141,7 @@ def test_bench_tiny_sweep_writes_files(runner, tmp_path):
     assert int(rows[0]["kv_per_block"]) == 1
 
 
+@pytest.mark.heavy
 def test_bench_append(runner, tmp_path):
     """bench --append: the call with the append checked against float64, and the same call
     without it timed in the same protocol."""
@@ -177,6 +180,7 @@ def test_info_names_the_gpu(runner, cupy):
     assert ("merge kernel launch: plain" in result.output) != programmatic, result.output
 
 
+@pytest.mark.heavy
 def test_info_compile_builds_every_specialisation(runner, cupy):
     """`info --compile` lists every split-kernel block shape a plan can pick at each kernel
     width and the merge kernel (the head_dims between the widths build on first use)."""
@@ -192,6 +196,7 @@ def test_info_compile_builds_every_specialisation(runner, cupy):
     assert "merge_states.cu:cd_merge_states" in result.output, result.output
 
 
+@pytest.mark.heavy
 def test_bench_protocols_side_by_side(runner, tmp_path):
     """One row per protocol on the same point, the host costs measured in the same process, and
     the spread table over the protocols."""
@@ -248,6 +253,7 @@ def test_check_catches_a_kernel_that_ignores_the_scales(cupy, tmp_path, ignored)
             assert not row["passed"] and row["rel_err"] > 10 * row["rel_tol"], row
 
 
+@pytest.mark.heavy
 def test_bench_kv_dtype(runner, tmp_path):
     """bench --kv-dtype: the fp8 call checked against float64, its floor from the fp8 bytes
     (half of fp16's; per-token scales add 4 bytes per token and KV head), the naive version left

@@ -30,6 +30,7 @@ def test_serving_loop_example(cupy):
     assert "relative error of the last step" in _run_example("serving_loop.py")
 
 
+@pytest.mark.heavy
 def test_speculative_verify_example(cupy):
     assert "relative error of the last step" in _run_example("speculative_verify.py")
 
@@ -43,6 +44,7 @@ def test_jax_interop_example(cupy):
 
 
 @pytest.mark.torch
+@pytest.mark.heavy
 def test_transformers_example(cupy):
     for name in ("torch", "transformers"):
         if importlib.util.find_spec(name) is None:

@@ -179,7 +179,7 @@ def test_sanitize_suite_counts_stopped_shards_and_child_summaries(tmp_path):
     names, summary = _sanitize_suite(tmp_path, FAKE_TESTS, ["racecheck"], SHARDS="5", SPREAD="1")
     line = summary.strip()
     assert line.startswith("racecheck: "), line
-    assert ", 3 passed, 1 failed, 4 errors; 4 of 5 shards finished (5, spread)" in line, line
+    assert ", 3 passed, 1 failed, 4 errors; 5 of 6 shards finished (5 + heavy, spread)" in line, line
     assert names("racecheck_passed.txt") == ["test_child", "test_ok", "test_report"]
     assert names("racecheck_failed.txt") == ["test_bad"]
 
@@ -196,6 +196,27 @@ def test_sanitize_suite_leaves_torch_tests_out_of_racecheck_only(tmp_path):
     names, _ = _sanitize_suite(tmp_path, tests, ["memcheck", "racecheck"], SHARDS="1")
     assert names("memcheck_passed.txt") == ["test_plain", "test_torch"]
     assert names("racecheck_passed.txt") == ["test_plain"]
+
+
+def test_sanitize_suite_runs_heavy_tests_one_at_a_time_apart(tmp_path):
+    """Tests marked heavy run in a shard of their own, one after another (each fails if another
+    is running: a lock file), the rest in the SHARDS shards beside it; ONLY picks shards by
+    name. Over the stand-in sanitizer, no GPU."""
+    heavy = ("import os, time, pytest\n"
+             "def _alone():\n"
+             "    fd = os.open('heavy.lock', os.O_CREAT | os.O_EXCL)  # fails while another runs\n"
+             "    time.sleep(0.5)\n"
+             "    os.close(fd); os.remove('heavy.lock')\n"
+             + "".join(f"@pytest.mark.heavy\ndef test_heavy{i}(): _alone()\n" for i in range(3))
+             + "".join(f"def test_light{i}(): pass\n" for i in range(3)))
+    names, summary = _sanitize_suite(tmp_path, heavy, ["memcheck"], SHARDS="3", SPREAD="1")
+    assert names("memcheck_passed.txt") == [f"test_heavy{i}" for i in range(3)] + [
+        f"test_light{i}" for i in range(3)]
+    assert "6 passed, 0 failed, 0 errors; 4 of 4 shards finished (3 + heavy, spread)" in summary
+    (tmp_path / "out").rename(tmp_path / "all")
+    (tmp_path / "bin").rename(tmp_path / "bin0")
+    names, _ = _sanitize_suite(tmp_path, heavy, ["memcheck"], SHARDS="3", ONLY="heavy")
+    assert names("memcheck_passed.txt") == [f"test_heavy{i}" for i in range(3)]
 
 
 @pytest.mark.parametrize("var, value", [("SHARDS", "0"), ("SHARDS", "two"), ("TIMEOUT", "-5")])

@@ -8,11 +8,13 @@
 # workers under one sanitizer did not get through their start-up on the H200.) A tool's line in
 # OUTDIR/0_sanitize.txt: the tests passed and failed and the errors, summed over the shards;
 # OUTDIR/TOOL_reports.log holds the first reports in full.
-# Env: SHARDS (default 12; on an 80 GB H100, 10 memcheck shards left the sanitizer short of
-# device memory while the CLI's bench tests ran: "Internal Sanitizer Error ... Unable to allocate
-# enough memory", those launches untracked, and the transformers example failed; each passed
-# alone with 0 errors: rerun such tests alone, or take fewer shards there), ONLY (the shards to
-# run, e.g. "0 1 2": a tool's run split across calls; default all), TIMEOUT (seconds per tool,
+# Tests marked heavy (those that hold gigabytes of device memory: the CLI's bench and check runs,
+# the examples) run in one more shard of their own, "heavy", one after another beside the others:
+# on an 80 GB H100, memcheck shards that ran them side by side (6 or 10 of them) left the
+# sanitizer short of device memory ("Internal Sanitizer Error ... Unable to allocate enough
+# memory", those launches untracked) and tests failed that pass alone with 0 errors.
+# Env: SHARDS (default 12; the shards besides the heavy one), ONLY (the shards to run, e.g.
+# "0 1 heavy": a tool's run split across calls; default all), TIMEOUT (seconds per tool,
 # default 540: keep it inside the call's own limit, or the summary is never written), FILTER
 # (pytest -k), EXCLUDE (a file of node ids, one a line, left out before sharding:
 # CUPYDECODE_TEST_EXCLUDE, tests/conftest.py),
@@ -76,15 +78,19 @@ for tool in $TOOLS; do
   [ "$tool" = racecheck ] && marks="not nccl and not torch"
   logs=$(mktemp -d)
   start=$(date +%s)
-  for i in ${ONLY:-$(seq 0 $((SHARDS - 1)))}; do
+  # the tests marked heavy in a shard of their own ("heavy", one after another, beside the
+  # others), the rest in SHARDS shards
+  for i in ${ONLY:-$(seq 0 $((SHARDS - 1))) heavy}; do
+    if [ "$i" = heavy ]; then shard=0/1 m="$marks and heavy"
+    else shard="$i$SEP$SHARDS" m="$marks and not heavy"; fi
     # each shard's exit status in $logs/$i.rc: timeout's 124 (or 137) marks a stopped shard
     # shellcheck disable=SC2086
-    ( CUPYDECODE_TEST_SHARD="$i$SEP$SHARDS" timeout "$TIMEOUT" \
+    ( CUPYDECODE_TEST_SHARD="$shard" timeout "$TIMEOUT" \
       compute-sanitizer --tool "$tool" --error-exitcode 3 --print-limit 20 \
       ${kns:+--kernel-name kns="$kns"} \
       env ${EXCLUDE:+CUPYDECODE_TEST_EXCLUDE="$EXCLUDE"} CUPYDECODE_TEST_PASSED="$logs/$i.passed" \
       CUPYDECODE_TEST_FAILED="$logs/$i.failed" \
-      $PY -m pytest -v -p no:cacheprovider -p no:xdist --tb=line -m "$marks" \
+      $PY -m pytest -v -p no:cacheprovider -p no:xdist --tb=line -m "$m" \
       ${FILTER:+-k "$FILTER"} $FILES > "$logs/$i.log" 2>&1
       echo $? > "$logs/$i.rc" ) &
   done
@@ -130,7 +136,7 @@ for tool in $TOOLS; do
   [ -n "$kns" ] && kdesc=", kernels *$kns* checked"
   line="$tool: ${took}s, $passed passed, $failed failed, $errors errors"
   [ "$internal" -gt 0 ] && line="$line, $internal internal sanitizer errors"
-  line="$line; $finished of $ran shards finished (${ONLY:+shards $ONLY of }$SHARDS${SPREAD:+, spread})$kdesc${EXCLUDE:+, $(wc -l < "$EXCLUDE") tests excluded}"
+  line="$line; $finished of $ran shards finished (${ONLY:+shards $ONLY of }$SHARDS + heavy${SPREAD:+, spread})$kdesc${EXCLUDE:+, $(wc -l < "$EXCLUDE") tests excluded}"
   echo "$line" | tee -a "$summary"
   rm -rf "$logs"
 done
