@@ -46,7 +46,15 @@ from .workloads import (Workload, alibi_slopes, fresh_seed, make_inputs, new_tok
                         page_like, quantize_inputs,
                         sink_logits)
 
+# How much each measurement repeats. Read when a measurement runs (not bound as defaults), so
+# that a run can take fewer: the tests of the CLI's wiring do, whose every launch is slow under
+# compute-sanitizer.
 GRAPH_TRIALS = 20          # graph replays per measurement
+HOST_CALLS = 40            # host_time_cupy: back-to-back calls per batch …
+HOST_BATCHES = 7           # … and batches (the median of theirs)
+EAGER_CALLS = (20, 200)    # eager_time_cupy's calls per point: ~0.25 s of them, within these
+CEILING_BYTES = 2 << 30    # measure_read_ceiling's buffer …
+CEILING_TRIALS = 10        # … and graph replays per blocks-per-SM tried
 MIN_GRAPH_CALLS = 10       # calls captured per graph (more if there are more buffer sets)
 MAX_BUFFER_SETS = 256
 L2_FACTOR = 4              # rotate over more than this many L2's worth of KV
@@ -85,10 +93,11 @@ def _cuda_version(v: int) -> str:
 
 # ---------------------------------------------------------------------------- read ceiling
 
-def measure_read_ceiling(nbytes: int = 2 << 30, trials: int = 10) -> dict:
-    """HBM read bandwidth in GB/s (1e9 B/s) of kernels/read_ceiling.cu over ``nbytes`` of random
-    data: the best of 2, 4 and 8 blocks per SM, each the median of ``trials`` replays of a graph
-    of three launches, timed like every decode kernel (:func:`graph_time_cupy`).
+def measure_read_ceiling(nbytes: int | None = None, trials: int | None = None) -> dict:
+    """HBM read bandwidth in GB/s (1e9 B/s) of kernels/read_ceiling.cu over ``nbytes`` (default
+    CEILING_BYTES) of random data: the best of 2, 4 and 8 blocks per SM, each the median of
+    ``trials`` (default CEILING_TRIALS) replays of a graph of three launches, timed like every
+    decode kernel (:func:`graph_time_cupy`).
 
     Returns {"gbps", "nbytes", "us", "blocks_per_sm"}. Uses a smaller buffer if free memory is
     short (the buffer must still be far larger than L2 for the number to mean anything).
@@ -98,8 +107,9 @@ def measure_read_ceiling(nbytes: int = 2 << 30, trials: int = 10) -> dict:
     from ._kernels import get_function, launch
     from .decode import _sm_count
 
+    trials = trials or CEILING_TRIALS
     free = cupy.cuda.runtime.memGetInfo()[0]
-    nbytes = int(min(nbytes, free // 4)) // (16 << 20) * (16 << 20)
+    nbytes = int(min(nbytes or CEILING_BYTES, free // 4)) // (16 << 20) * (16 << 20)
     if nbytes <= 0:
         raise MemoryError("not enough free GPU memory to measure the read ceiling")
     kernel = get_function("read_ceiling.cu", "cd_read_ceiling", {})  # kernels/read_ceiling.cu
@@ -208,7 +218,7 @@ def _graphs_for(n_calls: int, span: int | None) -> int:
     return -(-max(span or n_calls, n_calls) // n_calls)
 
 
-def graph_time_cupy(call, n_calls: int, trials: int = GRAPH_TRIALS,
+def graph_time_cupy(call, n_calls: int, trials: int | None = None,
                     hold: bool = True, before=None, span: int | None = None
                     ) -> tuple[float, float, float]:
     """GPU µs per call of ``call(i)``, i = 0..n_calls-1, captured in one CUDA graph.
@@ -251,13 +261,14 @@ def graph_time_cupy(call, n_calls: int, trials: int = GRAPH_TRIALS,
             graph.launch(stream)
         stream.synchronize()
         turn = itertools.cycle(graphs)
-        stats = _event_times(lambda: next(turn).launch(stream), stream, n_calls, trials, hold,
+        stats = _event_times(lambda: next(turn).launch(stream), stream, n_calls,
+                             trials or GRAPH_TRIALS, hold,
                              None if without is None else (lambda: without.launch(stream)))
     del graphs, without
     return stats
 
 
-def stream_time_cupy(call, n_calls: int, trials: int = GRAPH_TRIALS) -> tuple[float, float, float]:
+def stream_time_cupy(call, n_calls: int, trials: int | None = None) -> tuple[float, float, float]:
     """GPU µs per call from events around ``n_calls`` back-to-back eager calls (no graph).
 
     For work that CuPy refuses to capture (it raises on cuBLAS calls during stream capture):
@@ -272,7 +283,7 @@ def stream_time_cupy(call, n_calls: int, trials: int = GRAPH_TRIALS) -> tuple[fl
             call(i)
     run()
     stream.synchronize()
-    return _event_times(run, stream, n_calls, trials, hold=False)
+    return _event_times(run, stream, n_calls, trials or GRAPH_TRIALS, hold=False)
 
 
 def _warmed_up(call):
@@ -286,14 +297,16 @@ def _warmed_up(call):
     return stream
 
 
-def host_time_cupy(call, n: int = 40, batches: int = 7) -> float:
-    """Host µs per ``call(i)`` alone: median over ``batches`` runs of ``n`` back-to-back calls.
+def host_time_cupy(call, n: int | None = None, batches: int | None = None) -> float:
+    """Host µs per ``call(i)`` alone: median over ``batches`` runs of ``n`` back-to-back calls
+    (default HOST_BATCHES and HOST_CALLS).
 
     The launches are asynchronous, so this is the Python + launch cost a caller pays per call
     (validation, plan lookup, argument packing, launch), without the GPU time. Batches are short
     and start on an idle stream, so the launch queue never fills and blocks the host; the median
     drops batches disturbed by other threads of the process.
     """
+    n, batches = n or HOST_CALLS, batches or HOST_BATCHES
     stream = _warmed_up(call)
     per_batch = []
     for _ in range(batches):
@@ -396,7 +409,7 @@ def flashinfer_available() -> str | None:
     return None
 
 
-def _torch_graph_time(torch, call, n_calls: int, trials: int = GRAPH_TRIALS, before=None,
+def _torch_graph_time(torch, call, n_calls: int, trials: int | None = None, before=None,
                       span: int | None = None):
     """Like :func:`graph_time_cupy` (held stream, ``before`` and ``span`` too) with
     torch.cuda.CUDAGraph; returns (stats, first output)."""
@@ -436,7 +449,8 @@ def _torch_graph_time(torch, call, n_calls: int, trials: int = GRAPH_TRIALS, bef
     torch.cuda.synchronize()
     turn = itertools.cycle(graphs)
     # events on the stream torch replays on, through the same loop as ours
-    stats = _event_times(lambda: next(turn).replay(), torch_stream(), n_calls, trials, hold=True,
+    stats = _event_times(lambda: next(turn).replay(), torch_stream(), n_calls,
+                         trials or GRAPH_TRIALS, hold=True,
                          run_without=None if without is None else without.replay)
     first = outs[0][0].clone()
     del graphs, without, outs
@@ -919,7 +933,8 @@ def bench_point(w: Workload, ceiling_gbps: float, l2_bytes: int, model: str = ""
                 # plan does
                 flash_decode(q, k, v, None if table is None else w.seqlen,
                              num_splits=w.num_splits, block_table=table, **opts, **fp8, **sc)
-        base["eager_us"] = eager_time_cupy(eager, int(min(200, max(20, 2.5e5 / (med + 20)))))
+        fewest, most = EAGER_CALLS
+        base["eager_us"] = eager_time_cupy(eager, int(min(most, max(fewest, 2.5e5 / (med + 20)))))
         base["host_us"] = host_time_cupy(eager)
         base["plan_host_us"] = host_time_cupy(run_plan)
         base["launch_host_us"] = empty_launch_host_us()

@@ -15,6 +15,20 @@ from helpers import mutant_source
 pytestmark = pytest.mark.gpu
 
 
+@pytest.fixture
+def few_repeats(monkeypatch):
+    """The bench's measurements repeated a few times only: the bench tests check what the CLI
+    measures and writes, not how fast, and every launch of theirs is slow under
+    compute-sanitizer (with the default repeats one such test ran past 570 s under racecheck)."""
+    from cupydecode import bench as B
+
+    for name, value in (("GRAPH_TRIALS", 5), ("HOST_CALLS", 4), ("HOST_BATCHES", 2),
+                        ("EAGER_CALLS", (3, 3)), ("CEILING_BYTES", 256 << 20),
+                        ("CEILING_TRIALS", 2)):
+        assert hasattr(B, name), name
+        monkeypatch.setattr(B, name, value)
+
+
 @pytest.mark.heavy
 def test_check_default_matrix_passes(runner, tmp_path):
     out = tmp_path / "check.json"
@@ -121,7 +135,7 @@ def test_gpu_reference_matches_numpy(cupy, seed):
 
 
 @pytest.mark.heavy
-def test_bench_tiny_sweep_writes_files(runner, tmp_path):
+def test_bench_tiny_sweep_writes_files(runner, tmp_path, few_repeats):
     csv_path, json_path = tmp_path / "b.csv", tmp_path / "b.json"
     result = runner.invoke(cli.main, ["bench", "--seqlens", "1024", "--batch", "1",
                                       "--csv", str(csv_path), "--json", str(json_path)])
@@ -142,7 +156,7 @@ def test_bench_tiny_sweep_writes_files(runner, tmp_path):
 
 
 @pytest.mark.heavy
-def test_bench_append(runner, tmp_path):
+def test_bench_append(runner, tmp_path, few_repeats):
     """bench --append: the call with the append checked against float64, and the same call
     without it timed in the same protocol."""
     json_path = tmp_path / "b.json"
@@ -197,7 +211,7 @@ def test_info_compile_builds_every_specialisation(runner, cupy):
 
 
 @pytest.mark.heavy
-def test_bench_protocols_side_by_side(runner, tmp_path):
+def test_bench_protocols_side_by_side(runner, tmp_path, few_repeats):
     """One row per protocol on the same point, the host costs measured in the same process, and
     the spread table over the protocols."""
     json_path = tmp_path / "b.json"
@@ -254,7 +268,7 @@ def test_check_catches_a_kernel_that_ignores_the_scales(cupy, tmp_path, ignored)
 
 
 @pytest.mark.heavy
-def test_bench_kv_dtype(runner, tmp_path):
+def test_bench_kv_dtype(runner, tmp_path, few_repeats):
     """bench --kv-dtype: the fp8 call checked against float64, its floor from the fp8 bytes
     (half of fp16's; per-token scales add 4 bytes per token and KV head), the naive version left
     out with the reason."""
