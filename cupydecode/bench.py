@@ -63,6 +63,11 @@ SETTLE_S = 1.0             # idle time before a point is timed (settle)
 HOLD_NS = 200_000          # hold_stream: ≫ the host's time to queue a start event and a graph
 
 
+def _given(value, default):
+    """``value``, or ``default`` (one of the repeat counts above, read now) when None."""
+    return default if value is None else value
+
+
 # ---------------------------------------------------------------------------- device facts
 
 def device_info() -> dict:
@@ -107,9 +112,9 @@ def measure_read_ceiling(nbytes: int | None = None, trials: int | None = None) -
     from ._kernels import get_function, launch
     from .decode import _sm_count
 
-    trials = trials or CEILING_TRIALS
+    trials = _given(trials, CEILING_TRIALS)
     free = cupy.cuda.runtime.memGetInfo()[0]
-    nbytes = int(min(nbytes or CEILING_BYTES, free // 4)) // (16 << 20) * (16 << 20)
+    nbytes = int(min(_given(nbytes, CEILING_BYTES), free // 4)) // (16 << 20) * (16 << 20)
     if nbytes <= 0:
         raise MemoryError("not enough free GPU memory to measure the read ceiling")
     kernel = get_function("read_ceiling.cu", "cd_read_ceiling", {})  # kernels/read_ceiling.cu
@@ -262,7 +267,7 @@ def graph_time_cupy(call, n_calls: int, trials: int | None = None,
         stream.synchronize()
         turn = itertools.cycle(graphs)
         stats = _event_times(lambda: next(turn).launch(stream), stream, n_calls,
-                             trials or GRAPH_TRIALS, hold,
+                             _given(trials, GRAPH_TRIALS), hold,
                              None if without is None else (lambda: without.launch(stream)))
     del graphs, without
     return stats
@@ -283,7 +288,7 @@ def stream_time_cupy(call, n_calls: int, trials: int | None = None) -> tuple[flo
             call(i)
     run()
     stream.synchronize()
-    return _event_times(run, stream, n_calls, trials or GRAPH_TRIALS, hold=False)
+    return _event_times(run, stream, n_calls, _given(trials, GRAPH_TRIALS), hold=False)
 
 
 def _warmed_up(call):
@@ -306,7 +311,7 @@ def host_time_cupy(call, n: int | None = None, batches: int | None = None) -> fl
     and start on an idle stream, so the launch queue never fills and blocks the host; the median
     drops batches disturbed by other threads of the process.
     """
-    n, batches = n or HOST_CALLS, batches or HOST_BATCHES
+    n, batches = _given(n, HOST_CALLS), _given(batches, HOST_BATCHES)
     stream = _warmed_up(call)
     per_batch = []
     for _ in range(batches):
@@ -450,7 +455,7 @@ def _torch_graph_time(torch, call, n_calls: int, trials: int | None = None, befo
     turn = itertools.cycle(graphs)
     # events on the stream torch replays on, through the same loop as ours
     stats = _event_times(lambda: next(turn).replay(), torch_stream(), n_calls,
-                         trials or GRAPH_TRIALS, hold=True,
+                         _given(trials, GRAPH_TRIALS), hold=True,
                          run_without=None if without is None else without.replay)
     first = outs[0][0].clone()
     del graphs, without, outs

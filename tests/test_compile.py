@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import re
@@ -209,17 +210,31 @@ def test_kernel_sources_override_is_scoped(tmp_path):
     assert _kernels.program_source("decode_split.cu", defines) == shipped
 
 
-@pytest.mark.parametrize("name", sorted(KERNEL_MUTANTS))
-def test_kernel_mutants_still_apply_and_compile(nvrtc, tmp_path, name):
-    """The broken kernels that GPU tests expect a check to catch (tests/helpers.py): each line a
-    mutant replaces still stands in the source once, and the mutant builds — the fp8 shapes of the
-    scale mutants, per tensor or head and per token, with the runtime options the append
-    mutant's store sits in — so a kernel change that moves those lines fails here, on any machine."""
-    (tmp_path / "decode_split.cu").write_text(mutant_source(name))
+def _mutant_configs(name: str) -> list:
+    """The builds whose code a mutant changes, as the GPU tests run it: the append's store in
+    the 16-bit one-token path (contiguous and paged caches; an fp8 cache stores through
+    cd_quantize_new_rows), the scales in the fp8 shapes per tensor or head and per token."""
+    if name == "append_not_stored":
+        cfg = _policy.split_kernel_config("float16", 128)
+        return [cfg, dataclasses.replace(cfg, paged=True)]
     configs = [c for c in _policy.fp8_kernel_configs("float16", 128, "e4m3")
                if c.l2_evict_first and c.num_warps == 8]
     assert {c.kv_scale_token for c in configs} == {False, True}
-    with _kernels.kernel_sources(tmp_path):
-        for cfg in configs:
+    return configs
+
+
+@pytest.mark.parametrize("name", sorted(KERNEL_MUTANTS))
+def test_kernel_mutants_still_apply_and_compile(nvrtc, tmp_path, name):
+    """The broken kernels that GPU tests expect a check to catch (tests/helpers.py): each line a
+    mutant replaces still stands in the source once, and the mutant builds into machine code
+    that differs from the shipped kernel's in every build its GPU test runs (a mutant whose lines
+    became dead code there would test nothing), so a kernel change that moves those lines fails
+    here, on any machine."""
+    (tmp_path / "decode_split.cu").write_text(mutant_source(name))
+    for cfg in _mutant_configs(name):
+        assert cfg.runtime_options, cfg  # (the append and the scales are runtime options)
+        shipped, _ = _kernels.compile_for_arch("decode_split.cu", cfg.defines(), "sm_90")
+        with _kernels.kernel_sources(tmp_path):
             cubin, _ = _kernels.compile_for_arch("decode_split.cu", cfg.defines(), "sm_90")
-            assert cubin[:4] == b"\x7fELF"
+        assert cubin[:4] == b"\x7fELF"
+        assert cubin != shipped, f"mutant {name} changes nothing in {cfg}"

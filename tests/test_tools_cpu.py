@@ -199,24 +199,36 @@ def test_sanitize_suite_leaves_torch_tests_out_of_racecheck_only(tmp_path):
 
 
 def test_sanitize_suite_runs_heavy_tests_one_at_a_time_apart(tmp_path):
-    """Tests marked heavy run in a shard of their own, one after another (each fails if another
-    is running: a lock file), the rest in the SHARDS shards beside it; ONLY picks shards by
-    name. Over the stand-in sanitizer, no GPU."""
-    heavy = ("import os, time, pytest\n"
-             "def _alone():\n"
-             "    fd = os.open('heavy.lock', os.O_CREAT | os.O_EXCL)  # fails while another runs\n"
-             "    time.sleep(0.5)\n"
-             "    os.close(fd); os.remove('heavy.lock')\n"
-             + "".join(f"@pytest.mark.heavy\ndef test_heavy{i}(): _alone()\n" for i in range(3))
-             + "".join(f"def test_light{i}(): pass\n" for i in range(3)))
-    names, summary = _sanitize_suite(tmp_path, heavy, ["memcheck"], SHARDS="3", SPREAD="1")
+    """Tests marked heavy run in one process of their own (hence one after another), the rest
+    in the SHARDS shards beside it: each test writes its name and its process id. ONLY picks
+    shards by name, and refuses what is not one. Over the stand-in sanitizer, no GPU."""
+    tests = ("import os, pytest\n"
+             "def _mark(name):\n"
+             "    with open('pids.txt', 'a') as f:\n"
+             "        f.write(f'{name} {os.getpid()}\\n')\n"
+             + "".join(f"@pytest.mark.heavy\ndef test_heavy{i}(): _mark('heavy')\n"
+                       for i in range(3))
+             + "".join(f"def test_light{i}(): _mark('light')\n" for i in range(3)))
+    names, summary = _sanitize_suite(tmp_path, tests, ["memcheck"], SHARDS="3", SPREAD="1")
     assert names("memcheck_passed.txt") == [f"test_heavy{i}" for i in range(3)] + [
         f"test_light{i}" for i in range(3)]
     assert "6 passed, 0 failed, 0 errors; 4 of 4 shards finished (3 + heavy, spread)" in summary
-    (tmp_path / "out").rename(tmp_path / "all")
-    (tmp_path / "bin").rename(tmp_path / "bin0")
-    names, _ = _sanitize_suite(tmp_path, heavy, ["memcheck"], SHARDS="3", ONLY="heavy")
+    pids = {"heavy": set(), "light": set()}
+    for line in (tmp_path / "pids.txt").read_text().splitlines():
+        kind, pid = line.split()
+        pids[kind].add(pid)
+    assert len(pids["heavy"]) == 1 and len(pids["light"]) == 3, pids
+    assert not pids["heavy"] & pids["light"], pids
+    for name in ("out", "bin", "pids.txt"):
+        (tmp_path / name).rename(tmp_path / f"{name}.0")
+    names, summary = _sanitize_suite(tmp_path, tests, ["memcheck"], SHARDS="3", ONLY="heavy")
     assert names("memcheck_passed.txt") == [f"test_heavy{i}" for i in range(3)]
+    assert "1 of 1 shards finished (shards run: heavy; of 3 + heavy)" in summary
+    for only in ("3", "x", "1 hevy"):
+        run = _run_sanitize_suite(tmp_path, tmp_path / "bad", ["memcheck"],
+                                  {**os.environ, "SHARDS": "3", "ONLY": only})
+        assert run.returncode == 2 and "ONLY takes shard numbers below 3 or heavy" in run.stderr
+        assert not (tmp_path / "bad").exists()
 
 
 @pytest.mark.parametrize("var, value", [("SHARDS", "0"), ("SHARDS", "two"), ("TIMEOUT", "-5")])

@@ -8,14 +8,16 @@
 # workers under one sanitizer did not get through their start-up on the H200.) A tool's line in
 # OUTDIR/0_sanitize.txt: the tests passed and failed and the errors, summed over the shards;
 # OUTDIR/TOOL_reports.log holds the first reports in full.
-# Tests marked heavy (those that hold gigabytes of device memory: the CLI's bench and check runs,
-# the examples) run in one more shard of their own, "heavy", one after another beside the others:
-# on an 80 GB H100, memcheck shards that ran them side by side (6 or 10 of them) left the
-# sanitizer short of device memory ("Internal Sanitizer Error ... Unable to allocate enough
-# memory", those launches untracked) and tests failed that pass alone with 0 errors.
+# Tests marked heavy (those that hold gigabytes of device memory: the bench runs, check's default
+# matrix, info --compile, the speculative and transformers examples) run in one more shard of
+# their own, "heavy", one after another beside the others: on an 80 GB H100, memcheck shards that
+# ran them side by side (6 or 10 of them) left the sanitizer short of device memory ("Internal
+# Sanitizer Error ... Unable to allocate enough memory", those launches untracked) and tests
+# failed that pass alone with 0 errors. Under racecheck the heavy shard alone may outlast a
+# TIMEOUT: give it runs of its own (ONLY=heavy).
 # Env: SHARDS (default 12; the shards besides the heavy one), ONLY (the shards to run, e.g.
-# "0 1 heavy": a tool's run split across calls; default all), TIMEOUT (seconds per tool,
-# default 540: keep it inside the call's own limit, or the summary is never written), FILTER
+# "0 1 heavy": a tool's run split across runs; default all), TIMEOUT (seconds per tool,
+# default 540: keep it inside the caller's own time limit, or the summary is never written), FILTER
 # (pytest -k), EXCLUDE (a file of node ids, one a line, left out before sharding:
 # CUPYDECODE_TEST_EXCLUDE, tests/conftest.py),
 # KERNELS (default cd_: only kernels whose names hold it are checked, i.e. cupydecode's own; CuPy's
@@ -56,6 +58,16 @@ for var in SHARDS TIMEOUT; do
   case $val in
     *[!0-9]* | 0*) echo "sanitize_suite.sh: $var must be a positive integer, got '$val'" >&2
                    exit 2 ;;
+  esac
+done
+# ONLY: shard numbers below SHARDS, or heavy
+for i in ${ONLY:-}; do
+  case $i in
+    heavy) ;;
+    *[!0-9]* | "") echo "sanitize_suite.sh: ONLY takes shard numbers below $SHARDS or heavy, got '$i'" >&2
+                   exit 2 ;;
+    *) [ "$i" -lt "$SHARDS" ] || { echo "sanitize_suite.sh: ONLY takes shard numbers below $SHARDS or heavy, got '$i'" >&2
+                                   exit 2; } ;;
   esac
 done
 mkdir -p "$OUT_DIR"
@@ -136,7 +148,7 @@ for tool in $TOOLS; do
   [ -n "$kns" ] && kdesc=", kernels *$kns* checked"
   line="$tool: ${took}s, $passed passed, $failed failed, $errors errors"
   [ "$internal" -gt 0 ] && line="$line, $internal internal sanitizer errors"
-  line="$line; $finished of $ran shards finished (${ONLY:+shards $ONLY of }$SHARDS + heavy${SPREAD:+, spread})$kdesc${EXCLUDE:+, $(wc -l < "$EXCLUDE") tests excluded}"
+  line="$line; $finished of $ran shards finished (${ONLY:+shards run: $ONLY; of }$SHARDS + heavy${SPREAD:+, spread})$kdesc${EXCLUDE:+, $(wc -l < "$EXCLUDE") tests excluded}"
   echo "$line" | tee -a "$summary"
   rm -rf "$logs"
 done
