@@ -63,12 +63,12 @@ done
 # ONLY: shard numbers below SHARDS, or heavy
 for i in ${ONLY:-}; do
   case $i in
-    heavy) ;;
-    *[!0-9]* | "") echo "sanitize_suite.sh: ONLY takes shard numbers below $SHARDS or heavy, got '$i'" >&2
-                   exit 2 ;;
-    *) [ "$i" -lt "$SHARDS" ] || { echo "sanitize_suite.sh: ONLY takes shard numbers below $SHARDS or heavy, got '$i'" >&2
-                                   exit 2; } ;;
+    heavy) continue ;;
+    *[!0-9]*) ;;
+    *) [ "$i" -lt "$SHARDS" ] && continue ;;
   esac
+  echo "sanitize_suite.sh: ONLY takes shard numbers below $SHARDS or heavy, got '$i'" >&2
+  exit 2
 done
 mkdir -p "$OUT_DIR"
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$(pwd) PYTHONUNBUFFERED=1
