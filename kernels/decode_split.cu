@@ -1237,9 +1237,7 @@ __device__ __forceinline__ void cd_epilogue(const cd_decode_params& p, const cd_
 #if MULTI_Q
     const int q_len = blk.q_len, vgroup = blk.vgroup;
 #else
-    constexpr int q_len = 1;
-    (void)blk.q_len;
-    (void)blk.vgroup;
+    constexpr int q_len = 1;  // (blk.q_len and blk.vgroup unused)
 #endif
     float* __restrict__ o_part = p.o_part;
     float* __restrict__ lse_part = p.lse_part;
