@@ -34,6 +34,18 @@ def fail(kind: type[Exception], name: str, expected: str, got) -> None:
     raise kind(f"{name}: expected {expected}, got {got}")
 
 
+def check_dtype_arg(dtype, name: str) -> str:
+    """An element type given as an argument (a NumPy dtype, type or name; "bfloat16" once CuPy
+    is imported): its name, one of the kernels' types."""
+    try:
+        got = dtype_name(dtype)
+    except TypeError:
+        fail(TypeError, name, "a NumPy dtype or dtype name", repr(dtype))
+    if got not in DTYPE_IDS:
+        fail(TypeError, name, "one of (" + ", ".join(DTYPE_IDS) + ")", got)
+    return got
+
+
 def as_device_array(x, name: str):
     """A ``cupy.ndarray`` view of ``x`` (zero-copy for CuPy, DLPack and CUDA-array-interface
     objects such as torch or JAX GPU tensors). Host arrays are refused with a hint.
@@ -177,13 +189,11 @@ _FLOAT32_TINY = float(np.finfo(np.float32).tiny)
 MAX_SOFT_CAP = 1000.0
 
 
-def check_tuning(tuning, config, smem_optin: int):
-    """The plan's block shape ``config`` (the policy's, with every switch the plan sets) with
-    ``tuning``'s overrides (None or a :class:`cupydecode.Tuning`), checked to give a kernel that
-    builds (decode_split.cu's conditions) and fits in ``smem_optin`` bytes of shared memory per
-    block (0: unknown)."""
+def check_tuning_types(tuning) -> None:
+    """``tuning``: None or a :class:`cupydecode.Tuning` whose fields have their types (what
+    can be checked before the plan's shape is known)."""
     if tuning is None:
-        return config
+        return
     if not isinstance(tuning, Tuning):
         fail(TypeError, "tuning", "a cupydecode.Tuning or None", type(tuning).__name__)
     for name in ("num_warps", "stages"):
@@ -194,6 +204,16 @@ def check_tuning(tuning, config, smem_optin: int):
         value = getattr(tuning, name)
         if value is not None and not isinstance(value, bool):
             fail(TypeError, f"tuning.{name}", "True, False or None", repr(value))
+
+
+def check_tuning(tuning, config, smem_optin: int):
+    """The plan's block shape ``config`` (the policy's, with every switch the plan sets) with
+    ``tuning``'s overrides (None or a :class:`cupydecode.Tuning`), checked to give a kernel that
+    builds (decode_split.cu's conditions) and fits in ``smem_optin`` bytes of shared memory per
+    block (0: unknown)."""
+    if tuning is None:
+        return config
+    check_tuning_types(tuning)
     config = tuned(config, tuning)
     per_slot = config.m_tiles * config.kv_per_block  # warps of one token slot
     nw = config.num_warps
@@ -258,9 +278,18 @@ def check_window(window_left) -> int | None:
     return w
 
 
+def host_array(x, name: str) -> np.ndarray:
+    """Host values (a list, tuple or NumPy array) as a NumPy array; a ragged or otherwise
+    unconvertible sequence is refused with the argument's name."""
+    try:
+        return np.asarray(x)
+    except (ValueError, TypeError) as exc:
+        fail(ValueError, name, "a rectangular sequence of numbers", f"{type(x).__name__} ({exc})")
+
+
 def _host_finite(x, name: str) -> np.ndarray:
     """Host values (a list, tuple or NumPy array) of real, finite numbers, as a NumPy array."""
-    arr = np.asarray(x)
+    arr = host_array(x, name)
     if arr.dtype == bool or not np.issubdtype(arr.dtype, np.number):
         fail(TypeError, name, "real numbers", f"dtype {arr.dtype}")
     if not np.all(np.isfinite(arr)):
@@ -567,7 +596,7 @@ def check_block_table(block_table, batch: int, page_size: int, num_pages: int,
         if not allow_host_array:
             fail(TypeError, "block_table", f"a {layout} device array (a plan never copies from "
                  "the host)", type(block_table).__name__)
-        arr = np.asarray(block_table)
+        arr = host_array(block_table, "block_table")
         if arr.dtype == bool or not np.issubdtype(arr.dtype, np.integer):
             fail(TypeError, "block_table", "integers", f"dtype {arr.dtype}")
         check_table_shape(arr)
@@ -607,20 +636,38 @@ def check_paged_cache(shape: dict, block_table, min_pages: int = 1,
     return shape, table, bt_sb, num_pages
 
 
-def check_lengths_fit(cache_seqlens, q_len: int) -> None:
-    """With ``q_len`` query tokens per sequence, host-given lengths (an int or a host sequence)
-    must hold them: each query token is one of its sequence's last q_len tokens. A length of 0
-    (an empty slot) passes: its rows attend nothing. (Device lengths are never read: a shorter
-    sequence's first query rows then attend nothing.)"""
-    if q_len == 1 or cache_seqlens is None or isinstance(cache_seqlens, bool):
+def check_lengths_fit(cache_seqlens, q_len: int, max_seqlen: int, appending: bool,
+                      in_cache: bool) -> None:
+    """Host-given lengths (None: every sequence holds max_seqlen; an int; a host sequence)
+    against the query tokens. ``appending`` (k_new and v_new given): their q_len tokens are
+    written at positions length … length + q_len − 1, which must lie below max_seqlen.
+    ``in_cache`` (q_len > 1 tokens already in the cache): each query token is one of its
+    sequence's last q_len tokens, so a length must be ≥ q_len; a length of 0 (an empty slot)
+    passes, its rows attend nothing. Device lengths are never read: the kernel clamps them (a
+    position at or past max_seqlen is not written; a shorter sequence's first query rows attend
+    nothing). Values of the wrong type or range are left to :func:`check_seqlens`."""
+    if not appending and not (in_cache and q_len > 1):
         return
-    if isinstance(cache_seqlens, numbers.Integral):
+    if cache_seqlens is None:
+        values = np.asarray([max_seqlen])
+    elif isinstance(cache_seqlens, bool):
+        return
+    elif isinstance(cache_seqlens, numbers.Integral):
         values = np.asarray([int(cache_seqlens)])
-    elif isinstance(cache_seqlens, (list, tuple, np.ndarray)) and len(cache_seqlens):
-        values = np.asarray(cache_seqlens)
-        if not np.issubdtype(values.dtype, np.integer):
-            return  # check_seqlens names the type
+    elif isinstance(cache_seqlens, (list, tuple, np.ndarray)):
+        values = host_array(cache_seqlens, "cache_seqlens")
+        if values.ndim != 1 or not values.size or not np.issubdtype(values.dtype, np.integer):
+            return
     else:
+        return
+    if appending:
+        most = int(values.max())
+        if most + q_len > max_seqlen:
+            tokens = "token" if q_len == 1 else f"{q_len} tokens"
+            fail(ValueError, "cache_seqlens", f"lengths <= max_seqlen - {q_len} = "
+                 f"{max_seqlen - q_len} (k_new/v_new's {tokens} written at positions "
+                 "cache_seqlens[b] onwards must lie inside the cache)",
+                 "None (every sequence full)" if cache_seqlens is None else f"a length of {most}")
         return
     values = values[values > 0]
     least = int(values.min()) if values.size else q_len
@@ -655,7 +702,7 @@ def check_seqlens(cache_seqlens, batch: int, max_seqlen: int, allow_host_array: 
             fail(TypeError, "cache_seqlens", "None, an int or an int32/int64 device array of shape "
                  f"({batch},) (host arrays would need a copy, which a plan never makes)",
                  type(cache_seqlens).__name__)
-        arr = np.asarray(cache_seqlens)
+        arr = host_array(cache_seqlens, "cache_seqlens")
         if arr.dtype == bool or not np.issubdtype(arr.dtype, np.integer):
             fail(TypeError, "cache_seqlens", "integers", f"dtype {arr.dtype}")
         if arr.shape != (batch,):

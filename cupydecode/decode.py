@@ -122,8 +122,9 @@ class DecodePlan:
     ``run(..., k_new=, v_new=)`` appends each sequence's new token in the same launch: attention
     runs over cache_seqlens[b] + 1 tokens (clamped to max_seqlen), the new one read from k_new,
     v_new, and the block whose chunk holds it writes its K and V rows into the cache at position
-    cache_seqlens[b] (through the block table when paged; a full sequence, or a page index outside
-    [0, num_pages), writes nothing). The caller advances cache_seqlens.
+    cache_seqlens[b] (through the block table when paged; a device length at or past
+    max_seqlen, or a page index outside [0, num_pages), writes nothing; an int length or None
+    that leaves no room is refused). The caller advances cache_seqlens.
 
     ``window_left`` W ≥ 0 makes every run attend only the last W + 1 tokens of each sequence
     (the new one included; with N query tokens, each token's own last W + 1); the split count and
@@ -168,12 +169,7 @@ class DecodePlan:
         self.num_kv_heads = V.check_int(num_kv_heads, "num_kv_heads", 1)
         self.head_dim = V.check_int(head_dim, "head_dim", 1)
         self.max_seqlen = V.check_int(max_seqlen, "max_seqlen", 0, _policy.MAX_TOKENS)
-        try:
-            self.dtype = V.dtype_name(dtype)
-        except TypeError:
-            V.fail(TypeError, "dtype", "a NumPy dtype or dtype name", repr(dtype))
-        if self.dtype not in _policy.DTYPE_IDS:
-            V.fail(TypeError, "dtype", "one of (" + ", ".join(_policy.DTYPE_IDS) + ")", self.dtype)
+        self.dtype = V.check_dtype_arg(dtype, "dtype")
         V.check_head_dim(self.head_dim, self.dtype, "head_dim")
         self.kv_dtype = None if kv_dtype is None else V.check_kv_dtype(kv_dtype)
         if self.kv_dtype is not None:
@@ -195,6 +191,7 @@ class DecodePlan:
                      else min(self.max_seqlen, self.window_left + self.q_len))
         self.page_size = (None if page_size is None
                           else V.check_int(page_size, "page_size", 1, _policy.MAX_TOKENS))
+        V.check_tuning_types(tuning)  # (its fields are read below, before check_tuning)
         self.group = self.num_heads // self.num_kv_heads
         # a KV head's query rows: its G heads of each of the q_len tokens (blocks tile these)
         rows_g = self.q_len * self.group
@@ -434,8 +431,9 @@ class DecodePlan:
                 self._calls[key] = call
         else:
             if type(cache_seqlens) is int:  # (its value is not in the key)
-                call = self._with_length(call, cache_seqlens, k_new is None and v_new is None
-                                         and tokens_after is None)
+                call = self._with_length(call, cache_seqlens,
+                                         k_new is not None and v_new is not None,
+                                         k_new is None and v_new is None and tokens_after is None)
             if len(ptrs) == _INPUT_PTRS:  # none of rare given (call_key leaves their pointers out)
                 extra = self._own_outputs
             else:  # rare's pointers: out, lse, (the scale: none), slopes, sinks, k and v scales,
@@ -460,9 +458,10 @@ class DecodePlan:
         out, lse, softmax_scale, alibi_slopes, sinks, k_scale, v_scale, tokens_after = rare
         q, k_cache, v_cache, block_table, strides = self._check_layout(
             q, k_cache, v_cache, block_table, layout)
-        if self.q_len > 1:  # (a shard's query tokens are after it: tokens_after)
-            in_cache = k_new is None and v_new is None and tokens_after is None
-            V.check_lengths_fit(cache_seqlens, self.q_len if in_cache else 1)
+        # (a shard's query tokens are after it: tokens_after)
+        V.check_lengths_fit(cache_seqlens, self.q_len, self.max_seqlen,
+                            k_new is not None and v_new is not None,
+                            k_new is None and v_new is None and tokens_after is None)
         # (inputs that passed are on the current device, which is then the plan's)
         seqlens, seqlen_all = V.check_seqlens(cache_seqlens, self.batch, self.max_seqlen,
                                               allow_host_array=False, device=self.device_id)
@@ -572,14 +571,15 @@ class DecodePlan:
                 0 if table is None else table.itemsize >> 3, self.q_len, k_all, v_all)
         return launch, tail
 
-    def _with_length(self, call, length: int, tokens_in_cache: bool) -> tuple:
+    def _with_length(self, call, length: int, appending: bool, in_cache: bool) -> tuple:
         """``call`` (:meth:`_prepare`'s) for an int ``cache_seqlens`` of ``length``, checked
-        as the full checks do (``tokens_in_cache``: no k_new/v_new nor tokens_after, so several
-        query tokens must be in the cache already): itself where the length is the one it was
-        prepared with, else a copy with that length."""
-        if self.q_len > 1 or not 0 <= length <= self.max_seqlen:  # (the checks' refusals)
-            if self.q_len > 1:
-                V.check_lengths_fit(length, self.q_len if tokens_in_cache else 1)
+        as the full checks do (``appending``: k_new and v_new given, whose tokens must fit in the
+        cache; ``in_cache``: neither nor tokens_after, so several query tokens must be in the
+        cache already): itself where the length is the one it was prepared with, else a copy
+        with that length."""
+        room = self.max_seqlen - (self.q_len if appending else 0)
+        if self.q_len > 1 or not 0 <= length <= room:  # (the checks' refusals)
+            V.check_lengths_fit(length, self.q_len, self.max_seqlen, appending, in_cache)
             length = V.check_seqlens(length, self.batch, self.max_seqlen)[1]
         launch, tail = call
         if not tail or tail[_SEQLEN_ALL] == length:
@@ -770,10 +770,11 @@ def flash_decode(q: ArrayLike, k_cache: ArrayLike, v_cache: ArrayLike,
             arrays of the cache's dtype (last dim contiguous, 16-byte aligned), both or neither:
             each sequence's new token, written into the cache at position cache_seqlens[b]
             (through block_table when paged) before the attention, which then runs over
-            cache_seqlens[b] + 1 tokens. Positions at or past max_seqlen are not written and the
-            length stays max_seqlen; a page index outside [0, num_pages) is not written.
-            cache_seqlens=None (every sequence full) writes nothing. The caller advances
-            cache_seqlens. With q of q_len tokens: (batch, q_len, num_kv_heads, head_dim), the
+            cache_seqlens[b] + 1 tokens. Host-given lengths must leave room for the new tokens
+            (ValueError; cache_seqlens=None, every sequence full, leaves none); device lengths
+            are never read: a position at or past max_seqlen is then not written and the length
+            stays max_seqlen. A page index outside [0, num_pages) is not written. The caller
+            advances cache_seqlens. With q of q_len tokens: (batch, q_len, num_kv_heads, head_dim), the
             q_len tokens written at cache_seqlens[b] … + q_len − 1 (q_len ≤ 16).
         window_left: W ≥ 0 attends only the keys at positions ≥ p − W, where p is the query's
             position (L − 1 for one query token of a sequence of L tokens; L − q_len + t for
@@ -840,7 +841,8 @@ def flash_decode(q: ArrayLike, k_cache: ArrayLike, v_cache: ArrayLike,
         extra = _NO_EXTRA if len(ptrs) == _INPUT_PTRS else _FLASH_EXTRA(ptrs)
     plan, call, out_shape, out_dtype = hit
     if checked is None and type(cache_seqlens) is int:  # remembered: its value is not in the key
-        call = plan._with_length(call, cache_seqlens, k_new is None and v_new is None)
+        call = plan._with_length(call, cache_seqlens, k_new is not None and v_new is not None,
+                                 k_new is None and v_new is None)
     # out and lse follow q: (batch, [q_len,] num_heads, head_dim), (batch, [q_len,] num_heads)
     out = cupy.empty(out_shape, out_dtype) if out is None else out
     lse = cupy.empty(out_shape[:-1], _FLOAT32) if return_lse else None
@@ -881,8 +883,8 @@ def _check_flash_decode(q, k_cache, v_cache, args: tuple, rare: tuple, layout, s
     if block_table is not None:
         shape, table, bt_sb, num_pages = V.check_paged_cache(shape, block_table)
     q_len = shape["q_len"]
-    # (appending: the query tokens are the new ones, any length before them will do)
-    V.check_lengths_fit(cache_seqlens, q_len if k_new is None and v_new is None else 1)
+    V.check_lengths_fit(cache_seqlens, q_len, shape["max_seqlen"],
+                        k_new is not None and v_new is not None, k_new is None and v_new is None)
     seqlens, seqlen_all = V.check_seqlens(cache_seqlens, shape["batch"], shape["max_seqlen"],
                                           device=q.data.device_id)
     scale = V.check_scale(softmax_scale, shape["head_dim"])

@@ -63,10 +63,11 @@ def quantize_kv(x: ArrayLike, kv_dtype: str = "e4m3", scale: float | ArrayLike |
 
 def dequantize_kv(codes: ArrayLike, kv_dtype: str = "e4m3", scale: float | ArrayLike = 1.0,
                   *, dtype: str = "float16", out: ArrayLike | None = None) -> cupy.ndarray:
-    """Values of fp8 ``codes`` (uint8, or an ml_dtypes float8 view CuPy holds, of shape (tokens,
-    num_kv_heads, head_dim) or (batch or num_pages, max_seqlen or page_size, num_kv_heads,
-    head_dim) on the GPU; leading strides free, head_dim contiguous) in ``dtype`` ("float16",
-    "bfloat16" or "float32"): value(code) · s in float32, rounded once to ``dtype``; NaN codes
+    """Values of fp8 ``codes`` (uint8, or kv_dtype's ml_dtypes float8 type where CuPy holds one,
+    of shape (tokens, num_kv_heads, head_dim) or (batch or num_pages, max_seqlen or page_size,
+    num_kv_heads, head_dim) on the GPU; leading strides free, head_dim contiguous) in ``dtype``
+    (float16, bfloat16 or float32: a name or NumPy dtype): value(code) · s in float32, rounded
+    once to ``dtype``; NaN codes
     give NaN, e5m2's infinities ±inf. ``scale`` s as ``quantize_kv`` returns it: a float > 0
     (per tensor), a (num_kv_heads,) float32 device array (per KV head) or a float32 device array
     of the codes' shape without head_dim (per token and KV head). The inverse of
@@ -82,13 +83,10 @@ def dequantize_kv(codes: ArrayLike, kv_dtype: str = "e4m3", scale: float | Array
     cupy = _kernels.import_cupy()
     codes = V.as_device_array(codes, "codes")
     fmt = V.check_kv_dtype(kv_dtype)
-    if codes.dtype.itemsize != 1 or codes.dtype.kind not in "uV":
-        V.fail(TypeError, "codes", "dtype uint8 (fp8 codes) or an ml_dtypes float8 dtype",
-               V.dtype_name(codes.dtype))
+    V.check_fp8_cache(codes, "codes", fmt)
     if codes.dtype != np.uint8:
         codes = codes.view(cupy.uint8)
-    if dtype not in _policy.DTYPE_IDS:
-        V.fail(ValueError, "dtype", " or ".join(map(repr, _policy.DTYPE_IDS)), repr(dtype))
+    dtype = V.check_dtype_arg(dtype, "dtype")
     _check_rows(codes, "codes")
     mode, scale_arr, scale_all = V.check_kv_scale(scale, "scale", tuple(codes.shape[:-2]),
                                                   codes.shape[-2])

@@ -186,13 +186,21 @@ def test_host_lengths_and_new_token_forms(cupy, rng, seed, page_size):
 
 
 def test_full_sequences_write_nothing(cupy, rng, seed):
-    """cache_seqlens=None (every sequence full) and lengths at or past the capacity: nothing is
-    written, every sequence attends max_seqlen tokens."""
-    for given in (None, "device", 256):
-        case = AppendCase(cupy, rng, seed, 3, 16, 4, 128, 256, "float16", [256] * 3)
-        assert case.written == 0
-        case.check(*case.flash_decode(cupy, lengths=given), f"cache_seqlens={given}")
-        assert_same_bits(case.k, case.before[0], case.ctx, "k_cache unchanged")
+    """Device lengths at the capacity (never read on the host): nothing is written, every
+    sequence attends max_seqlen tokens. Host-given ones (cache_seqlens=None: every sequence
+    full; an int; a list) that leave no room for the new token are refused before any launch."""
+    case = AppendCase(cupy, rng, seed, 3, 16, 4, 128, 256, "float16", [256] * 3)
+    assert case.written == 0
+    case.check(*case.flash_decode(cupy), "device lengths")
+    assert_same_bits(case.k, case.before[0], case.ctx, "k_cache unchanged")
+    plan = cupydecode.DecodePlan(*case.shape, "float16")
+    for given in (None, 256, [255, 256, 0]):
+        with pytest.raises(ValueError, match=r"^cache_seqlens: expected lengths <= max_seqlen - 1"):
+            case.flash_decode(cupy, lengths=given)
+        if not isinstance(given, list):  # (a plan takes no host arrays)
+            with pytest.raises(ValueError, match=r"^cache_seqlens: expected lengths <= max_seqlen"):
+                plan.run(case.q, case.k, case.v, given, k_new=case.k_new, v_new=case.v_new)
+    assert_same_bits(case.k, case.before[0], case.ctx, "k_cache unchanged")
 
 
 @pytest.mark.parametrize("page_size", [None, 16])

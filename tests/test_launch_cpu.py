@@ -447,7 +447,7 @@ def test_append_values_write_the_reference_rows(layout, dtype):
 def test_launch_flags_int64_lengths():
     """int64 device lengths and block tables (torch's default integer type) reach the kernel as
     they are, with seqlens_64 / table_64 = 1 (the kernel reads them in 64 bits)."""
-    from cupydecode.decode import _LAUNCH_ORDER
+    from cupydecode.decode import _LAUNCH_ORDER, _SEQLEN_ALL
 
     plan, calls = _fake_plan(False)
     q, k, v, out, lse = (_Arr(p) for p in (0x100, 0x200, 0x300, 0x400, 0x500))
@@ -492,17 +492,18 @@ def test_calls_without_runtime_options_take_the_build_without_them():
 def test_an_int_length_reaches_the_kernel_whatever_was_remembered():
     """An int cache_seqlens is not in a call's key (it changes every step of a loop): a
     remembered call takes each call's value as seqlen_all (the prepared call itself where it is
-    the same), and a value out of range is refused as the full checks refuse it."""
-    from cupydecode.decode import _LAUNCH_ORDER
+    the same), and a value out of range is refused as the full checks refuse it, appending
+    too (its token must fit in the cache)."""
+    from cupydecode.decode import _LAUNCH_ORDER, _SEQLEN_ALL
 
     plan, calls = _fake_plan(False)
     q, k, v, out, lse = (_Arr(p) for p in (0x100, 0x200, 0x300, 0x400, 0x500))
     strides = (4096, 128, 8 * 81920, 8 * 1024, 8 * 128, 8 * 81920, 8 * 1024, 8 * 128, 4096, 128,
                0, 0, 0, 0)
     call = plan._prepare(strides, None, 640, 0.5)
-    assert plan._with_length(call, 640, True) is call
+    assert plan._with_length(call, 640, False, True) is call
     for n in (17, 0, 640):
-        launch, tail = plan._with_length(call, n, True)
+        launch, tail = plan._with_length(call, n, False, True)
         plan._launch((launch, tail), _Stream(), [_ptr(a) for a in (q, k, v)] + [0] * 4,
                      _ptr(out), _ptr(lse), 0, 0, 0, 0)
     got = [dict(zip(_LAUNCH_ORDER, c[2])) for c in calls]
@@ -510,7 +511,11 @@ def test_an_int_length_reaches_the_kernel_whatever_was_remembered():
     assert got[0]["max_seqlen"] == 640 and got[0]["k_sb"] == 8 * 81920
     for bad in (641, -1):
         with pytest.raises(ValueError, match="^cache_seqlens:"):
-            plan._with_length(call, bad, True)
+            plan._with_length(call, bad, False, True)
+    assert plan._with_length(call, 639, True, False)[1][_SEQLEN_ALL] == 639
+    for bad in (640, 641, -1):
+        with pytest.raises(ValueError, match="^cache_seqlens:"):
+            plan._with_length(call, bad, True, False)
 
 
 def test_a_plans_own_outputs_are_read_only():

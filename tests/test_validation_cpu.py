@@ -116,6 +116,8 @@ def test_documented_submodules_after_a_plain_import():
     (dict(kv_dtype=1), "kv_dtype"),
     (dict(kv_dtype="e4m3", dtype="float32"), "dtype"),
     (dict(kv_dtype="e4m3", head_dim=40), "head_dim"),
+    (dict(tuning=5), "tuning"),
+    (dict(tuning=cupydecode.Tuning(kv_groups=1)), "tuning.kv_groups"),
 ])
 def test_plan_arguments_checked_before_any_gpu_use(cupy_importable, kwargs, name):
     """Token counts are int32 in the kernels: out-of-range plan arguments fail by name, early."""
@@ -456,3 +458,67 @@ def test_head_dim_messages():
     with pytest.raises(ValueError, match=r"^head_dim: expected head_dim at most 256 with "
                                          r"kv_dtype='e4m3' \(512 takes 16-bit caches only\)"):
         V.check_fp8_query("float16", 512, "e4m3", "dtype", "head_dim")
+
+
+@pytest.mark.parametrize("lengths, q_len, appending, in_cache, match", [
+    # appending: the new tokens are written at cache_seqlens[b] … + q_len − 1, inside the cache
+    (None, 1, True, False, r"lengths <= max_seqlen - 1 = 255 .*got None \(every sequence full\)"),
+    (256, 1, True, False, r"lengths <= max_seqlen - 1 = 255 .*k_new/v_new's token .*got a length of 256"),
+    ([255, 256, 0], 1, True, False, r".*got a length of 256"),
+    (np.array([253, 7]), 4, True, False, r"lengths <= max_seqlen - 4 = 252 .*4 tokens.*got a length of 253"),
+    # several query tokens already in the cache: each sequence holds them (0: an empty slot)
+    ([64, 3], 4, False, True, r"lengths >= q_len=4 .*got a length of 3"),
+    (2, 4, False, True, r"lengths >= q_len=4 .*got a length of 2"),
+])
+def test_host_lengths_must_hold_the_query_tokens(lengths, q_len, appending, in_cache, match):
+    with pytest.raises(ValueError, match=rf"^cache_seqlens: expected {match}"):
+        V.check_lengths_fit(lengths, q_len, 256, appending, in_cache)
+
+
+@pytest.mark.parametrize("lengths, q_len, appending, in_cache", [
+    ([255, 0, 17], 1, True, False), (252, 4, True, False), ([0, 252], 4, True, False),
+    ([64, 0], 4, False, True), (None, 4, False, True),
+    ([256, 256], 4, False, False),          # a shard's query tokens after its cache: no rule
+    ([256], 1, False, True),                # one query token: any length
+    (np.array(5), 1, True, False),          # 0-d, wrong type or range: check_seqlens' refusals
+    (300, 1, False, True), (True, 1, True, False), (2.5, 4, False, True),
+])
+def test_host_lengths_that_hold_the_query_tokens_pass(lengths, q_len, appending, in_cache):
+    V.check_lengths_fit(lengths, q_len, 256, appending, in_cache)
+
+
+def test_ragged_host_sequences_name_their_argument(cupy_importable):
+    ragged = [[1, 2], [3]]
+    with pytest.raises(ValueError, match=r"^cache_seqlens: expected a rectangular sequence"):
+        V.check_seqlens(ragged, 2, 16)
+    with pytest.raises(ValueError, match=r"^cache_seqlens: expected a rectangular sequence"):
+        V.check_lengths_fit(ragged, 4, 16, True, False)
+    with pytest.raises(ValueError, match=r"^block_table: expected a rectangular sequence"):
+        V.check_block_table(ragged, 2, 16, 4)
+    with pytest.raises(ValueError, match=r"^sinks: expected a rectangular sequence"):
+        V.check_head_values([[0.5], [0.5, 1.0]], "sinks", 2)
+    with pytest.raises(ValueError, match=r"^cache_seqlens: expected shape \(2,\)"):
+        V.check_seqlens(np.array(5), 2, 16)  # a 0-d host array
+
+
+def test_dtype_arguments_are_named_and_checked(cupy_importable):
+    assert V.check_dtype_arg("float16", "dtype") == "float16"
+    assert V.check_dtype_arg(np.float32, "dtype") == "float32"
+    assert V.check_dtype_arg(np.dtype(np.float16), "dtype") == "float16"
+    for bad, match in (("int8", r"one of \(float16, bfloat16, float32\), got int8"),
+                       ([1], r"a NumPy dtype or dtype name, got \[1\]"),
+                       ("float17", r"a NumPy dtype or dtype name, got 'float17'")):
+        with pytest.raises(TypeError, match=rf"^dtype: expected {match}"):
+            V.check_dtype_arg(bad, "dtype")
+
+
+def test_fp8_codes_must_be_uint8_or_their_formats_float8():
+    import ml_dtypes
+
+    V.check_fp8_cache(np.zeros(4, np.uint8), "codes", "e5m2")
+    V.check_fp8_cache(np.zeros(4, ml_dtypes.float8_e4m3fn), "codes", "e4m3")
+    V.check_fp8_cache(np.zeros(4, ml_dtypes.float8_e5m2), "codes", "e5m2")
+    for arr, fmt in ((np.zeros(4, ml_dtypes.float8_e4m3fn), "e5m2"),
+                     (np.zeros(4, ml_dtypes.float8_e5m2), "e4m3"), (np.zeros(4, np.int8), "e4m3")):
+        with pytest.raises(TypeError, match=rf"^codes: expected uint8 codes or .* kv_dtype='{fmt}'"):
+            V.check_fp8_cache(arr, "codes", fmt)
