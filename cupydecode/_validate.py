@@ -293,7 +293,8 @@ def _host_finite(x, name: str) -> np.ndarray:
     if arr.dtype == bool or not np.issubdtype(arr.dtype, np.number):
         fail(TypeError, name, "real numbers", f"dtype {arr.dtype}")
     if not np.all(np.isfinite(arr)):
-        fail(ValueError, name, "finite values", "a non-finite value")
+        at = int(np.flatnonzero(~np.isfinite(arr))[0])
+        fail(ValueError, name, "finite values", f"{arr.flat[at]} at index {at}")
     return arr
 
 
@@ -541,7 +542,8 @@ def _check_decode_inputs(q, k_cache, v_cache, paged: bool = False, kv_dtype=None
     else:
         for name, a in (("k_cache", k), ("v_cache", v)):
             if dtype_name(a.dtype) != dt:
-                fail(TypeError, name, f"the dtype of q ({dt})", dtype_name(a.dtype))
+                codes = ", or fp8 codes with kv_dtype='e4m3' or 'e5m2'" if a.itemsize == 1 else ""
+                fail(TypeError, name, f"the dtype of q ({dt}){codes}", dtype_name(a.dtype))
     if not 1 <= q_len <= MAX_Q_LEN:
         fail(ValueError, "q", f"q_len (its second axis of four) in [1, {MAX_Q_LEN}]", q_len)
     check_head_dim(head_dim, dt, "q")
@@ -711,6 +713,10 @@ def check_seqlens(cache_seqlens, batch: int, max_seqlen: int, allow_host_array: 
             fail(ValueError, "cache_seqlens", f"lengths in [0, max_seqlen={max_seqlen}]",
                  f"values in [{arr.min()}, {arr.max()}]")
         return cupy.asarray(arr, dtype=cupy.int32), max_seqlen
+    if isinstance(cache_seqlens, (bool, numbers.Number, str)):
+        fail(TypeError, "cache_seqlens", f"None, an int, a host sequence of {batch} ints or a "
+             f"({batch},) int32/int64 device array", f"{type(cache_seqlens).__name__} "
+             f"{cache_seqlens!r}")
     arr = as_device_array(cache_seqlens, "cache_seqlens")
     if dtype_name(arr.dtype) not in ("int32", "int64"):
         fail(TypeError, "cache_seqlens", "dtype int32 or int64", dtype_name(arr.dtype))

@@ -49,11 +49,16 @@ def detect_gpu() -> tuple[bool, str]:
     return True, f"{cupy.cuda.runtime.getDeviceCount()} CUDA device(s)"
 
 
-def require_gpu(ctx: click.Context) -> None:
+def require_gpu(ctx: click.Context, hint: str = "This command runs CUDA kernels; `cupydecode "
+                "explain`, `models` and `info` work without one.") -> None:
     ok, why = detect_gpu()
+    if ok:
+        from .decode import device_shortfall
+
+        why = device_shortfall()  # (a GPU with too little shared memory per block)
+        ok = why is None
     if not ok:
-        click.echo(f"error: no usable GPU: {why}. This command runs CUDA kernels; "
-                   "`cupydecode explain`, `models` and `info` work without one.", err=True)
+        click.echo(f"error: no usable GPU: {why}. {hint}", err=True)
         ctx.exit(EXIT_USAGE)
 
 
@@ -540,8 +545,8 @@ def _check_plot_available(ctx) -> None:
         import matplotlib  # noqa: F401
     except Exception as exc:
         click.echo(f"error: --plot needs matplotlib ({type(exc).__name__}: {exc}); "
-                   "install it with `pip install matplotlib` (not a dependency of cupydecode)",
-                   err=True)
+                   "install the plot extra (`pip install \".[plot]\"` in the checkout) or "
+                   "`pip install matplotlib`", err=True)
         ctx.exit(EXIT_USAGE)
 
 
@@ -708,6 +713,8 @@ def bench(ctx, model, head_dim, dtype, seqlens, batches, splits, protocols, proc
                                  "token per sequence)", param_hint="'--q-len'")
     kv_dtype, kv_scale = _check_kv_dtype(kv_dtype, kv_scale, dtype)
     _check_head_dim(MODELS[model].head_dim if head_dim is None else head_dim, dtype, kv_dtype)
+    if gpus is not None:
+        _check_gpus_options(ctx)
     if plot_path:
         _check_plot_available(ctx)
     require_gpu(ctx)
@@ -724,7 +731,13 @@ def bench(ctx, model, head_dim, dtype, seqlens, batches, splits, protocols, proc
     if head_dim is not None:
         p = dataclasses.replace(p, head_dim=head_dim)
     if gpus is not None:
-        _bench_gpus(ctx, p, model, dtype, seqlens, batches, gpus)
+        rows = _bench_gpus(ctx, p, model, dtype, seqlens, batches, gpus)
+        if csv_path:
+            write_csv(csv_path, rows)
+            click.echo(f"wrote {csv_path}")
+        if json_path:
+            write_json(json_path, {"device": device, "model": model, "gpus": gpus, "rows": rows})
+            click.echo(f"wrote {json_path}")
         return
     if processes > 1:
         click.echo(f"{model}: {p.num_heads} query heads, {p.num_kv_heads} KV heads, head_dim "
@@ -858,7 +871,8 @@ def explain(ctx, tokens, splits, head_dim, seed, center, gpu):
     from . import explain as E
 
     if gpu:  # before the walk: no half-printed run that then fails
-        require_gpu(ctx)
+        require_gpu(ctx, "--gpu reads the partials back from the CUDA kernels; without it "
+                         "`cupydecode explain` runs on the CPU.")
     wk = E.walk(tokens, splits, head_dim, seed, center)
     for line in E.format_walk(wk) + E.format_overflow(wk):
         click.echo(line)
@@ -940,8 +954,24 @@ def info(ctx, compile_all):
         click.echo(f"  {s}")
 
 
-def _bench_gpus(ctx, p, model: str, dtype: str, seqlens, batches, gpus: int) -> None:
-    """bench --gpus: the scaling table of sequence parallelism at every (batch, seqlen)."""
+# bench's options that --gpus (the scaling table of the plain decode step) does not take
+_GPUS_IGNORES = ("splits", "protocols", "processes", "soft_cap", "page_sizes", "append", "window",
+                 "alibi", "sinks", "q_len", "kv_dtype", "kv_scale", "baselines", "plot_path")
+
+
+def _check_gpus_options(ctx) -> None:
+    """bench --gpus times the plain decode step: an option of the single-GPU sweep given with
+    it is refused (it would be ignored)."""
+    given = [param.opts[0] for param in ctx.command.params if param.name in _GPUS_IGNORES
+             and ctx.get_parameter_source(param.name) is not click.core.ParameterSource.DEFAULT]
+    if given:
+        raise click.UsageError(f"--gpus times the plain decode step (shapes and dtype only): "
+                               f"drop {', '.join(given)}", ctx)
+
+
+def _bench_gpus(ctx, p, model: str, dtype: str, seqlens, batches, gpus: int) -> list[dict]:
+    """bench --gpus: the scaling table of sequence parallelism at every (batch, seqlen); its
+    rows (for --csv, --json)."""
     from . import bench as B
     from . import distributed as Dist
 
@@ -959,6 +989,11 @@ def _bench_gpus(ctx, p, model: str, dtype: str, seqlens, batches, gpus: int) -> 
     click.echo(f"{model}: {p.num_heads} query heads, {p.num_kv_heads} KV heads, head_dim "
                f"{p.head_dim}, {dtype}; sequence parallelism over 1 to {gpus} GPUs (contiguous "
                "shards, one all-gather per step); µs per step from the host to completion")
+    own = [what for what, on in (("soft-cap", p.logits_soft_cap), ("windows", p.window_left),
+                                 ("ALiBi", p.alibi), ("sinks", p.sinks)) if on]
+    if own:
+        click.echo(f"(plain attention: the model's {', '.join(own)} not applied)")
+    rows = []
     click.echo(f"{'point':>14s} {'GPUs':>5s} {'tokens/GPU':>11s} {'step µs':>9s} "
                f"{'collective µs':>14s} {'1 GPU µs':>9s} {'speedup':>8s} {'rel err':>9s}")
     for b in batches:
@@ -966,6 +1001,7 @@ def _bench_gpus(ctx, p, model: str, dtype: str, seqlens, batches, gpus: int) -> 
             spec = dict(batch=b, seqlen=n, num_heads=p.num_heads, num_kv_heads=p.num_kv_heads,
                         head_dim=p.head_dim, dtype=dtype, seed=fresh_seed())
             for row in B.scaling_rows(spec, gpus):
+                rows.append(dict(row, batch=b, seqlen=n))
                 single = "—" if row["single_gpu_us"] is None else f"{row['single_gpu_us']:.1f}"
                 speed = "—" if row["speedup"] is None else f"{row['speedup']:.2f}×"
                 err = "—" if row["rel_err"] is None else f"{row['rel_err']:.1e}"
@@ -973,6 +1009,7 @@ def _bench_gpus(ctx, p, model: str, dtype: str, seqlens, batches, gpus: int) -> 
                            f"{row['step_us']:>9.1f} {row['collective_us']:>8.1f} "
                            f"({100 * row['collective_share']:>3.0f}%) {single:>9s} {speed:>8s} "
                            f"{err:>9s}")
+    return rows
 
 
 def _compile_all() -> None:

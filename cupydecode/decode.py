@@ -44,6 +44,33 @@ def _smem_per_block(device_id: int) -> int:
     return int(cupy.cuda.runtime.getDeviceProperties(device_id).get("sharedMemPerBlockOptin", 0))
 
 
+def smem_shortfall(device_id: int, smem_optin: int, dtype: str = "float16", head_dim: int = 128,
+                   kv_dtype: str | None = None) -> str | None:
+    """Why GPU ``device_id``, which allows ``smem_optin`` bytes of shared memory per block (0:
+    not reported), cannot run every block shape a plan of ``dtype`` and ``head_dim`` may pick;
+    None where it can."""
+    need = max(c.smem_bytes for c in (
+        _policy.split_kernel_configs(dtype, head_dim) if kv_dtype is None else
+        _policy.fp8_kernel_configs(dtype, head_dim, kv_dtype)))
+    if 0 < smem_optin < need:
+        return (f"cupydecode needs {need} bytes of shared memory per block for {dtype} head_dim "
+                f"{head_dim}, but GPU {device_id} allows {smem_optin}: supported are GPUs with "
+                f">= 160 KB per block (A100, H100, H200, B200; head_dim {_policy.WIDE_HEAD_DIM}: "
+                ">= 204 KB, H100, H200, B200)")
+    return None
+
+
+def device_shortfall() -> str | None:
+    """Why the current GPU cannot run any plan (too little shared memory per block even for
+    the least demanding dtype and kernel width), or None."""
+    import cupy
+
+    device_id = cupy.cuda.Device().id
+    _, dtype, width = min((max(c.smem_bytes for c in _policy.split_kernel_configs(dt, w)), dt, w)
+                          for dt in _policy.DTYPE_IDS for w in _policy.KERNEL_HEAD_DIMS[:3])
+    return smem_shortfall(device_id, _smem_per_block(device_id), dtype, width)
+
+
 def _split_function(cfg: _policy.SplitKernelConfig):
     if _kernels._SOURCE_DIRS and _kernels.param_list(_PARAM_FILE, _PARAM_MACRO) != _PARAM_LIST:
         raise RuntimeError("a kernel variant (kernel_sources) with another parameter list than "
@@ -201,15 +228,9 @@ class DecodePlan:
             raise RuntimeError(f"DecodePlan: {_kernels.gpu_problem() or exc}") from exc
         _kernels.bind_context()  # the driver calls below (occupancy, attributes) need it
         smem_optin = _smem_per_block(self.device_id)
-        smem_need = max(c.smem_bytes for c in (
-            _policy.split_kernel_configs(self.dtype, self.head_dim) if self.kv_dtype is None else
-            _policy.fp8_kernel_configs(self.dtype, self.head_dim, self.kv_dtype)))
-        if 0 < smem_optin < smem_need:
-            raise RuntimeError(
-                f"cupydecode needs {smem_need} bytes of shared memory per block for "
-                f"{self.dtype} head_dim {self.head_dim}, but GPU {self.device_id} allows "
-                f"{smem_optin}: supported are GPUs with >= 160 KB per block (A100, H100, H200, "
-                f"B200; head_dim {_policy.WIDE_HEAD_DIM}: >= 204 KB, H100, H200, B200)")
+        why = smem_shortfall(self.device_id, smem_optin, self.dtype, self.head_dim, self.kv_dtype)
+        if why:
+            raise RuntimeError(why)
         if (split_size is not None
                 and _policy.fixed_split_size(self.span, split_size)[0] > _policy.MAX_SPLITS):
             what = ("max_seqlen" if self.window_left is None
@@ -921,16 +942,16 @@ def merge_states(o_parts: ArrayLike, lse_parts: ArrayLike, *,
         o_parts: (num_states, *rows, head_dim) float16/bfloat16/float32: locally normalised outputs.
         lse_parts: (num_states, *rows) float32: their log-sum-exp (natural log; −inf = empty,
             and +inf too: the value some libraries give an empty row).
-
-    Returns:
-        (o, lse): o of shape (*rows, head_dim) in o_parts' dtype, lse (*rows) float32.
-        Rows whose states are all empty give o = 0, lse = −inf (never NaN). A NaN LSE, or a NaN
-        in a live state's output, makes that row NaN and no other.
         sinks: optional float32 sink logits σ (gpt-oss), broadcast against the rows from the
             right (e.g. (num_heads,) for rows (batch, num_heads); a device array, or host values
             copied): applied once to each merged row, LSE ← ln(e^LSE + e^σ), O ← O·e^(LSE_old −
             LSE_new); an empty row gives O = 0, LSE = σ. Pass the sinks here, not to the calls
             that made the partial states.
+
+    Returns:
+        (o, lse): o of shape (*rows, head_dim) in o_parts' dtype, lse (*rows) float32.
+        Rows whose states are all empty give o = 0, lse = −inf (never NaN). A NaN LSE, or a NaN
+        in a live state's output, makes that row NaN and no other.
 
     Raises:
         TypeError, ValueError: inputs of the wrong type, dtype or shape, named in the message,

@@ -83,7 +83,8 @@ def make_example(tokens: int, head_dim: int, seed: int, center: float = 120.0,
 
 def split_merge(s: np.ndarray, v: np.ndarray, edges, dtype=np.float64):
     """Kernel 1 then kernel 2 in ``dtype`` arithmetic; returns a dict of every quantity."""
-    s = s.astype(dtype)
+    with np.errstate(over="ignore"):  # (logits past the dtype's range: inf, as a kernel's)
+        s = s.astype(dtype)
     v = v.astype(dtype)
     S, D = len(edges) - 1, v.shape[1]
     m = np.full(S, -np.inf, dtype)
@@ -132,9 +133,9 @@ def direct_softmax(s: np.ndarray, v: np.ndarray, dtype):
 
     Returns (denominator, output); with logits past log(max of dtype) both overflow.
     """
-    s = s.astype(dtype)
-    v = v.astype(dtype)
     with np.errstate(over="ignore", invalid="ignore"):
+        s = s.astype(dtype)
+        v = v.astype(dtype)
         e = np.exp(s)
         num = (e[:, None] * v).sum(axis=0)
         den = e.sum()
@@ -157,8 +158,8 @@ def format_walk(wk: Walk) -> list[str]:
     n, S, D = wk.tokens, wk.splits, wk.head_dim
     chunk = wk.edges[1] - wk.edges[0]  # walk() takes S >= 1
     lines = [
-        f"One query row against {n} tokens, head_dim {D}, c = 1/sqrt({D}) = {wk.scale:g}; "
-        f"{S} split(s) of up to {chunk} tokens.",
+        f"One query row against {n} token{'s' * (n != 1)}, head_dim {D}, c = 1/sqrt({D}) = "
+        f"{wk.scale:g}; {S} split(s) of up to {chunk} token{'s' * (chunk != 1)}.",
         "(q, k_j, v_j are float32 values; everything below is float64.)",
         "",
         "Scores  s_j = c · q·k_j",

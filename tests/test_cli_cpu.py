@@ -636,3 +636,22 @@ def test_kv_dtype_option(runner, no_gpu):
     assert {w.dtype for w in fp8} == {"float16", "bfloat16"}
     assert any(w.append and w.page_size and w.kv_scale == "token" for w in fp8)
     assert any(w.q_len > 1 for w in fp8) and any(w.sinks and w.alibi for w in fp8)
+
+
+def test_a_gpu_with_too_little_shared_memory_is_refused_plainly(runner, monkeypatch):
+    """A GPU whose blocks get less shared memory than every block shape needs (99 KB: sm_86,
+    sm_89, sm_120): check and bench exit 2 with the reason, before any row runs."""
+    from cupydecode import decode
+
+    why = decode.smem_shortfall(0, 101376, "float16", 64)
+    assert why and why.startswith("cupydecode needs ") and "GPU 0 allows 101376" in why, why
+    assert decode.smem_shortfall(0, 232448, "float16", 128) is None  # H100, H200
+    assert decode.smem_shortfall(0, 0, "float32", 256) is None  # not reported: the launch checks
+    assert decode.smem_shortfall(0, 232448, "bfloat16", 512) is None
+    assert decode.smem_shortfall(0, 166912, "bfloat16", 512)  # A100: head_dim 512 does not fit
+    monkeypatch.setattr(cli, "detect_gpu", lambda: (True, "1 CUDA device(s)"))
+    monkeypatch.setattr(decode, "device_shortfall", lambda: why)
+    for command in (["check"], ["bench"]):
+        result = runner.invoke(cli.main, command)
+        assert result.exit_code == 2, result.output
+        assert f"error: no usable GPU: {why}" in result.output, result.output

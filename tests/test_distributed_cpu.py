@@ -203,3 +203,22 @@ def test_bench_gpus_is_checked_before_any_gpu_use():
 
     result = CliRunner().invoke(main, ["bench", "--gpus", "0"])
     assert result.exit_code == 2 and "--gpus" in result.output
+
+
+@pytest.mark.parametrize("extra, named", [
+    (["--append", "--page-size", "16"], "--page-size, --append"),
+    (["--baseline", "torch", "--protocol", "back-to-back"], "--protocol, --baseline"),
+    (["--splits", "4", "--plot", "x.png"], "--splits, --plot"),
+    (["--kv-dtype", "e4m3", "--window", "8", "--sinks"], "--window, --sinks, --kv-dtype"),
+])
+def test_bench_gpus_refuses_the_options_it_would_ignore(extra, named):
+    """bench --gpus times the plain decode step: the single-GPU sweep's options are refused by
+    name before any GPU use, not dropped silently."""
+    from click.testing import CliRunner
+
+    from cupydecode.cli import main
+
+    result = CliRunner().invoke(main, ["bench", "--gpus", "2", *extra])
+    assert result.exit_code == 2, result.output
+    assert f"--gpus times the plain decode step (shapes and dtype only): drop {named}" in (
+        result.output), result.output

@@ -522,3 +522,16 @@ def test_fp8_codes_must_be_uint8_or_their_formats_float8():
                      (np.zeros(4, ml_dtypes.float8_e5m2), "e4m3"), (np.zeros(4, np.int8), "e4m3")):
         with pytest.raises(TypeError, match=rf"^codes: expected uint8 codes or .* kv_dtype='{fmt}'"):
             V.check_fp8_cache(arr, "codes", fmt)
+
+
+@pytest.mark.parametrize("bad", [5.0, True, "8", 1j])
+def test_lengths_of_another_kind_are_named(cupy_importable, bad):
+    with pytest.raises(TypeError, match=r"^cache_seqlens: expected None, an int, a host sequence "
+                                        r"of 2 ints or a \(2,\) int32/int64 device array, got "):
+        V.check_seqlens(bad, 2, 16)
+
+
+def test_a_non_finite_host_value_is_shown_with_its_index():
+    with pytest.raises(ValueError, match=r"^alibi_slopes: expected finite values, got nan at "
+                                        r"index 2"):
+        V.check_head_values([0.5, 0.25, float("nan")], "alibi_slopes", 3)
