@@ -714,9 +714,9 @@ def check_seqlens(cache_seqlens, batch: int, max_seqlen: int, allow_host_array: 
                  f"values in [{arr.min()}, {arr.max()}]")
         return cupy.asarray(arr, dtype=cupy.int32), max_seqlen
     if isinstance(cache_seqlens, (bool, numbers.Number, str)):
-        fail(TypeError, "cache_seqlens", f"None, an int, a host sequence of {batch} ints or a "
-             f"({batch},) int32/int64 device array", f"{type(cache_seqlens).__name__} "
-             f"{cache_seqlens!r}")
+        host = f" a host sequence of {batch} ints," if allow_host_array else ""
+        fail(TypeError, "cache_seqlens", f"None, an int,{host} or a ({batch},) int32/int64 "
+             "device array", f"{type(cache_seqlens).__name__} {cache_seqlens!r}")
     arr = as_device_array(cache_seqlens, "cache_seqlens")
     if dtype_name(arr.dtype) not in ("int32", "int64"):
         fail(TypeError, "cache_seqlens", "dtype int32 or int64", dtype_name(arr.dtype))

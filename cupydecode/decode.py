@@ -66,9 +66,14 @@ def device_shortfall() -> str | None:
     import cupy
 
     device_id = cupy.cuda.Device().id
-    _, dtype, width = min((max(c.smem_bytes for c in _policy.split_kernel_configs(dt, w)), dt, w)
-                          for dt in _policy.DTYPE_IDS for w in _policy.KERNEL_HEAD_DIMS[:3])
-    return smem_shortfall(device_id, _smem_per_block(device_id), dtype, width)
+    smem_optin = _smem_per_block(device_id)
+    least = min(max(c.smem_bytes for c in _policy.split_kernel_configs(dtype, width))
+                for dtype in _policy.DTYPE_IDS for width in _policy.KERNEL_HEAD_DIMS[:3])
+    if 0 < smem_optin < least:
+        return (f"GPU {device_id} allows {smem_optin} bytes of shared memory per block; "
+                f"cupydecode's kernels need at least {least}: supported are GPUs with >= 160 KB "
+                "per block (A100, H100, H200, B200)")
+    return None
 
 
 def _split_function(cfg: _policy.SplitKernelConfig):
@@ -421,7 +426,8 @@ class DecodePlan:
         between graph replays. ``k_new``, ``v_new`` (batch, 1, num_kv_heads, head_dim) or
         (batch, num_kv_heads, head_dim) device arrays of the cache's dtype: each sequence's new
         token, written into the cache at position cache_seqlens[b] and attended with the rest
-        (nothing is written past max_seqlen; the class docstring); their values, too, may change
+        (a device length leaves nothing written past max_seqlen; an int or None length without
+        room for them is refused; the class docstring); their values, too, may change
         between replays. A plan built with ``alibi=True`` takes ``alibi_slopes``, a (num_heads,)
         float32 device array (values may change between replays). ``sinks``: a (num_heads,)
         float32 device array of sink logits (gpt-oss), any plan. A plan built with ``kv_dtype``

@@ -100,8 +100,9 @@ class Workload:
     ``logits_soft_cap``: the score cap c (s ← c·tanh(s/c)), None for none. ``page_size``: run
     on a paged copy of the cache (:func:`page_inputs`), None for the contiguous cache.
     ``append``: the call appends one new token per sequence (:func:`new_tokens`) at position
-    lengths[b] and attends it too, min(lengths[b] + 1, seqlen) tokens (lengths None: every
-    sequence is full, so nothing is written). ``window_left`` W: only the last W + 1 tokens of
+    lengths[b] and attends it too, min(lengths[b] + 1, seqlen) tokens (lengths go to the
+    device, so a sequence already at seqlen gets nothing written; lengths are required: None,
+    every sequence full, leaves no room and is refused). ``window_left`` W: only the last W + 1 tokens of
     each sequence are attended (None: no window). ``alibi``: ALiBi's bias with the standard
     slopes of ``num_heads`` heads (:func:`alibi_slopes`). ``sinks``: a sink logit per query
     head (:func:`sink_logits`, from the seed). ``layer``: the layer type of a model preset it
@@ -142,6 +143,9 @@ class Workload:
             if any(n < 0 or n > self.seqlen for n in self.lengths):
                 raise ValueError(f"lengths: expected values in [0, seqlen={self.seqlen}], "
                                  f"got {list(self.lengths)}")
+        if self.append and self.lengths is None:
+            raise ValueError("lengths: expected per-sequence lengths with append (None: every "
+                             "sequence full, no room for the new token)")
         if self.kv_dtype is not None and self.kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype: expected one of {', '.join(KV_DTYPES)} or None, got "
                              f"{self.kv_dtype!r}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import types
 
 import numpy as np
 import pytest
@@ -331,6 +332,8 @@ def test_append_option():
     assert "no_append_us" not in [c[1] for c in cli._bench_columns({})]
     # a full sequence appends nothing: it attends seqlen tokens, no more
     assert Workload(2, 10, 8, 2, 64, lengths=(10, 0), append=True).live_tokens() == 11
+    with pytest.raises(ValueError, match=r"^lengths: expected per-sequence lengths with append"):
+        Workload(2, 10, 8, 2, 64, append=True)  # None: every sequence full, no room
 
 
 def test_default_matrix_covers_the_contract():
@@ -649,8 +652,18 @@ def test_a_gpu_with_too_little_shared_memory_is_refused_plainly(runner, monkeypa
     assert decode.smem_shortfall(0, 0, "float32", 256) is None  # not reported: the launch checks
     assert decode.smem_shortfall(0, 232448, "bfloat16", 512) is None
     assert decode.smem_shortfall(0, 166912, "bfloat16", 512)  # A100: head_dim 512 does not fit
+    cupy = pytest.importorskip("cupy")
+    monkeypatch.setattr(cupy.cuda, "Device", lambda: types.SimpleNamespace(id=0))
+    monkeypatch.setattr(decode, "_smem_per_block", lambda device_id: 232448)
+    assert decode.device_shortfall() is None
+    monkeypatch.setattr(decode, "_smem_per_block", lambda device_id: 101376)
+    why = decode.device_shortfall()
+    least = min(max(c.smem_bytes for c in P.split_kernel_configs(dt, w))
+                for dt in P.DTYPE_IDS for w in (64, 128, 256))
+    assert why == (f"GPU 0 allows 101376 bytes of shared memory per block; cupydecode's kernels "
+                   f"need at least {least}: supported are GPUs with >= 160 KB per block (A100, "
+                   "H100, H200, B200)"), why
     monkeypatch.setattr(cli, "detect_gpu", lambda: (True, "1 CUDA device(s)"))
-    monkeypatch.setattr(decode, "device_shortfall", lambda: why)
     for command in (["check"], ["bench"]):
         result = runner.invoke(cli.main, command)
         assert result.exit_code == 2, result.output

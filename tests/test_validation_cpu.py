@@ -527,8 +527,11 @@ def test_fp8_codes_must_be_uint8_or_their_formats_float8():
 @pytest.mark.parametrize("bad", [5.0, True, "8", 1j])
 def test_lengths_of_another_kind_are_named(cupy_importable, bad):
     with pytest.raises(TypeError, match=r"^cache_seqlens: expected None, an int, a host sequence "
-                                        r"of 2 ints or a \(2,\) int32/int64 device array, got "):
+                                        r"of 2 ints, or a \(2,\) int32/int64 device array, got "):
         V.check_seqlens(bad, 2, 16)
+    with pytest.raises(TypeError, match=r"^cache_seqlens: expected None, an int, or a \(2,\) "
+                                        r"int32/int64 device array, got "):
+        V.check_seqlens(bad, 2, 16, allow_host_array=False)  # (a plan's run)
 
 
 def test_a_non_finite_host_value_is_shown_with_its_index():
