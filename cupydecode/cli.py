@@ -947,6 +947,7 @@ def info(ctx, compile_all):
         "plain (programmatic needs compute capability 9.0 and a CUDA 12.3 driver)" if pdl is False
         else pdl))
     if compile_all:
+        click.echo("--compile: building and loading every specialisation (a minute or more) ...")
         _compile_all()
     specs = _kernels.compiled_specialisations()
     click.echo(f"specialisations compiled in this process: {len(specs)}")
@@ -1044,6 +1045,8 @@ def _compile_all_nvrtc(arch: str = "sm_90") -> None:
     except Exception as exc:
         click.echo(f"--compile: not compiled: NVRTC is not available ({type(exc).__name__}: {exc})")
         return
+    click.echo(f"--compile: building every specialisation with NVRTC for {arch} (a minute or "
+               "more on one core) ...")
     t0, count, worst = time.perf_counter(), 0, 0
     for dt in DTYPES:
         for d in KERNEL_HEAD_DIMS:
