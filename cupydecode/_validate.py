@@ -756,8 +756,9 @@ def new_token_strides(x) -> tuple[int, int, int]:
 def check_new_tokens(k_new, v_new, batch: int, num_kv_heads: int, head_dim: int, dtype: str,
                      q_len: int = 1):
     """``k_new``, ``v_new``: the new token of each sequence, to be written into the cache at
-    position cache_seqlens[b] and attended (the split kernel reads and writes them). Each is (batch, 1,
-    num_kv_heads, head_dim) or (batch, num_kv_heads, head_dim), of the cache's ``dtype``, on the
+    position cache_seqlens[b] and attended (the split kernel reads and writes them). Each is
+    (batch, 1, num_kv_heads, head_dim) or (batch, num_kv_heads, head_dim), of ``dtype`` (q's; a
+    16-bit cache's too), on the
     current device, last dimension contiguous, base pointer and batch/head strides 16-byte aligned
     (rows are copied as 16-byte vectors); nothing is ever copied to make them so. Returns
     ``(k_new, v_new, (kn_sb, kn_ss, kn_sh, vn_sb, vn_ss, vn_sh))``, strides in elements. Inputs
@@ -796,7 +797,7 @@ def check_new_tokens(k_new, v_new, batch: int, num_kv_heads: int, head_dim: int,
         x = as_device_array(x, name)
         dt = dtype_name(x.dtype)
         if dt != dtype:
-            fail(TypeError, name, f"dtype {dtype} (the cache's)", dt)
+            fail(TypeError, name, f"dtype {dtype} (q's)", dt)
         if tuple(x.shape) not in shapes:
             fail(ValueError, name, f"shape {layout}", tuple(x.shape))
         check_vector_layout(x, name, (0, 1, 2) if q_len > 1 else (0, x.ndim - 2))

@@ -356,9 +356,9 @@ def test_new_token_errors(cupy, good):
             call(k_new=kn.get(), v_new=vn)
         with raises(TypeError, "v_new:", "move it to the GPU"):
             call(k_new=kn, v_new=vn.get().tolist())
-        with raises(TypeError, "k_new:", "dtype float16 (the cache's)", "float32"):
+        with raises(TypeError, "k_new:", "dtype float16 (q's)", "float32"):
             call(k_new=kn.astype(cupy.float32), v_new=vn)
-        with raises(TypeError, "v_new:", "dtype float16 (the cache's)", "float32"):
+        with raises(TypeError, "v_new:", "dtype float16 (q's)", "float32"):
             call(k_new=kn, v_new=vn.astype(cupy.float32))
         with raises(ValueError, "k_new:", expected, f"({B}, 2, {HKV}, {D})"):  # 2 tokens
             call(k_new=cupy.ones((B, 2, HKV, D), cupy.float16), v_new=vn)
