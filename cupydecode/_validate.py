@@ -650,7 +650,9 @@ def check_lengths_fit(cache_seqlens, q_len: int, max_seqlen: int, appending: boo
     nothing). Values of the wrong type or range are left to :func:`check_seqlens`."""
     if not appending and not (in_cache and q_len > 1):
         return
-    if cache_seqlens is None:
+    if cache_seqlens is None:  # (only appending asks anything of it: room for the new tokens)
+        if not appending:
+            return
         values = np.asarray([max_seqlen])
     elif isinstance(cache_seqlens, bool):
         return

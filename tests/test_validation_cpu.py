@@ -485,6 +485,8 @@ def test_host_lengths_must_hold_the_query_tokens(lengths, q_len, appending, in_c
 ])
 def test_host_lengths_that_hold_the_query_tokens_pass(lengths, q_len, appending, in_cache):
     V.check_lengths_fit(lengths, q_len, 256, appending, in_cache)
+    if lengths is None and not appending:  # every sequence full, even a cache shorter than q_len
+        V.check_lengths_fit(None, q_len, 2, False, in_cache)
 
 
 def test_ragged_host_sequences_name_their_argument(cupy_importable):
