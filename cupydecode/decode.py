@@ -44,7 +44,10 @@ def _smem_per_block(device_id: int) -> int:
     return int(cupy.cuda.runtime.getDeviceProperties(device_id).get("sharedMemPerBlockOptin", 0))
 
 
-def smem_shortfall(device_id: int, smem_optin: int, dtype: str = "float16", head_dim: int = 128,
+_SUPPORTED_GPUS = "supported are GPUs with >= 160 KB per block (A100, H100, H200, B200"
+
+
+def smem_shortfall(device_id: int, smem_optin: int, dtype: str, head_dim: int,
                    kv_dtype: str | None = None) -> str | None:
     """Why GPU ``device_id``, which allows ``smem_optin`` bytes of shared memory per block (0:
     not reported), cannot run every block shape a plan of ``dtype`` and ``head_dim`` may pick;
@@ -54,9 +57,8 @@ def smem_shortfall(device_id: int, smem_optin: int, dtype: str = "float16", head
         _policy.fp8_kernel_configs(dtype, head_dim, kv_dtype)))
     if 0 < smem_optin < need:
         return (f"cupydecode needs {need} bytes of shared memory per block for {dtype} head_dim "
-                f"{head_dim}, but GPU {device_id} allows {smem_optin}: supported are GPUs with "
-                f">= 160 KB per block (A100, H100, H200, B200; head_dim {_policy.WIDE_HEAD_DIM}: "
-                ">= 204 KB, H100, H200, B200)")
+                f"{head_dim}, but GPU {device_id} allows {smem_optin}: {_SUPPORTED_GPUS}; "
+                f"head_dim {_policy.WIDE_HEAD_DIM}: >= 204 KB, H100, H200, B200)")
     return None
 
 
@@ -71,8 +73,7 @@ def device_shortfall() -> str | None:
                 for dtype in _policy.DTYPE_IDS for width in _policy.KERNEL_HEAD_DIMS[:3])
     if 0 < smem_optin < least:
         return (f"GPU {device_id} allows {smem_optin} bytes of shared memory per block; "
-                f"cupydecode's kernels need at least {least}: supported are GPUs with >= 160 KB "
-                "per block (A100, H100, H200, B200)")
+                f"cupydecode's kernels need at least {least}: {_SUPPORTED_GPUS})")
     return None
 
 
