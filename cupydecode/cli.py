@@ -227,6 +227,18 @@ def write_csv(path: str, rows: list[dict]) -> None:
             writer.writerow({k: ("" if v is None else v) for k, v in r.items()})
 
 
+def write_outputs(rows: list[dict], payload: dict, csv_path: str | None = None,
+                  json_path: str | None = None) -> None:
+    """The command's rows to ``csv_path`` and ``payload`` to ``json_path`` (each where given),
+    each file said as written."""
+    if csv_path:
+        write_csv(csv_path, rows)
+        click.echo(f"wrote {csv_path}")
+    if json_path:
+        write_json(json_path, payload)
+        click.echo(f"wrote {json_path}")
+
+
 def _device_header() -> tuple[dict, list[str]]:
     from .bench import device_info
 
@@ -463,9 +475,7 @@ def check(ctx, batch, seqlen, heads, kv_heads, head_dim, dtype, splits, seed, va
             click.echo(f"    replay: {repro_command(row)}")
     failed = sum(not r["passed"] for r in rows)
     click.echo(f"\n{len(rows) - failed}/{len(rows)} passed in {time.perf_counter() - t0:.1f} s")
-    if json_path:
-        write_json(json_path, {"device": device, "rows": rows})
-        click.echo(f"wrote {json_path}")
+    write_outputs(rows, {"device": device, "rows": rows}, json_path=json_path)
     ctx.exit(EXIT_FAILED if failed else 0)
 
 
@@ -732,12 +742,8 @@ def bench(ctx, model, head_dim, dtype, seqlens, batches, splits, protocols, proc
         p = dataclasses.replace(p, head_dim=head_dim)
     if gpus is not None:
         rows = _bench_gpus(ctx, p, model, dtype, seqlens, batches, gpus)
-        if csv_path:
-            write_csv(csv_path, rows)
-            click.echo(f"wrote {csv_path}")
-        if json_path:
-            write_json(json_path, {"device": device, "model": model, "gpus": gpus, "rows": rows})
-            click.echo(f"wrote {json_path}")
+        write_outputs(rows, {"device": device, "model": model, "gpus": gpus, "rows": rows},
+                      csv_path, json_path)
         return
     if processes > 1:
         click.echo(f"{model}: {p.num_heads} query heads, {p.num_kv_heads} KV heads, head_dim "
@@ -819,12 +825,7 @@ def bench(ctx, model, head_dim, dtype, seqlens, batches, splits, protocols, proc
             click.echo(line)
     payload = {"device": device, "ceiling": ceiling, "model": model, "protocols": protocols,
                "processes": processes, "rows": rows, "stability": spread}
-    if csv_path:
-        write_csv(csv_path, rows)
-        click.echo(f"wrote {csv_path}")
-    if json_path:
-        write_json(json_path, payload)
-        click.echo(f"wrote {json_path}")
+    write_outputs(rows, payload, csv_path, json_path)
     if plot_path:
         first = protocols[0]
         page = page_sizes[0]

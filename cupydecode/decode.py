@@ -47,14 +47,20 @@ def _smem_per_block(device_id: int) -> int:
 _SUPPORTED_GPUS = "supported are GPUs with >= 160 KB per block (A100, H100, H200, B200"
 
 
+def _smem_need(dtype: str, head_dim: int, kv_dtype: str | None = None) -> int:
+    """Shared memory per block (bytes) that every block shape a plan of ``dtype`` and
+    ``head_dim`` (an fp8 cache: ``kv_dtype``) may pick fits in."""
+    return max(c.smem_bytes for c in (
+        _policy.split_kernel_configs(dtype, head_dim) if kv_dtype is None else
+        _policy.fp8_kernel_configs(dtype, head_dim, kv_dtype)))
+
+
 def smem_shortfall(device_id: int, smem_optin: int, dtype: str, head_dim: int,
                    kv_dtype: str | None = None) -> str | None:
     """Why GPU ``device_id``, which allows ``smem_optin`` bytes of shared memory per block (0:
     not reported), cannot run every block shape a plan of ``dtype`` and ``head_dim`` may pick;
     None where it can."""
-    need = max(c.smem_bytes for c in (
-        _policy.split_kernel_configs(dtype, head_dim) if kv_dtype is None else
-        _policy.fp8_kernel_configs(dtype, head_dim, kv_dtype)))
+    need = _smem_need(dtype, head_dim, kv_dtype)
     if 0 < smem_optin < need:
         return (f"cupydecode needs {need} bytes of shared memory per block for {dtype} head_dim "
                 f"{head_dim}, but GPU {device_id} allows {smem_optin}: {_SUPPORTED_GPUS}; "
@@ -69,8 +75,8 @@ def device_shortfall() -> str | None:
 
     device_id = cupy.cuda.Device().id
     smem_optin = _smem_per_block(device_id)
-    least = min(max(c.smem_bytes for c in _policy.split_kernel_configs(dtype, width))
-                for dtype in _policy.DTYPE_IDS for width in _policy.KERNEL_HEAD_DIMS[:3])
+    least = min(_smem_need(dtype, width) for dtype in _policy.DTYPE_IDS
+                for width in _policy.KERNEL_HEAD_DIMS[:3])
     if 0 < smem_optin < least:
         return (f"GPU {device_id} allows {smem_optin} bytes of shared memory per block; "
                 f"cupydecode's kernels need at least {least}: {_SUPPORTED_GPUS})")
